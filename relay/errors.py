@@ -1,0 +1,79 @@
+"""The one error type every layer of the relay raises and every client sees."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+
+class RelayError(Exception):
+    """A protocol error: an HTTP status, a machine code (spec §6) and a human message.
+
+    The message never carries message content: callers pass ids, field names and
+    limits only.
+    """
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{code} ({status}): {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def to_body(self) -> Dict[str, Any]:
+        """The uniform error body of spec §6."""
+        return {"error": {"code": self.code, "message": self.message}}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RelayError):
+            return NotImplemented
+        return (self.status, self.code, self.message) == (other.status, other.code, other.message)
+
+    def __hash__(self) -> int:
+        return hash((self.status, self.code, self.message))
+
+
+def bad_request(message: str) -> RelayError:
+    return RelayError(400, "bad_request", message)
+
+
+def unauthenticated(message: str) -> RelayError:
+    return RelayError(401, "unauthenticated", message)
+
+
+def unknown_agent(message: str = "agent is not configured") -> RelayError:
+    return RelayError(401, "unknown_agent", message)
+
+
+def locked(message: str = "agent is locked after repeated authentication failures") -> RelayError:
+    return RelayError(403, "locked", message)
+
+
+def forbidden(message: str) -> RelayError:
+    return RelayError(403, "forbidden", message)
+
+
+def no_such_agent(message: str) -> RelayError:
+    return RelayError(404, "no_such_agent", message)
+
+
+def no_such_message(message: str = "message id not found (expired or unknown)") -> RelayError:
+    return RelayError(404, "no_such_message", message)
+
+
+def not_found(message: str) -> RelayError:
+    return RelayError(404, "not_found", message)
+
+
+def not_leased(message: str = "message is not currently leased") -> RelayError:
+    return RelayError(409, "not_leased", message)
+
+
+def lease_mismatch(message: str = "leaseId does not match the current lease") -> RelayError:
+    return RelayError(409, "lease_mismatch", message)
+
+
+def rate_limited(message: str = "rate limit exceeded") -> RelayError:
+    return RelayError(429, "rate_limited", message)
+
+
+def busy(message: str = "internal broker error") -> RelayError:
+    return RelayError(503, "busy", message)
