@@ -1,0 +1,484 @@
+"""A Twisted (treq) client for the dsh-agent-relay wire protocol v1.0 / v1.1.
+
+Every method returns a Deferred that fires with the broker's JSON answer (a dict)
+or fails with :class:`relay.errors.RelayError`. Transient failures (5xx, 408,
+429, connection failures, timeouts) are retried per spec §5 with a 2/4/8 s
+backoff measured on the injected ``clock``; a retried send keeps its message id,
+so the broker's ``duplicate: true`` answer is an ordinary success.
+
+Message bodies are never logged: only methods, paths, statuses and attempts.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from urllib.parse import quote, urlsplit
+
+import treq
+from twisted.internet import defer
+from twisted.internet.error import ConnectError, ConnectionClosed, DNSLookupError
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.web.client import RequestTransmissionFailed, ResponseFailed
+
+from relay.errors import RelayError
+from relay.signing import auth_headers
+
+PROTOCOL_VERSION = "1.0"
+DEFAULT_BROKER_URL = "http://127.0.0.1:19121"
+RETRY_DELAYS_SECONDS: Tuple[float, ...] = (2.0, 4.0, 8.0)
+DEFAULT_TIMEOUT_SECONDS = 15.0
+RETRYABLE_STATUSES = frozenset({408, 429})
+# How much longer than the requested wait a long-poll request may take.
+LONG_POLL_GRACE_SECONDS = 10.0
+
+
+
+class _TimedOut(Exception):
+    """No complete answer arrived within the request timeout."""
+
+
+_TRANSIENT_FAILURES = (
+    ConnectError,  # includes ConnectionRefusedError and TCPTimedOutError
+    DNSLookupError,
+    ConnectionClosed,
+    ResponseFailed,  # includes ResponseNeverReceived
+    RequestTransmissionFailed,
+    _TimedOut,
+)
+
+
+def _is_cancellation(failure: BaseException) -> bool:
+    """Whether ``failure`` is (or wraps) a cancellation by the caller."""
+    if isinstance(failure, defer.CancelledError):
+        return True
+    reasons = getattr(failure, "reasons", None) or []
+    return any(reason.check(defer.CancelledError) for reason in reasons)
+
+Message = Dict[str, Any]
+
+
+def _is_retryable_status(status: int) -> bool:
+    return status >= 500 or status in RETRYABLE_STATUSES
+
+
+def _encode_json(document: Any) -> bytes:
+    """Compact UTF-8 JSON: the raw body that is both signed and sent."""
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _query(params: Sequence[Tuple[str, Any]]) -> str:
+    """A query string in one canonical, fully percent-encoded form.
+
+    The form is stable under URL normalisation, so the signed path is byte for
+    byte the path on the wire.
+    """
+    parts = [f"{quote(key, safe='')}={quote(str(value), safe='')}" for key, value in params]
+    return "?" + "&".join(parts) if parts else ""
+
+
+def _error_from_answer(status: int, raw: bytes) -> RelayError:
+    """The RelayError for a non-2xx answer, from the uniform body of spec §6."""
+    try:
+        document = json.loads(raw.decode("utf-8"))
+        error = document["error"]
+        return RelayError(status, str(error["code"]), str(error.get("message", "")))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return RelayError(status, "http_error", f"HTTP {status} without a relay error body")
+
+
+def long_poll_limit(info: Optional[Dict[str, Any]]) -> Optional[float]:
+    """The longest wait the broker advertised in GET / (``capabilities.longPoll``).
+
+    ``None`` when the broker does not advertise long polling; ``0`` is never
+    returned. A bare ``true`` advertises long polling without a stated maximum,
+    which is read as :data:`DEFAULT_LONG_POLL_SECONDS`.
+    """
+    if not isinstance(info, dict):
+        return None
+    capabilities = info.get("capabilities")
+    if not isinstance(capabilities, dict):
+        return None
+    advertised = capabilities.get("longPoll")
+    if advertised is True:
+        return DEFAULT_LONG_POLL_SECONDS
+    if isinstance(advertised, dict):
+        maximum = advertised.get("maxWaitSeconds")
+        if isinstance(maximum, (int, float)) and not isinstance(maximum, bool) and maximum > 0:
+            return float(maximum)
+        return DEFAULT_LONG_POLL_SECONDS
+    return None
+
+
+DEFAULT_LONG_POLL_SECONDS = 20.0
+
+
+def make_http_client(reactor: Any, ca_file: Optional[str] = None) -> Any:
+    """A treq HTTPClient; for https with ``ca_file``, trusting only that CA bundle."""
+    from treq.client import HTTPClient
+    from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    if ca_file is None:
+        return HTTPClient(Agent(reactor, pool=pool))
+    from twisted.internet.ssl import Certificate, trustRootFromCertificates
+
+    with open(ca_file, "rb") as handle:
+        pem = handle.read()
+    certificates = []
+    marker = b"-----END CERTIFICATE-----"
+    for chunk in pem.split(marker):
+        if b"-----BEGIN CERTIFICATE-----" in chunk:
+            certificates.append(Certificate.loadPEM(chunk + marker))
+    if not certificates:
+        raise RelayError(0, "bad_ca_file", f"no PEM certificate found in {ca_file}")
+    policy = BrowserLikePolicyForHTTPS(trustRoot=trustRootFromCertificates(certificates))
+    return HTTPClient(Agent(reactor, contextFactory=policy, pool=pool))
+
+
+class RelayClient:
+    """One agent's authenticated connection to a relay broker.
+
+    :param broker_url: ``http://`` or ``https://`` base URL of the broker.
+    :param agent: this agent's name, sent as ``X-Relay-Agent``.
+    :param secret: the HMAC secret shared with the broker.
+    :param clock: the time source for timestamps, retry delays and timeouts.
+    :param http: a treq-like client (``request(method, url, headers=, data=)``);
+        by default a treq HTTPClient on ``reactor``. Tests pass ``StubTreq``.
+    :param reactor: the reactor for the default HTTP client (defaults to ``clock``).
+    :param ca_file: a PEM CA bundle to trust for https instead of the system roots.
+    :param cursor: the initial ``GET /messages`` cursor (a message id).
+    :param retry_delays: backoff delays in seconds; one retry per entry.
+    :param timeout: seconds before an unanswered request counts as failed.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        broker_url: str,
+        agent: str,
+        secret: str,
+        *,
+        clock: IReactorTime,
+        http: Any = None,
+        reactor: Any = None,
+        ca_file: Optional[str] = None,
+        cursor: Optional[str] = None,
+        retry_delays: Iterable[float] = RETRY_DELAYS_SECONDS,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        parts = urlsplit(broker_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise RelayError(0, "bad_broker_url", f"not an http(s) URL: {broker_url!r}")
+        self.broker_url = broker_url.rstrip("/")
+        self.agent = agent
+        self._secret = secret
+        self._clock = clock
+        if http is None:
+            http = make_http_client(reactor if reactor is not None else clock, ca_file)
+        self._http = http
+        self.cursor = cursor
+        self.retry_delays = tuple(retry_delays)
+        self.timeout = timeout
+        self.info: Optional[Dict[str, Any]] = None
+
+    # -- transport --------------------------------------------------------
+
+    @property
+    def long_poll_seconds(self) -> Optional[float]:
+        """The broker's advertised long-poll maximum, once :meth:`handshake` ran."""
+        return long_poll_limit(self.info)
+
+    def _wait_for(self, wait: Optional[float]) -> Optional[int]:
+        """The wait to send: only when asked for and advertised, capped by the broker."""
+        maximum = self.long_poll_seconds
+        if wait is None or wait <= 0 or maximum is None:
+            return None
+        return max(1, int(min(wait, maximum)))
+
+    def _run(
+        self, coroutine_function: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any
+    ) -> defer.Deferred:
+        return defer.Deferred.fromCoroutine(coroutine_function(*args, **kwargs))
+
+    async def _attempt(
+        self, method: str, path: str, raw_body: bytes, signed: bool, timeout: float
+    ) -> Tuple[int, bytes]:
+        """One HTTP exchange; raises a transient failure or ``_TimedOut``."""
+        headers: Dict[str, List[str]] = {"Accept": ["application/json"]}
+        if raw_body:
+            headers["Content-Type"] = ["application/json; charset=utf-8"]
+        if signed:
+            stamped = auth_headers(
+                self._secret, self.agent, method, path, int(self._clock.seconds()), raw_body
+            )
+            for name, value in stamped.items():
+                headers[name] = [value]
+
+        async def exchange() -> Tuple[int, bytes]:
+            response = await self._http.request(
+                method,
+                self.broker_url + path,
+                headers=headers,
+                data=raw_body if raw_body else None,
+                allow_redirects=False,
+            )
+            return response.code, await treq.content(response)
+
+        timed_out: List[bool] = []
+        d = defer.Deferred.fromCoroutine(exchange())
+
+        def expire() -> None:
+            timed_out.append(True)
+            d.cancel()
+
+        timer = self._clock.callLater(timeout, expire)
+        try:
+            return await d
+        except Exception as failure:
+            if timed_out:
+                raise _TimedOut() from None
+            if _is_cancellation(failure):
+                raise defer.CancelledError() from None
+            raise
+        finally:
+            if timer.active():
+                timer.cancel()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        document: Any = None,
+        *,
+        signed: bool = True,
+        timeout: Optional[float] = None,
+    ) -> Any:
+        raw_body = b"" if document is None else _encode_json(document)
+        delays = list(self.retry_delays)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                status, raw = await self._attempt(
+                    method, path, raw_body, signed, timeout or self.timeout
+                )
+            except _TRANSIENT_FAILURES as failure:
+                error = RelayError(0, "connection_error", _describe(failure, self.broker_url))
+            else:
+                if 200 <= status < 300:
+                    return _decode_answer(status, raw)
+                error = _error_from_answer(status, raw)
+                if not _is_retryable_status(status):
+                    raise error
+            if not delays:
+                raise error
+            delay = delays.pop(0)
+            self.log.info(
+                "relay {method} {path} failed ({code}, attempt {attempt}); retrying in {delay}s",
+                method=method,
+                path=path,
+                code=error.code,
+                attempt=attempt,
+                delay=delay,
+            )
+            await deferLater(self._clock, delay)
+
+    # -- v1.0 -------------------------------------------------------------
+
+    def handshake(self) -> defer.Deferred:
+        """GET / (no auth): the broker's version document.
+
+        Fails with ``RelayError(0, "protocol_mismatch", ...)`` unless the broker
+        speaks protocol 1.0. ``capabilities`` and ``storage`` are optional. The
+        answer is kept in :attr:`info`.
+        """
+
+        async def go() -> Dict[str, Any]:
+            info = await self._request("GET", "/", signed=False)
+            protocol = info.get("protocol") if isinstance(info, dict) else None
+            if protocol != PROTOCOL_VERSION:
+                raise RelayError(
+                    0,
+                    "protocol_mismatch",
+                    f"broker speaks protocol {protocol!r}, this client speaks "
+                    f"{PROTOCOL_VERSION!r}: upgrade the broker or this client",
+                )
+            self.info = info
+            return info
+
+        return self._run(go)
+
+    def register(self) -> defer.Deferred:
+        """POST /register: register this agent, or heartbeat it."""
+        return self._run(self._request, "POST", "/register", {"agent": self.agent})
+
+    def peers(self) -> defer.Deferred:
+        """GET /peers: ``{"peers": [{"agent", "online", "lastSeen"}, ...]}``."""
+        return self._run(self._request, "GET", "/peers")
+
+    def send(
+        self,
+        to: str,
+        body: Optional[Dict[str, Any]] = None,
+        *,
+        message_id: Optional[str] = None,
+        type: str = "message",
+        kind: Optional[str] = None,
+        reply_to: Optional[str] = None,
+        root_id: Optional[str] = None,
+        parent_id: Optional[str] = None,
+        ack: bool = False,
+    ) -> defer.Deferred:
+        """POST /messages: send one envelope; ``{"accepted", "id", "duplicate"}``.
+
+        The id (``message_id`` or a fresh UUID) is fixed once, so every retry
+        re-sends the same message and a duplicate answer is success.
+        """
+        envelope: Dict[str, Any] = {
+            "id": message_id or str(uuid.uuid4()),
+            "from": self.agent,
+            "to": to,
+            "type": type,
+            "body": {} if body is None else body,
+            "replyTo": reply_to,
+            "ack": ack,
+        }
+        if kind is not None:
+            envelope["kind"] = kind
+        if root_id is not None:
+            envelope["rootId"] = root_id
+        if parent_id is not None:
+            envelope["parentId"] = parent_id
+        return self._run(self._request, "POST", "/messages", envelope)
+
+    def recv(self, limit: Optional[int] = None, wait: Optional[float] = None) -> defer.Deferred:
+        """GET /messages after :attr:`cursor`: ``{"messages", "cursor"}``.
+
+        The cursor advances when the broker returns one. ``wait`` long-polls
+        only if the broker advertised ``capabilities.longPoll``.
+        """
+
+        async def go() -> Dict[str, Any]:
+            params: List[Tuple[str, Any]] = []
+            if self.cursor:
+                params.append(("since", self.cursor))
+            if limit is not None:
+                params.append(("limit", int(limit)))
+            waited = self._wait_for(wait)
+            if waited is not None:
+                params.append(("wait", waited))
+            answer = await self._request(
+                "GET", "/messages" + _query(params), timeout=self._timeout_for(waited)
+            )
+            if not isinstance(answer, dict):
+                raise RelayError(0, "bad_response", "GET /messages did not answer an object")
+            answer.setdefault("messages", [])
+            if answer.get("cursor"):
+                self.cursor = answer["cursor"]
+            return answer
+
+        return self._run(go)
+
+    def ack(
+        self, message_id: str, status: str = "ok", error: Optional[str] = None
+    ) -> defer.Deferred:
+        """POST /messages/<id>/ack: the v1.0 receipt back to the sender."""
+        document: Dict[str, Any] = {"status": status}
+        if status == "error":
+            document["error"] = error or "error"
+        path = f"/messages/{quote(message_id, safe='')}/ack"
+        return self._run(self._request, "POST", path, document)
+
+    # -- v1.1 -------------------------------------------------------------
+
+    def pull(
+        self,
+        limit: Optional[int] = None,
+        lease_seconds: Optional[int] = None,
+        wait: Optional[float] = None,
+    ) -> defer.Deferred:
+        """POST /v1/pull: lease queued messages; ``{"messages", "count"}``.
+
+        Each returned envelope carries the ``leaseId`` that :meth:`ack_outcome`
+        needs. ``wait`` long-polls only if the broker advertised it.
+        """
+        document: Dict[str, Any] = {}
+        if limit is not None:
+            document["limit"] = int(limit)
+        if lease_seconds is not None:
+            document["leaseSeconds"] = int(lease_seconds)
+        waited = self._wait_for(wait)
+        if waited is not None:
+            document["waitSeconds"] = waited
+        return self._run(
+            self._request, "POST", "/v1/pull", document, timeout=self._timeout_for(waited)
+        )
+
+    def ack_outcome(
+        self, message_id: str, lease_id: str, outcome: str, error: Optional[str] = None
+    ) -> defer.Deferred:
+        """POST /v1/ack: finish (``completed``) or re-queue (``retry``) a lease.
+
+        ``{"ok", "status", "attempts"}``; 409 ``not_leased``/``lease_mismatch``
+        when this lease is no longer current.
+        """
+        document: Dict[str, Any] = {
+            "messageId": message_id,
+            "leaseId": lease_id,
+            "outcome": outcome,
+        }
+        if error is not None:
+            document["error"] = error
+        return self._run(self._request, "POST", "/v1/ack", document)
+
+    def status(self, message_ids: Sequence[str]) -> defer.Deferred:
+        """POST /v1/status: ``{"messages": [{id, status, attempts, ts, from, to, kind}]}``."""
+        return self._run(self._request, "POST", "/v1/status", {"messageIds": list(message_ids)})
+
+    def recent(self, limit: Optional[int] = None) -> defer.Deferred:
+        """POST /v1/recent: the most recent messages for this agent, any status."""
+        document = {} if limit is None else {"limit": int(limit)}
+        return self._run(self._request, "POST", "/v1/recent", document)
+
+    def query(
+        self,
+        *,
+        kind: Optional[str] = None,
+        status: Optional[str] = None,
+        from_: Optional[str] = None,
+        to: Optional[str] = None,
+        limit: Optional[int] = None,
+    ) -> defer.Deferred:
+        """POST /v1/messages/query: a read-only filtered search."""
+        filters = {"kind": kind, "status": status, "from": from_, "to": to}
+        document: Dict[str, Any] = {
+            key: value for key, value in filters.items() if value is not None
+        }
+        if limit is not None:
+            document["limit"] = int(limit)
+        return self._run(self._request, "POST", "/v1/messages/query", document)
+
+    def _timeout_for(self, waited: Optional[int]) -> float:
+        return self.timeout if waited is None else self.timeout + waited + LONG_POLL_GRACE_SECONDS
+
+
+def _decode_answer(status: int, raw: bytes) -> Any:
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except ValueError:
+        raise RelayError(status, "bad_response", f"HTTP {status} answer is not JSON") from None
+
+
+def _describe(failure: BaseException, broker_url: str) -> str:
+    if isinstance(failure, _TimedOut):
+        return f"no answer from {broker_url} in time"
+    if isinstance(failure, ResponseFailed):
+        return f"connection to {broker_url} failed mid-request"
+    return f"cannot reach {broker_url}: {failure.__class__.__name__}"

@@ -1,0 +1,70 @@
+"""HMAC-SHA256 request signing of spec §3, as pure functions (stdlib only).
+
+The signing string is ``METHOD \\n PATH \\n TIMESTAMP \\n RAW_BODY`` where PATH is
+the pathname *with* the query string exactly as sent and RAW_BODY the exact body
+bytes (empty when there is no body).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Dict, Union
+
+AGENT_HEADER = "X-Relay-Agent"
+TIMESTAMP_HEADER = "X-Relay-Timestamp"
+SIGNATURE_HEADER = "X-Relay-Signature"
+
+BytesOrText = Union[bytes, str]
+
+
+def _as_bytes(value: BytesOrText) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else value
+
+
+def signing_string(method: str, path: str, timestamp: int, raw_body: BytesOrText) -> bytes:
+    """The exact bytes that are MACed for one request (spec §3)."""
+    return b"\n".join(
+        [
+            method.upper().encode("ascii"),
+            path.encode("utf-8"),
+            str(int(timestamp)).encode("ascii"),
+            _as_bytes(raw_body),
+        ]
+    )
+
+
+def sign(secret: BytesOrText, method: str, path: str, timestamp: int, raw_body: BytesOrText) -> str:
+    """The lowercase hex HMAC-SHA256 signature of one request."""
+    return hmac.new(
+        _as_bytes(secret), signing_string(method, path, timestamp, raw_body), hashlib.sha256
+    ).hexdigest()
+
+
+def verify(
+    secret: BytesOrText,
+    method: str,
+    path: str,
+    timestamp: int,
+    raw_body: BytesOrText,
+    signature: str,
+) -> bool:
+    """Whether ``signature`` is the signature of this request (constant-time)."""
+    expected = sign(secret, method, path, timestamp, raw_body)
+    return hmac.compare_digest(expected.encode("ascii"), signature.strip().lower().encode("utf-8"))
+
+
+def auth_headers(
+    secret: BytesOrText,
+    agent: str,
+    method: str,
+    path: str,
+    timestamp: int,
+    raw_body: BytesOrText,
+) -> Dict[str, str]:
+    """The three authentication headers of spec §3 for one request."""
+    return {
+        AGENT_HEADER: agent,
+        TIMESTAMP_HEADER: str(int(timestamp)),
+        SIGNATURE_HEADER: sign(secret, method, path, timestamp, raw_body),
+    }
