@@ -31,6 +31,15 @@ class RelayError(Exception):
         return hash((self.status, self.code, self.message))
 
 
+class ConfigError(ValueError):
+    """A configuration problem: the key and the reason, printed as one line."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}" if key else reason)
+        self.key = key
+        self.reason = reason
+
+
 def bad_request(message: str) -> RelayError:
     return RelayError(400, "bad_request", message)
 

@@ -1,0 +1,945 @@
+"""Load generator for any dsh-agent-relay broker, speaking only the wire protocol.
+
+It knows nothing about the broker beyond spec v1.0 (+ the v1.1 additive endpoints): it
+signs every request per spec section 3 (HMAC-SHA256 over ``METHOD\\nPATH\\nTS\\nBODY``)
+and drives the broker over real loopback sockets with keep-alive connections, one
+connection per worker process, so the generator itself is not the bottleneck.
+
+The HTTP client is a minimal HTTP/1.1 keep-alive client on raw sockets (the standard
+library's ``http.client`` parses headers through the ``email`` package, which costs more
+CPU per request than the brokers being measured on a two-core machine).
+
+Scenarios (each prints one JSON line, then a readable table)::
+
+    python bench/loadgen.py send        --url URL --secret S [-c 8] [-d 10]
+    python bench/loadgen.py pull-ack    --url URL --secret S [-w 4] [--messages N]
+    python bench/loadgen.py poll        --url URL --secret S [-w 2] [--limit 50]
+    python bench/loadgen.py e2e-latency --url URL --secret S [--rate 200]
+    python bench/loadgen.py depth       --url URL --secret S [--levels 0,1000,10000]
+    python bench/loadgen.py ceiling     --url URL            (same as send, any server)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import time
+import traceback
+import uuid
+from array import array
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
+
+DEFAULT_URL = "http://127.0.0.1:19121"
+BODY_BYTES = 200
+SOCKET_TIMEOUT = 60.0
+
+JsonDict = Dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------
+# HTTP client
+# --------------------------------------------------------------------------------------
+
+
+class HttpError(Exception):
+    """The server closed the connection or answered something that is not HTTP/1.x."""
+
+
+class Target:
+    """Where the broker is and how to sign for it (picklable, passed to workers)."""
+
+    def __init__(self, url: str, secret: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"only http:// loopback URLs are supported, got {url!r}")
+        self.url = url.rstrip("/")
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.secret = secret
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"the load generator only drives loopback brokers, got {self.host}")
+
+    def __repr__(self) -> str:
+        return f"Target({self.url!r})"
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection that signs requests for the relay (spec section 3)."""
+
+    def __init__(self, target: Target, timeout: float = SOCKET_TIMEOUT) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.key = target.secret.encode("utf-8")
+        self.host_header = f"{target.host}:{target.port}".encode("ascii")
+        self.sock: Optional[socket.socket] = None
+        self.buf = b""
+        self.requests = 0
+
+    def connect(self) -> None:
+        """Open (or reopen) the TCP connection with Nagle disabled."""
+        self.close()
+        sock = socket.create_connection((self.target.host, self.target.port), self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.buf = b""
+
+    def close(self) -> None:
+        """Close the connection if open."""
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+    def sign(self, method: str, path: str, ts: str, body: bytes) -> str:
+        """Hex HMAC-SHA256 of ``method\\npath\\nts\\nbody`` with the shared secret."""
+        msg = f"{method}\n{path}\n{ts}\n".encode() + body
+        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        agent: Optional[str] = None,
+    ) -> Tuple[int, bytes]:
+        """Send one request (signed when ``agent`` is given) and return (status, body).
+
+        A request that fails because the server had closed an idle keep-alive connection
+        is retried once on a fresh connection (message ids make sends idempotent).
+        """
+        head = [f"{method} {path} HTTP/1.1\r\nHost: ".encode(), self.host_header, b"\r\n"]
+        if body or method in ("POST", "PUT"):
+            head.append(
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n".encode()
+            )
+        if agent is not None:
+            ts = str(int(time.time()))
+            sig = self.sign(method, path, ts, body)
+            head.append(
+                f"X-Relay-Agent: {agent}\r\nX-Relay-Timestamp: {ts}\r\n"
+                f"X-Relay-Signature: {sig}\r\n".encode()
+            )
+        head.append(b"\r\n")
+        data = b"".join(head) + body
+        for attempt in (0, 1):
+            if self.sock is None:
+                self.connect()
+            assert self.sock is not None
+            try:
+                self.sock.sendall(data)
+                status, payload, close = self._read_response(method)
+            except (ConnectionError, HttpError):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            self.requests += 1
+            if close:
+                self.close()
+            return status, payload
+        raise HttpError("unreachable")
+
+    def _fill(self) -> None:
+        assert self.sock is not None
+        chunk = self.sock.recv(262144)
+        if not chunk:
+            raise HttpError("connection closed by server")
+        self.buf += chunk
+
+    def _read_response(self, method: str) -> Tuple[int, bytes, bool]:
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            self._fill()
+        head = self.buf[:end].decode("latin-1")
+        self.buf = self.buf[end + 4 :]
+        lines = head.split("\r\n")
+        if not lines[0].startswith("HTTP/1."):
+            raise HttpError(f"not an HTTP response: {lines[0][:40]!r}")
+        status = int(lines[0][9:12])
+        length = -1
+        chunked = False
+        close = lines[0].startswith("HTTP/1.0")
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding":
+                chunked = "chunked" in value.lower()
+            elif name == "connection":
+                close = value.strip().lower() == "close"
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            return status, b"", close
+        if chunked:
+            return status, self._read_chunked(), close
+        if length >= 0:
+            while len(self.buf) < length:
+                self._fill()
+            payload, self.buf = self.buf[:length], self.buf[length:]
+            return status, payload, close
+        # No length and not chunked: the body runs until the server closes.
+        assert self.sock is not None
+        while True:
+            chunk = self.sock.recv(262144)
+            if not chunk:
+                break
+            self.buf += chunk
+        payload, self.buf = self.buf, b""
+        return status, payload, True
+
+    def _read_chunked(self) -> bytes:
+        parts: List[bytes] = []
+        while True:
+            while True:
+                nl = self.buf.find(b"\r\n")
+                if nl >= 0:
+                    break
+                self._fill()
+            size = int(self.buf[:nl].split(b";")[0], 16)
+            self.buf = self.buf[nl + 2 :]
+            if size == 0:
+                # Trailers (normally none) end with an empty line.
+                while True:
+                    nl = self.buf.find(b"\r\n")
+                    if nl < 0:
+                        self._fill()
+                        continue
+                    line, self.buf = self.buf[:nl], self.buf[nl + 2 :]
+                    if not line:
+                        return b"".join(parts)
+            while len(self.buf) < size + 2:
+                self._fill()
+            parts.append(self.buf[:size])
+            self.buf = self.buf[size + 2 :]
+
+    def call(self, method: str, path: str, obj: Any = None, agent: Optional[str] = None
+             ) -> Tuple[int, Any]:
+        """Like :meth:`request` with a JSON body and a JSON-decoded answer (or None)."""
+        body = b"" if obj is None else json.dumps(obj, separators=(",", ":")).encode()
+        status, payload = self.request(method, path, body, agent)
+        try:
+            decoded = json.loads(payload) if payload else None
+        except ValueError:
+            decoded = None
+        return status, decoded
+
+
+# --------------------------------------------------------------------------------------
+# Protocol helpers
+# --------------------------------------------------------------------------------------
+
+
+def handshake(target: Target) -> JsonDict:
+    """``GET /`` (unauthenticated): protocol, capabilities and storage of the broker."""
+    conn = Conn(target, timeout=5.0)
+    try:
+        status, doc = conn.call("GET", "/")
+    finally:
+        conn.close()
+    if status != 200 or not isinstance(doc, dict):
+        raise HttpError(f"GET / answered {status}")
+    return doc
+
+
+def long_poll_max(info: JsonDict) -> int:
+    """Maximum ``waitSeconds`` the broker advertises in ``capabilities.longPoll`` (0: none)."""
+    caps = info.get("capabilities")
+    if not isinstance(caps, dict):
+        return 0
+    value = caps.get("longPoll")
+    if value is True:
+        return 20
+    if isinstance(value, dict):
+        for key in ("maxWaitSeconds", "maxWait", "max"):
+            if isinstance(value.get(key), (int, float)):
+                return int(value[key])
+        return 20
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    return 0
+
+
+def register(target: Target, agents: Sequence[str]) -> None:
+    """``POST /register`` every agent used by a scenario, failing loudly on an error."""
+    conn = Conn(target)
+    try:
+        for agent in agents:
+            status, doc = conn.call("POST", "/register", {"agent": agent}, agent)
+            if status != 200:
+                raise HttpError(f"POST /register for {agent} answered {status}: {doc}")
+    finally:
+        conn.close()
+
+
+def make_body(to: str, pad: int = BODY_BYTES, extra: Optional[JsonDict] = None) -> JsonDict:
+    """A shorthand envelope with a client-side UUID whose JSON is about ``pad`` bytes."""
+    env: JsonDict = {"id": str(uuid.uuid4()), "to": to, "body": {"text": ""}}
+    if extra:
+        env["body"].update(extra)
+    base = len(json.dumps(env, separators=(",", ":")))
+    env["body"]["text"] = "x" * max(0, pad - base)
+    return env
+
+
+def run_id() -> str:
+    """A short prefix that keeps agent names of separate runs apart."""
+    return uuid.uuid4().hex[:6]
+
+
+# --------------------------------------------------------------------------------------
+# Worker plumbing
+# --------------------------------------------------------------------------------------
+
+
+def _context() -> Any:
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _worker_main(index: int, fn: Callable[..., JsonDict], args: Tuple[Any, ...],
+                 queue: Any) -> None:
+    try:
+        result = fn(*args)
+    except BaseException:  # noqa: BLE001 - reported to the parent, never swallowed
+        result = {"exception": traceback.format_exc()}
+    queue.put((index, result))
+
+
+def run_workers(fn: Callable[..., JsonDict], arg_list: Sequence[Tuple[Any, ...]],
+                timeout: float) -> List[JsonDict]:
+    """Run ``fn(*args)`` in one process per entry and collect their result dicts."""
+    ctx = _context()
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker_main, args=(i, fn, args, queue), daemon=True)
+        for i, args in enumerate(arg_list)
+    ]
+    for proc in procs:
+        proc.start()
+    results: List[Optional[JsonDict]] = [None] * len(procs)
+    deadline = time.monotonic() + timeout
+    try:
+        for _ in procs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"workers did not finish within {timeout:.0f}s")
+            index, result = queue.get(timeout=left)
+            results[index] = result
+    finally:
+        for proc in procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2)
+    for result in results:
+        if result and "exception" in result:
+            raise RuntimeError("a load-generator worker failed:\n" + result["exception"])
+    return [r for r in results if r is not None]
+
+
+def _count(errors: Dict[str, int], key: Any) -> None:
+    errors[str(key)] = errors.get(str(key), 0) + 1
+
+
+def _merge_errors(results: Sequence[JsonDict]) -> Dict[str, int]:
+    total: Dict[str, int] = {}
+    for res in results:
+        for key, n in res.get("errors", {}).items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
+def percentiles(values: Sequence[float]) -> JsonDict:
+    """p50/p90/p99/max/mean of seconds, returned in milliseconds (3 decimals)."""
+    if not values:
+        return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None, "mean": None}
+    data = sorted(values)
+    n = len(data)
+
+    def pick(p: float) -> float:
+        return round(data[min(n - 1, int(p * n))] * 1000.0, 3)
+
+    return {
+        "n": n,
+        "p50": pick(0.50),
+        "p90": pick(0.90),
+        "p99": pick(0.99),
+        "max": round(data[-1] * 1000.0, 3),
+        "mean": round(sum(data) / n * 1000.0, 3),
+    }
+
+
+def _window(start_at: float, warmup: float, duration: float) -> Tuple[float, float]:
+    return start_at + warmup, start_at + warmup + duration
+
+
+def _start_time(lead: float = 0.6) -> float:
+    return time.time() + lead
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.time()
+    if delay > 0:
+        time.sleep(delay)
+
+
+# --------------------------------------------------------------------------------------
+# Workers (run in child processes)
+# --------------------------------------------------------------------------------------
+
+
+def _send_worker(target: Target, agent: str, to: Sequence[str], start_at: float,
+                 end_at: float, count: int, pad: int, record: bool) -> JsonDict:
+    """Closed-loop sender: POST /messages until ``end_at`` or ``count`` sends."""
+    conn = Conn(target)
+    conn.connect()
+    done = array("d")
+    lats = array("d")
+    errors: Dict[str, int] = {}
+    template = make_body(to[0], pad)
+    text = template["body"]["text"]
+    n = 0
+    ok = 0
+    _sleep_until(start_at)
+    while (count <= 0 or n < count) and (end_at <= 0 or time.time() < end_at):
+        env = {"id": str(uuid.uuid4()), "to": to[n % len(to)], "body": {"text": text}}
+        body = json.dumps(env, separators=(",", ":")).encode()
+        t0 = time.time()
+        status, _ = conn.request("POST", "/messages", body, agent)
+        t1 = time.time()
+        n += 1
+        if status in (200, 201):
+            ok += 1
+            if record:
+                done.append(t1)
+                lats.append(t1 - t0)
+        else:
+            _count(errors, status)
+    conn.close()
+    return {"done": done, "lats": lats, "errors": errors, "sent": n, "ok": ok,
+            "finished": time.time()}
+
+
+def _pull_ack_worker(target: Target, agent: str, start_at: float, end_at: float,
+                     limit: int) -> JsonDict:
+    """Pull batches of ``limit`` (POST /v1/pull) and ack each message completed."""
+    conn = Conn(target)
+    conn.connect()
+    acked = array("d")
+    errors: Dict[str, int] = {}
+    pulls = 0
+    empty_at = 0.0
+    pull_body = json.dumps({"limit": limit}).encode()
+    _sleep_until(start_at)
+    while time.time() < end_at:
+        status, payload = conn.request("POST", "/v1/pull", pull_body, agent)
+        pulls += 1
+        if status != 200:
+            _count(errors, f"pull {status}")
+            if status == 404:
+                break
+            continue
+        messages = json.loads(payload).get("messages") or []
+        if not messages:
+            empty_at = time.time()
+            break
+        for msg in messages:
+            ack = {"messageId": msg["id"], "leaseId": msg.get("leaseId"),
+                   "outcome": "completed"}
+            st, _ = conn.request("POST", "/v1/ack",
+                                 json.dumps(ack, separators=(",", ":")).encode(), agent)
+            if st == 200:
+                acked.append(time.time())
+            else:
+                _count(errors, f"ack {st}")
+    conn.close()
+    return {"acked": acked, "pulls": pulls, "errors": errors, "empty_at": empty_at}
+
+
+def _poll_worker(target: Target, agent: str, start_at: float, end_at: float,
+                 limit: int) -> JsonDict:
+    """v1.0 drain: GET /messages?since=<cursor>&limit=<n> until an empty page."""
+    conn = Conn(target)
+    conn.connect()
+    pages = array("d")
+    counts = array("l")
+    errors: Dict[str, int] = {}
+    cursor: Optional[str] = None
+    empty_at = 0.0
+    _sleep_until(start_at)
+    while time.time() < end_at:
+        path = f"/messages?limit={limit}" if cursor is None else \
+            f"/messages?since={cursor}&limit={limit}"
+        status, payload = conn.request("GET", path, b"", agent)
+        if status != 200:
+            _count(errors, status)
+            continue
+        doc = json.loads(payload)
+        messages = doc.get("messages") or []
+        if not messages:
+            empty_at = time.time()
+            break
+        pages.append(time.time())
+        counts.append(len(messages))
+        cursor = doc.get("cursor") or messages[-1]["id"]
+    conn.close()
+    return {"pages": pages, "counts": counts, "errors": errors, "empty_at": empty_at}
+
+
+def _latency_sender(target: Target, agent: str, to: str, rate: float, start_at: float,
+                    end_at: float, pad: int, total: Any) -> JsonDict:
+    """Open-loop sender at a fixed rate; each body carries its send time."""
+    conn = Conn(target)
+    conn.connect()
+    errors: Dict[str, int] = {}
+    lats = array("d")
+    interval = 1.0 / rate
+    n = 0
+    late = 0
+    _sleep_until(start_at)
+    try:
+        while True:
+            due = start_at + n * interval
+            if due >= end_at:
+                break
+            now = time.time()
+            if due > now:
+                time.sleep(due - now)
+            elif now - due > interval:
+                late += 1
+            env = make_body(to, pad, {"seq": n, "sentAt": 0.0})
+            t0 = time.time()
+            env["body"]["sentAt"] = t0
+            status, _ = conn.request(
+                "POST", "/messages", json.dumps(env, separators=(",", ":")).encode(), agent)
+            lats.append(time.time() - t0)
+            n += 1
+            if status not in (200, 201):
+                _count(errors, status)
+    finally:
+        with total.get_lock():
+            total.value = n
+        conn.close()
+    return {"sent": n, "late": late, "errors": errors, "lats": lats}
+
+
+def _latency_receiver(target: Target, agent: str, wait: int, interval: float,
+                      start_at: float, deadline: float, total: Any,
+                      use_pull: bool) -> JsonDict:
+    """Receive with long-poll pulls (``wait`` > 0), interval pulls, or v1.0 polling."""
+    conn = Conn(target)
+    conn.connect()
+    errors: Dict[str, int] = {}
+    seen: Dict[int, float] = {}
+    duplicates = 0
+    receives = 0
+    acks = 0
+    cursor: Optional[str] = None
+    pull_doc: JsonDict = {"limit": 50}
+    if wait > 0:
+        pull_doc["waitSeconds"] = wait
+    pull_body = json.dumps(pull_doc).encode()
+    _sleep_until(start_at)
+    while time.time() < deadline:
+        with total.get_lock():
+            expected = total.value
+        if 0 <= expected <= len(seen):
+            break
+        if use_pull:
+            status, payload = conn.request("POST", "/v1/pull", pull_body, agent)
+        else:
+            path = "/messages?limit=200" + (f"&since={cursor}" if cursor else "")
+            status, payload = conn.request("GET", path, b"", agent)
+        now = time.time()
+        receives += 1
+        if status != 200:
+            _count(errors, f"receive {status}")
+            time.sleep(interval)
+            continue
+        doc = json.loads(payload)
+        messages = doc.get("messages") or []
+        for msg in messages:
+            body = msg.get("body") or {}
+            seq = body.get("seq")
+            if not isinstance(seq, int):
+                continue
+            if seq in seen:
+                duplicates += 1
+            else:
+                seen[seq] = now - float(body.get("sentAt", now))
+        if use_pull:
+            for msg in messages:
+                ack = {"messageId": msg["id"], "leaseId": msg.get("leaseId"),
+                       "outcome": "completed"}
+                st, _ = conn.request(
+                    "POST", "/v1/ack", json.dumps(ack, separators=(",", ":")).encode(), agent)
+                acks += 1
+                if st != 200:
+                    _count(errors, f"ack {st}")
+        elif messages:
+            cursor = doc.get("cursor") or messages[-1]["id"]
+        if wait <= 0:
+            time.sleep(interval)
+    conn.close()
+    return {"latency": dict(seen), "duplicates": duplicates, "receives": receives,
+            "acks": acks, "errors": errors}
+
+
+# --------------------------------------------------------------------------------------
+# Scenarios (run in the parent; each returns one JSON-able dict)
+# --------------------------------------------------------------------------------------
+
+
+def prefill(target: Target, to: Sequence[str], count: int, concurrency: int = 8,
+            pad: int = BODY_BYTES, sender: str = "") -> JsonDict:
+    """Store ``count`` messages for the agents ``to`` through POST /messages, concurrently.
+
+    The recipients must be registered already; the senders are registered here.
+    """
+    if count <= 0:
+        return {"count": 0, "seconds": 0.0, "rate": 0.0}
+    concurrency = max(1, min(concurrency, count))
+    senders = [f"{sender or 'fill-' + run_id()}-{i}" for i in range(concurrency)]
+    register(target, senders)
+    share = [count // concurrency + (1 if i < count % concurrency else 0)
+             for i in range(concurrency)]
+    t0 = time.time()
+    results = run_workers(
+        _send_worker,
+        [(target, senders[i], list(to), 0.0, 0.0, share[i], pad, False)
+         for i in range(concurrency)],
+        timeout=max(120.0, count / 50.0),
+    )
+    seconds = time.time() - t0
+    ok = sum(r["ok"] for r in results)
+    errors = _merge_errors(results)
+    if ok < count:
+        raise RuntimeError(f"prefill stored {ok} of {count} messages; errors: {errors}")
+    return {"count": ok, "seconds": round(seconds, 2), "rate": round(ok / seconds, 1)}
+
+
+def scenario_send(target: Target, concurrency: int = 8, duration: float = 10.0,
+                  warmup: float = 2.0, pad: int = BODY_BYTES, name: str = "send",
+                  do_register: bool = True) -> JsonDict:
+    """``send``: C closed-loop senders POSTing ~200-byte messages to one sink agent."""
+    prefix = run_id()
+    senders = [f"send-{prefix}-{i}" for i in range(concurrency)]
+    sink = f"sink-{prefix}"
+    if do_register:
+        register(target, [sink, *senders])
+    start = _start_time()
+    lo, hi = _window(start, warmup, duration)
+    results = run_workers(
+        _send_worker,
+        [(target, s, [sink], start, hi, 0, pad, True) for s in senders],
+        timeout=warmup + duration + 60,
+    )
+    lats: List[float] = []
+    count = 0
+    for res in results:
+        for t, lat in zip(res["done"], res["lats"]):
+            if lo <= t <= hi:
+                count += 1
+                lats.append(lat)
+    return {
+        "scenario": name, "url": target.url, "concurrency": concurrency,
+        "seconds": duration, "requests": count, "rate": round(count / duration, 1),
+        "unit": "req/s", "latencyMs": percentiles(lats), "errors": _merge_errors(results),
+        "stored": sum(r["ok"] for r in results),
+    }
+
+
+def scenario_pull_ack(target: Target, workers: int = 4, duration: float = 10.0,
+                      warmup: float = 1.0, messages: int = 30000, limit: int = 10,
+                      fill_concurrency: int = 8) -> JsonDict:
+    """``pull-ack``: W workers of one agent lease batches of ``limit`` and ack each.
+
+    The agent's queue is prefilled with ``messages`` first; the rate counts acks in the
+    measurement window (cut short if the queue drains).
+    """
+    prefix = run_id()
+    agent = f"work-{prefix}"
+    register(target, [agent])
+    fill = prefill(target, [agent], messages, fill_concurrency)
+    start = _start_time()
+    lo, hi = _window(start, warmup, duration)
+    results = run_workers(
+        _pull_ack_worker,
+        [(target, agent, start, hi, limit) for _ in range(workers)],
+        timeout=warmup + duration + 60,
+    )
+    empties = [r["empty_at"] for r in results if r["empty_at"]]
+    drained = bool(empties)
+    if drained:
+        hi = min(hi, min(empties))
+    span = max(hi - lo, 1e-9)
+    count = sum(1 for r in results for t in r["acked"] if lo <= t <= hi)
+    total_acked = sum(len(r["acked"]) for r in results)
+    pulls = sum(r["pulls"] for r in results)
+    return {
+        "scenario": "pull-ack", "url": target.url, "workers": workers, "batch": limit,
+        "seconds": round(span, 2), "messages": count, "rate": round(count / span, 1),
+        "unit": "msg/s", "drained": drained, "prefill": fill,
+        "requestsPerMessage": round((pulls + total_acked) / max(total_acked, 1), 3),
+        "errors": _merge_errors(results),
+        "note": "window cut short: prefill more (--messages)" if span < 1.0 else "",
+    }
+
+
+def scenario_poll(target: Target, workers: int = 2, duration: float = 10.0,
+                  warmup: float = 0.5, messages: int = 20000, limit: int = 50,
+                  fill_concurrency: int = 8) -> JsonDict:
+    """``poll``: W v1.0 clients, each draining its own prefilled inbox with GET /messages."""
+    prefix = run_id()
+    agents = [f"poll-{prefix}-{i}" for i in range(workers)]
+    register(target, agents)
+    fill = prefill(target, agents, messages, fill_concurrency)
+    start = _start_time()
+    lo, hi = _window(start, warmup, duration)
+    results = run_workers(
+        _poll_worker,
+        [(target, a, start, hi, limit) for a in agents],
+        timeout=warmup + duration + 60,
+    )
+    empties = [r["empty_at"] for r in results if r["empty_at"]]
+    drained = bool(empties)
+    if drained:
+        hi = min(hi, min(empties))
+    span = max(hi - lo, 1e-9)
+    count = 0
+    pages = 0
+    for res in results:
+        for t, n in zip(res["pages"], res["counts"]):
+            if lo <= t <= hi:
+                count += n
+                pages += 1
+    return {
+        "scenario": "poll", "url": target.url, "workers": workers, "limit": limit,
+        "seconds": round(span, 2), "messages": count, "pages": pages,
+        "rate": round(count / span, 1), "unit": "msg/s",
+        "requestRate": round(pages / span, 1), "drained": drained, "prefill": fill,
+        "errors": _merge_errors(results),
+    }
+
+
+def scenario_e2e(target: Target, rate: float = 200.0, duration: float = 10.0,
+                 warmup: float = 1.0, poll_interval: float = 0.1,
+                 force_interval: bool = False) -> JsonDict:
+    """``e2e-latency``: one sender at ``rate`` msg/s, one receiver; delivery latency.
+
+    The receiver long-polls ``POST /v1/pull`` with ``waitSeconds`` when ``GET /``
+    advertises ``capabilities.longPoll``, otherwise it pulls every ``poll_interval``
+    seconds (or polls ``GET /messages`` against a broker without ``/v1/pull``).
+    """
+    info = handshake(target)
+    max_wait = 0 if force_interval else long_poll_max(info)
+    wait = min(max_wait, 5)
+    prefix = run_id()
+    sender, receiver = f"lat-s-{prefix}", f"lat-r-{prefix}"
+    register(target, [sender, receiver])
+    conn = Conn(target)
+    status, _ = conn.call("POST", "/v1/pull", {"limit": 1}, receiver)
+    conn.close()
+    use_pull = status != 404
+    mode = "long-poll" if wait else ("interval-pull" if use_pull else "interval-poll")
+    start = _start_time()
+    end = start + warmup + duration
+    ctx = _context()
+    total = ctx.Value("l", -1)
+    deadline = end + wait + 5.0
+    sender_args = (target, sender, receiver, rate, start, end, BODY_BYTES, total)
+    receiver_args = (target, receiver, wait, poll_interval, start, deadline, total, use_pull)
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker_main, args=(0, _latency_sender, sender_args, queue)),
+        ctx.Process(target=_worker_main, args=(1, _latency_receiver, receiver_args, queue)),
+    ]
+    for proc in procs:
+        proc.start()
+    results: Dict[int, JsonDict] = {}
+    try:
+        for _ in procs:
+            index, res = queue.get(timeout=deadline - time.time() + 30)
+            if "exception" in res:
+                raise RuntimeError("e2e worker failed:\n" + res["exception"])
+            results[index] = res
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+    sent, recv = results[0], results[1]
+    first_measured = int(warmup * rate)
+    lats = [lat for seq, lat in recv["latency"].items() if seq >= first_measured]
+    delivered = len(recv["latency"])
+    return {
+        "scenario": "e2e-latency", "url": target.url, "mode": mode, "waitSeconds": wait,
+        "pollInterval": None if wait else poll_interval, "rate": rate, "seconds": duration,
+        "sent": sent["sent"], "delivered": delivered, "lost": sent["sent"] - delivered,
+        "duplicates": recv["duplicates"], "senderLate": sent["late"],
+        "latencyMs": percentiles(lats),
+        "sendLatencyMs": percentiles(list(sent["lats"])),
+        "requestsPerMessage": round(recv["receives"] / max(delivered, 1), 3),
+        "requestsPerMessageWithAcks": round(
+            (recv["receives"] + recv["acks"]) / max(delivered, 1), 3),
+        "errors": {**sent["errors"], **recv["errors"]},
+    }
+
+
+def scenario_depth(target: Target, levels: Sequence[int], concurrency: int = 8,
+                   workers: int = 4, duration: float = 5.0, pull_messages: int = 15000,
+                   rate: float = 200.0, fill_concurrency: int = 8,
+                   rss: Optional[Callable[[], JsonDict]] = None,
+                   include_e2e: bool = True, log: Callable[[str], None] = print) -> JsonDict:
+    """``depth``: send, pull-ack and e2e-latency with messages already stored for others.
+
+    Levels are cumulative on one broker: before each level the store is topped up (for
+    ten other registered agents) to the level's count of prefilled messages. Messages
+    the measurements themselves store are reported as ``storedTotal``.
+    """
+    others = [f"other-{run_id()}-{i}" for i in range(10)]
+    register(target, others)
+    filled = 0
+    stored_by_runs = 0
+    rows: List[JsonDict] = []
+    for level in sorted(levels):
+        fill = prefill(target, others, level - filled, fill_concurrency)
+        filled = max(filled, level)
+        if fill["count"]:
+            log(f"  depth {level}: prefilled {fill['count']} in {fill['seconds']}s "
+                f"({fill['rate']} msg/s)")
+        row: JsonDict = {"depth": level, "prefill": fill,
+                         "storedBefore": filled + stored_by_runs}
+        send = scenario_send(target, concurrency, duration, 1.0)
+        stored_by_runs += send["stored"]
+        row["send"] = send
+        pull = scenario_pull_ack(target, workers, duration, 0.5, pull_messages, 10,
+                                 fill_concurrency)
+        stored_by_runs += pull["prefill"]["count"]
+        row["pullAck"] = pull
+        if include_e2e:
+            e2e = scenario_e2e(target, rate, duration, 0.5)
+            stored_by_runs += e2e["sent"]
+            row["e2e"] = e2e
+        if rss is not None:
+            row["rss"] = rss()
+        row["storedTotal"] = filled + stored_by_runs
+        log("  " + _depth_line(row))
+        rows.append(row)
+    return {"scenario": "depth", "url": target.url, "levels": rows}
+
+
+def _depth_line(row: JsonDict) -> str:
+    parts = [f"depth {row['depth']:>8}", f"send {row['send']['rate']:>8.1f} req/s",
+             f"pull-ack {row['pullAck']['rate']:>8.1f} msg/s"]
+    if "e2e" in row:
+        lat = row["e2e"]["latencyMs"]
+        parts.append(f"e2e p50 {lat['p50']} p99 {lat['p99']} ms")
+    if "rss" in row:
+        parts.append(f"rss {row['rss'].get('peakMB')} MB")
+    return " | ".join(parts)
+
+
+# --------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------
+
+
+def _flatten(doc: Any, prefix: str = "") -> List[Tuple[str, Any]]:
+    rows: List[Tuple[str, Any]] = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            rows.extend(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            rows.extend(_flatten(value, f"{prefix}[{i}]"))
+    else:
+        rows.append((prefix, doc))
+    return rows
+
+
+def table(doc: JsonDict) -> str:
+    """A readable two-column table of every figure in a scenario result."""
+    rows = [(k, v) for k, v in _flatten(doc) if v not in ("", None, {})]
+    width = max((len(k) for k, _ in rows), default=10)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def emit(doc: JsonDict, out: Any = None) -> None:
+    """Print one JSON line, then the readable table."""
+    out = out or sys.stdout
+    print(json.dumps(doc, separators=(",", ":")), file=out)
+    print(table(doc), file=out, flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenario", choices=["send", "pull-ack", "poll", "e2e-latency", "depth",
+                                        "ceiling"])
+    p.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
+    p.add_argument("--secret", default=os.environ.get("RELAY_SECRET", ""),
+                   help="shared secret (or $RELAY_SECRET)")
+    p.add_argument("-c", "--concurrency", type=int, default=8, help="senders (send)")
+    p.add_argument("-w", "--workers", type=int, default=4, help="pull/poll workers")
+    p.add_argument("-d", "--duration", type=float, default=10.0, help="measured seconds")
+    p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
+    p.add_argument("--messages", type=int, default=30000,
+                   help="prefill for pull-ack / poll (total)")
+    p.add_argument("--limit", type=int, default=0,
+                   help="batch: pull limit (default 10) or poll limit (default 50)")
+    p.add_argument("--rate", type=float, default=200.0, help="e2e-latency send rate")
+    p.add_argument("--poll-interval", type=float, default=0.1,
+                   help="receiver interval when the broker has no long-poll")
+    p.add_argument("--no-long-poll", action="store_true",
+                   help="e2e-latency: poll on an interval even if long-poll is advertised")
+    p.add_argument("--levels", default="0,1000,10000,100000",
+                   help="depth: comma-separated prefilled message counts")
+    p.add_argument("--fill-concurrency", type=int, default=8)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one scenario from the command line."""
+    args = _parser().parse_args(argv)
+    if not args.secret and args.scenario != "ceiling":
+        print("loadgen: --secret (or RELAY_SECRET) is required", file=sys.stderr)
+        return 2
+    target = Target(args.url, args.secret or "ceiling")
+    if args.scenario in ("send", "ceiling"):
+        doc = scenario_send(target, args.concurrency, args.duration, args.warmup,
+                            name=args.scenario)
+    elif args.scenario == "pull-ack":
+        doc = scenario_pull_ack(target, args.workers, args.duration, args.warmup,
+                                args.messages, args.limit or 10, args.fill_concurrency)
+    elif args.scenario == "poll":
+        doc = scenario_poll(target, args.workers, args.duration, args.warmup, args.messages,
+                            args.limit or 50, args.fill_concurrency)
+    elif args.scenario == "e2e-latency":
+        doc = scenario_e2e(target, args.rate, args.duration, args.warmup, args.poll_interval,
+                           args.no_long_poll)
+    else:
+        levels = [int(x) for x in args.levels.split(",") if x.strip()]
+        doc = scenario_depth(target, levels, args.concurrency, args.workers, args.duration,
+                             args.messages, args.rate, args.fill_concurrency)
+    emit(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Run the whole benchmark suite and print a summary with ratios to the Klein ceiling.
+
+    .venv/bin/python bench/run_suite.py --quick          # about 3 minutes
+    .venv/bin/python bench/run_suite.py                  # full run, about 10 minutes
+    .venv/bin/python bench/run_suite.py --backends memory,sqlite,jsonl
+    .venv/bin/python bench/run_suite.py --python .venv-pypy/bin/python
+    .venv/bin/python bench/run_suite.py --broker-url http://127.0.0.1:19121 --secret S
+
+For each backend the suite starts a fresh broker (``twistd -n relay --config <temp>``)
+per scenario, so one scenario's stored messages never weigh on the next; ``depth``
+keeps one broker across its levels. The ceilings (bare twisted.web, bare Klein) are
+started with the same interpreter as the broker and measured by the same load
+generator in the same run. A backend whose broker does not start is skipped with a line
+saying why. The full result is also written to ``bench/results/suite-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import loadgen
+import servers
+
+JsonDict = Dict[str, Any]
+
+PROFILES: Dict[str, JsonDict] = {
+    "quick": {
+        "duration": 3.0, "warmup": 1.0, "concurrency": 8, "workers": 4,
+        "pullMessages": 12000, "pollMessages": 20000, "pollWorkers": 2,
+        "e2eDuration": 5.0, "rate": 200.0,
+        "depthLevels": [0, 1000, 10000], "depthDuration": 3.0, "depthPullMessages": 8000,
+    },
+    "full": {
+        "duration": 10.0, "warmup": 2.0, "concurrency": 8, "workers": 4,
+        "pullMessages": 40000, "pollMessages": 50000, "pollWorkers": 2,
+        "e2eDuration": 15.0, "rate": 200.0,
+        "depthLevels": [0, 1000, 10000, 100000], "depthDuration": 5.0,
+        "depthPullMessages": 15000,
+    },
+}
+
+
+def say(line: str) -> None:
+    """Progress goes to stderr so stdout holds only results."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_scenarios(target: loadgen.Target, prof: JsonDict, scenarios: Sequence[str],
+                  fresh: Callable[[], Any], label: str) -> JsonDict:
+    """Run each scenario against a broker from ``fresh()`` and collect results and RSS.
+
+    ``fresh()`` returns a context manager yielding a ``(target, rss_fn)`` pair: a new
+    broker per scenario when the suite manages it, the same one when it was given a URL.
+    """
+    out: JsonDict = {}
+    for name in scenarios:
+        say(f"[{label}] {name} ...")
+        with fresh() as (tgt, rss):
+            if name == "send":
+                doc = loadgen.scenario_send(tgt, prof["concurrency"], prof["duration"],
+                                            prof["warmup"])
+            elif name == "pull-ack":
+                doc = loadgen.scenario_pull_ack(tgt, prof["workers"], prof["duration"],
+                                                prof["warmup"], prof["pullMessages"])
+            elif name == "poll":
+                doc = loadgen.scenario_poll(tgt, prof["pollWorkers"], prof["duration"], 0.0,
+                                            prof["pollMessages"])
+            elif name == "e2e-latency":
+                doc = loadgen.scenario_e2e(tgt, prof["rate"], prof["e2eDuration"],
+                                           prof["warmup"])
+            elif name == "depth":
+                doc = loadgen.scenario_depth(
+                    tgt, prof["depthLevels"], prof["concurrency"], prof["workers"],
+                    prof["depthDuration"], prof["depthPullMessages"], prof["rate"],
+                    rss=rss, log=say)
+            else:
+                raise ValueError(name)
+            if rss is not None:
+                doc["rss"] = rss()
+        doc["backend"] = label
+        loadgen.emit(doc)
+        out[name] = doc
+    return out
+
+
+class _Managed:
+    """Context manager: start a fresh broker, yield (target, rss), stop it."""
+
+    def __init__(self, python: str, storage: str, workdir: str) -> None:
+        self.server = servers.broker(python, storage, workdir)
+
+    def __enter__(self) -> Any:
+        self.server.start()
+        return self.server.target, self.server.rss
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.stop()
+
+
+class _External:
+    """Context manager for a broker the suite did not start (RSS only with --broker-pid)."""
+
+    def __init__(self, target: loadgen.Target, pid: Optional[int]) -> None:
+        self.target = target
+        self.pid = pid
+
+    def rss(self) -> JsonDict:
+        status = servers.read_status(self.pid) if self.pid else {}
+        return {"rssMB": round(status.get("VmRSS", 0.0), 1),
+                "peakMB": round(status.get("VmHWM", 0.0), 1)}
+
+    def __enter__(self) -> Any:
+        return self.target, (self.rss if self.pid else None)
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def measure_ceilings(python: str, workdir: str, prof: JsonDict) -> JsonDict:
+    """Rate of the bare twisted.web and bare Klein servers under the ``send`` load."""
+    out: JsonDict = {}
+    for kind in ("web", "klein"):
+        server = servers.ceiling(python, kind, workdir)
+        say(f"[ceiling] {kind} ...")
+        try:
+            server.start()
+        except servers.StartError as exc:
+            say(f"SKIP ceiling {kind}: {str(exc).splitlines()[0]}")
+            continue
+        try:
+            doc = loadgen.scenario_send(server.target, prof["concurrency"], prof["duration"],
+                                        prof["warmup"], name=f"ceiling-{kind}")
+            doc["rss"] = server.rss()
+        finally:
+            server.stop()
+        loadgen.emit(doc)
+        out[kind] = doc
+    return out
+
+
+def _ratio(value: Optional[float], ceiling: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    if not ceiling:
+        return f"{value:,.0f}"
+    return f"{value:,.0f} ({value / ceiling:.0%})"
+
+
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def summary_rows(result: JsonDict) -> List[List[str]]:
+    """Rows of (figure, one cell per backend) for the summary table."""
+    ceil = result["ceilings"].get("klein", {}).get("rate")
+    backends = list(result["backends"])
+    rows: List[List[str]] = [["figure", *backends]]
+
+    def add(name: str, get: Callable[[JsonDict], str]) -> None:
+        cells = []
+        for b in backends:
+            try:
+                cells.append(get(result["backends"][b]))
+            except (KeyError, TypeError, IndexError):
+                cells.append("-")
+        rows.append([name, *cells])
+
+    add("send req/s (of klein)", lambda r: _ratio(r["send"]["rate"], ceil))
+    add("send latency p50/p99 ms", lambda r: "{} / {}".format(
+        _ms(r["send"]["latencyMs"]["p50"]), _ms(r["send"]["latencyMs"]["p99"])))
+    add("pull-ack msg/s (of klein)", lambda r: _ratio(r["pull-ack"]["rate"], ceil))
+    add("poll msg/s (of klein)", lambda r: _ratio(r["poll"]["rate"], ceil))
+    add("poll req/s (of klein)", lambda r: _ratio(r["poll"]["requestRate"], ceil))
+    add("e2e mode", lambda r: r["e2e-latency"]["mode"])
+    add("e2e p50/p99/max ms", lambda r: "{} / {} / {}".format(
+        *(_ms(r["e2e-latency"]["latencyMs"][k]) for k in ("p50", "p99", "max"))))
+    add("e2e requests/msg (+acks)", lambda r: "{} ({})".format(
+        r["e2e-latency"]["requestsPerMessage"], r["e2e-latency"]["requestsPerMessageWithAcks"]))
+    add("e2e lost/duplicates", lambda r: "{} / {}".format(
+        r["e2e-latency"]["lost"], r["e2e-latency"]["duplicates"]))
+    levels: List[int] = []
+    for b in backends:
+        for row in result["backends"][b].get("depth", {}).get("levels", []):
+            if row["depth"] not in levels:
+                levels.append(row["depth"])
+
+    def level(r: JsonDict, depth: int) -> JsonDict:
+        return next(x for x in r["depth"]["levels"] if x["depth"] == depth)
+
+    for d in levels:
+        add(f"depth {d:,}: send req/s", lambda r, d=d: _ratio(level(r, d)["send"]["rate"], ceil))
+        add(f"depth {d:,}: pull-ack msg/s",
+            lambda r, d=d: _ratio(level(r, d)["pullAck"]["rate"], ceil))
+        add(f"depth {d:,}: e2e p50/p99 ms", lambda r, d=d: "{} / {}".format(
+            _ms(level(r, d)["e2e"]["latencyMs"]["p50"]),
+            _ms(level(r, d)["e2e"]["latencyMs"]["p99"])))
+        add(f"depth {d:,}: peak RSS MB", lambda r, d=d: str(level(r, d)["rss"]["peakMB"]))
+    add("peak RSS MB (all scenarios)", lambda r: str(max(
+        doc.get("rss", {}).get("peakMB", 0.0) for doc in r.values() if isinstance(doc, dict))))
+    return rows
+
+
+def render(rows: List[List[str]]) -> str:
+    """Left-aligned text table."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse options, run ceilings and every backend, print the summary."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short durations, depth up to 10k")
+    p.add_argument("--backends", default="sqlite,memory",
+                   help="storage backends to start (comma-separated)")
+    p.add_argument("--scenarios", default="send,pull-ack,poll,e2e-latency,depth")
+    p.add_argument("--python", default=servers.default_python(),
+                   help="interpreter for the broker and the ceilings (e.g. .venv-pypy/bin/python)")
+    p.add_argument("--broker-url", help="measure this running broker instead of starting one")
+    p.add_argument("--secret", default=os.environ.get("RELAY_SECRET", ""),
+                   help="shared secret of --broker-url")
+    p.add_argument("--broker-pid", type=int, help="pid of --broker-url, for its RSS")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the ceiling servers")
+    p.add_argument("--levels", help="depth levels, e.g. 0,1000,10000,100000")
+    p.add_argument("--out", help="write the full JSON result here")
+    args = p.parse_args(argv)
+
+    prof = dict(PROFILES["quick" if args.quick else "full"])
+    if args.levels:
+        prof["depthLevels"] = [int(x) for x in args.levels.split(",") if x.strip()]
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    python = os.path.abspath(args.python) if os.sep in args.python else args.python
+    workdir = servers.workspace()
+    started = time.time()
+    result: JsonDict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": "quick" if args.quick else "full",
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
+                    "loadgenPython": platform.python_version()},
+        "brokerPython": python, "settings": prof, "ceilings": {}, "backends": {},
+        "skipped": {},
+    }
+    try:
+        if not args.no_ceiling:
+            result["ceilings"] = measure_ceilings(python, workdir, prof)
+        if args.broker_url:
+            if not args.secret:
+                p.error("--broker-url needs --secret (or RELAY_SECRET)")
+            target = loadgen.Target(args.broker_url, args.secret)
+            info = loadgen.handshake(target)
+            label = str(info.get("storage") or "external")
+            ext = _External(target, args.broker_pid)
+            result["backends"][label] = run_scenarios(target, prof, scenarios, lambda: ext,
+                                                      label)
+            result["brokerInfo"] = {label: info}
+        else:
+            for storage in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                probe = servers.broker(python, storage, workdir)
+                try:
+                    probe.start()
+                    info = loadgen.handshake(probe.target)
+                except servers.StartError as exc:
+                    reason = str(exc).strip().splitlines()
+                    why = next((ln for ln in reversed(reason) if ln.strip()), reason[0])
+                    say(f"SKIP backend {storage}: broker did not start ({why.strip()})")
+                    result["skipped"][storage] = "\n".join(reason[-10:])
+                    continue
+                finally:
+                    probe.stop()
+                if info.get("storage") not in (None, storage):
+                    say(f"note: {storage} config reports storage={info.get('storage')}")
+                result.setdefault("brokerInfo", {})[storage] = info
+                result["backends"][storage] = run_scenarios(
+                    probe.target, prof, scenarios,
+                    lambda s=storage: _Managed(python, s, workdir), storage)
+    finally:
+        servers.cleanup(workdir)
+    result["elapsedSeconds"] = round(time.time() - started, 1)
+
+    print()
+    print(f"dsh-agent-relay benchmark ({result['profile']}) {result['date']}, "
+          f"{result['machine']['cores']} cores, broker python {python}")
+    for kind, doc in result["ceilings"].items():
+        print(f"ceiling {kind:<5} {doc['rate']:>9,.0f} req/s  (p50 {doc['latencyMs']['p50']} ms)")
+    for storage, why in result["skipped"].items():
+        print(f"skipped backend {storage}: {why.splitlines()[-1] if why else 'did not start'}")
+    if result["backends"]:
+        print(render(summary_rows(result)))
+    print(f"(elapsed {result['elapsedSeconds']}s)")
+    out = args.out or os.path.join(servers.BENCH_DIR, "results",
+                                   time.strftime("suite-%Y%m%d-%H%M%S.json"))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=1, default=list)
+    print(f"full result: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Request authentication (spec §3): HMAC-SHA256 signatures, lockout, rate limits.
+
+Pure: no reactor and no I/O. Time comes from an injected ``clock``
+(``IReactorTime``); every table is bounded so a client cycling through agent
+names or source addresses cannot grow the broker's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from collections import OrderedDict
+from typing import Dict, Mapping, Optional, Tuple
+
+from twisted.internet.interfaces import IReactorTime
+
+from relay import errors
+from relay.config import AgentConfig, Config
+from relay.protocol import MAX_CLOCK_SKEW_SECONDS, is_valid_agent_name
+
+RATE_WINDOW_SECONDS = 60.0
+MAX_TRACKED = 50_000
+
+
+def signing_string(method: bytes, path: bytes, timestamp: bytes, raw_body: bytes) -> bytes:
+    """The bytes that are signed: ``METHOD\\nPATH\\nTIMESTAMP\\nBODY`` (spec §3)."""
+    return b"\n".join((method.upper(), path, timestamp, raw_body))
+
+
+def sign(secret: str, method: str, path: str, timestamp: int, raw_body: bytes = b"") -> str:
+    """The hex HMAC-SHA256 signature a client sends in ``X-Relay-Signature``."""
+    message = signing_string(
+        method.encode("ascii"), path.encode("utf-8"), str(timestamp).encode("ascii"), raw_body
+    )
+    return hmac.new(secret.encode("utf-8"), message, hashlib.sha256).hexdigest()
+
+
+def is_loopback_address(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback addresses."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if address.is_loopback:
+        return True
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped is not None and mapped.is_loopback
+
+
+class _Bounded(OrderedDict):
+    """An insertion-ordered dict that forgets its oldest entries past ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+class RateLimiter:
+    """Requests per source address per minute, as a sliding window of two buckets.
+
+    Each address costs one small tuple; the estimate weights the previous
+    minute's count by how much of it still overlaps the sliding window.
+    """
+
+    def __init__(
+        self, clock: IReactorTime, loopback: int, remote: int, max_tracked: int = MAX_TRACKED
+    ) -> None:
+        self.clock = clock
+        self.loopback = loopback
+        self.remote = remote
+        self._windows: _Bounded = _Bounded(max_tracked)
+        self._loopback_cache: _Bounded = _Bounded(1024)
+
+    def limit_for(self, host: str) -> int:
+        """The per-minute limit of a source address."""
+        loop = self._loopback_cache.get(host)
+        if loop is None:
+            loop = is_loopback_address(host)
+            self._loopback_cache.put(host, loop)
+        return self.loopback if loop else self.remote
+
+    def hit(self, host: str) -> None:
+        """Count one request from ``host``; raise 429 ``rate_limited`` over the limit."""
+        now = self.clock.seconds()
+        window = int(now // RATE_WINDOW_SECONDS)
+        entry = self._windows.get(host)
+        if entry is None or entry[0] < window - 1:
+            previous, current = 0, 0
+        elif entry[0] == window - 1:
+            previous, current = entry[2], 0
+        else:
+            previous, current = entry[1], entry[2]
+        elapsed = (now % RATE_WINDOW_SECONDS) / RATE_WINDOW_SECONDS
+        estimate = previous * (1.0 - elapsed) + current
+        if estimate >= self.limit_for(host):
+            self._windows.put(host, (window, previous, current))
+            raise errors.rate_limited()
+        self._windows.put(host, (window, previous, current + 1))
+
+
+class Lockout:
+    """Consecutive authentication failures per agent, and the locks they cause."""
+
+    def __init__(
+        self, clock: IReactorTime, after: int, seconds: float, max_tracked: int = MAX_TRACKED
+    ) -> None:
+        self.clock = clock
+        self.after = after
+        self.seconds = seconds
+        self._failures: _Bounded = _Bounded(max_tracked)
+        self._locked: _Bounded = _Bounded(max_tracked)
+
+    def is_locked(self, agent: str) -> bool:
+        """True while ``agent`` is locked out."""
+        until = self._locked.get(agent)
+        if until is None:
+            return False
+        if self.clock.seconds() < until:
+            return True
+        del self._locked[agent]
+        return False
+
+    def failed(self, agent: str) -> None:
+        """Count a failure; the ``after``-th consecutive one locks the agent."""
+        count = self._failures.get(agent, 0) + 1
+        if count >= self.after:
+            self._failures.pop(agent, None)
+            self._locked.put(agent, self.clock.seconds() + self.seconds)
+        else:
+            self._failures.put(agent, count)
+
+    def succeeded(self, agent: str) -> None:
+        """A valid request resets the agent's failure count."""
+        if agent in self._failures:
+            del self._failures[agent]
+
+    def tracked(self) -> Tuple[int, int]:
+        """How many agents have failure counts and locks (for tests and stats)."""
+        return len(self._failures), len(self._locked)
+
+
+class Authenticator:
+    """Checks the §3 headers of a request and names the agent that signed it."""
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        shared_secret: str,
+        agents: Mapping[str, AgentConfig],
+        lock_after_failures: int = 5,
+        lock_seconds: float = 300.0,
+        max_tracked: int = MAX_TRACKED,
+    ) -> None:
+        self.clock = clock
+        self.per_agent = any(a.secret for a in agents.values())
+        self._keys: Dict[str, hmac.HMAC] = {}
+        if self.per_agent:
+            for name, agent in agents.items():
+                self._keys[name] = hmac.new(agent.secret.encode("utf-8"), digestmod=hashlib.sha256)
+            self._shared = None
+        else:
+            self._shared = hmac.new(shared_secret.encode("utf-8"), digestmod=hashlib.sha256)
+        self.lockout = Lockout(clock, lock_after_failures, lock_seconds, max_tracked)
+
+    @classmethod
+    def from_config(cls, config: Config, clock: IReactorTime) -> Authenticator:
+        """An authenticator for the broker's settings."""
+        return cls(
+            clock,
+            config.secret,
+            config.agents,
+            config.lock_after_failures,
+            config.lock_minutes * 60.0,
+        )
+
+    def _key_for(self, agent: str) -> Optional[hmac.HMAC]:
+        if self._shared is not None:
+            return self._shared
+        return self._keys.get(agent)
+
+    def authenticate(
+        self,
+        method: bytes,
+        path: bytes,
+        agent_header: Optional[bytes],
+        timestamp_header: Optional[bytes],
+        signature_header: Optional[bytes],
+        raw_body: bytes,
+    ) -> str:
+        """The authenticated agent name, or a RelayError (401 or 403 ``locked``)."""
+        if not agent_header or not timestamp_header or not signature_header:
+            raise errors.unauthenticated("missing authentication headers")
+        try:
+            agent = agent_header.decode("ascii")
+        except UnicodeDecodeError:
+            raise errors.unauthenticated("invalid agent name") from None
+        if not is_valid_agent_name(agent):
+            raise errors.unauthenticated("invalid agent name")
+        key = self._key_for(agent)
+        if key is None:
+            raise errors.unknown_agent()
+        if self.lockout.is_locked(agent):
+            raise errors.locked()
+        if not _is_integer(timestamp_header):
+            self.lockout.failed(agent)
+            raise errors.unauthenticated("invalid timestamp")
+        if abs(self.clock.seconds() - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
+            self.lockout.failed(agent)
+            raise errors.unauthenticated("timestamp skew")
+        mac = key.copy()
+        mac.update(signing_string(method, path, timestamp_header, raw_body))
+        if not hmac.compare_digest(mac.hexdigest().encode("ascii"), signature_header.lower()):
+            self.lockout.failed(agent)
+            raise errors.unauthenticated("invalid signature")
+        self.lockout.succeeded(agent)
+        return agent
+
+
+def _is_integer(value: bytes) -> bool:
+    digits = value[1:] if value[:1] == b"-" else value
+    return 0 < len(digits) <= 15 and digits.isdigit()

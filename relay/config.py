@@ -1,0 +1,462 @@
+"""Broker configuration: YAML in, a validated and frozen :class:`Config` out.
+
+The file keeps the reference broker's keys (``broker:``, ``security:``,
+``agents:``) so an existing ``config.yaml`` works unchanged, and adds
+``broker.listen`` (Twisted endpoint strings), ``broker.secretFile``,
+``broker.sync``, ``broker.sweepSeconds``, ``broker.accessLog`` and
+``broker.allowInsecureRemote``. Unknown keys, wrong types and out-of-range
+numbers are errors naming the key.
+
+:func:`parse_config` is pure; :func:`load_config` reads the file and resolves
+the secret file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import yaml
+
+from relay.errors import ConfigError
+from relay.protocol import MAX_LEASE_SECONDS, is_valid_agent_name
+
+__all__ = ["AgentConfig", "Config", "ConfigError", "load_config", "parse_config"]
+
+PLACEHOLDER_SECRETS = frozenset({"CHANGE_ME_RUN_SETUP_INIT", "CHANGE_ME"})
+SYNC_LEVELS = ("off", "normal", "full")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Per-agent settings: an own signing secret and a send whitelist (None = anyone)."""
+
+    secret: Optional[str] = None
+    allowed_targets: Optional[Tuple[str, ...]] = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The broker's settings, validated. Paths are absolute."""
+
+    secret: str
+    listen: Tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 19121
+    secret_file: Optional[str] = None
+    rate_limit_loopback: int = 600
+    rate_limit_remote: int = 120
+    message_ttl_days: int = 7
+    persist: bool = True
+    storage: str = "sqlite"
+    data_dir: str = "data"
+    lease_seconds: int = 600
+    max_attempts: int = 3
+    sync: str = "normal"
+    sweep_seconds: float = 5.0
+    access_log: bool = False
+    allow_insecure_remote: bool = False
+    tls_client_ca: Optional[str] = None
+    lock_after_failures: int = 5
+    lock_minutes: int = 5
+    agents: Mapping[str, AgentConfig] = field(default_factory=dict)
+    ignored_keys: Tuple[str, ...] = ()
+
+    @property
+    def storage_backend(self) -> str:
+        """The store plugin to open: ``memory`` when ``persist`` is false."""
+        return self.storage if self.persist else "memory"
+
+    @property
+    def per_agent_secrets(self) -> bool:
+        """True when agents sign with their own secrets (spec §6 ``unknown_agent``)."""
+        return any(a.secret for a in self.agents.values())
+
+    @property
+    def message_ttl_seconds(self) -> Optional[float]:
+        """Message lifetime in seconds; None when expiry is off (``messageTtlDays: 0``)."""
+        return self.message_ttl_days * 86400.0 if self.message_ttl_days else None
+
+
+# Keys the reference broker accepts for its own later protocol generations.
+# They are read without error (so its config files load) and have no effect here.
+_IGNORED_BROKER_KEYS = frozenset({"notifyFailedToSender"})
+_IGNORED_SECURITY_KEYS = frozenset({"admin_agents"})
+_IGNORED_AGENT_KEYS = frozenset(
+    {"keys", "allowed_read_targets", "allowed_continue_targets", "allowed_write_targets"}
+)
+
+_BROKER_KEYS = frozenset(
+    {
+        "host",
+        "port",
+        "listen",
+        "secret",
+        "secretFile",
+        "rateLimitLoopback",
+        "rateLimitRemote",
+        "messageTtlDays",
+        "persist",
+        "storage",
+        "dataDir",
+        "leaseSeconds",
+        "maxAttempts",
+        "sync",
+        "sweepSeconds",
+        "accessLog",
+        "allowInsecureRemote",
+        "tlsClientCA",
+    }
+)
+_SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes"})
+_AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets"})
+
+# Endpoint-string options that name files; resolved against the config file.
+_PATH_OPTIONS = frozenset({"privateKey", "certKey", "extraCertChain", "dhParameters", "caCertsDir"})
+
+
+def _section(data: Mapping[str, Any], key: str) -> Dict[str, Any]:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(key, "must be a mapping")
+    return value
+
+
+def _check_keys(
+    section: Mapping[str, Any], prefix: str, known: frozenset, ignored: frozenset
+) -> List[str]:
+    skipped = []
+    for key in section:
+        if not isinstance(key, str):
+            raise ConfigError(f"{prefix}.{key!r}", "keys must be strings")
+        if key in ignored:
+            skipped.append(f"{prefix}.{key}")
+        elif key not in known:
+            raise ConfigError(f"{prefix}.{key}", "unknown key")
+    return skipped
+
+
+def _int(section: Mapping[str, Any], key: str, prefix: str, default: int, lo: int, hi: int) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{prefix}.{key}", f"must be an integer, not {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{prefix}.{key}", f"must be from {lo} to {hi}, not {value}")
+    return value
+
+
+def _bool(section: Mapping[str, Any], key: str, prefix: str, default: bool) -> bool:
+    value = section.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{prefix}.{key}", "must be true or false")
+    return value
+
+
+def _str(section: Mapping[str, Any], key: str, prefix: str, default: Any) -> Any:
+    value = section.get(key, default)
+    if value is default:
+        return value
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{prefix}.{key}", "must be a non-empty string")
+    return value
+
+
+def _resolve(base_dir: str, path: str) -> str:
+    return os.path.normpath(os.path.join(base_dir, os.path.expanduser(path)))
+
+
+def split_endpoint(description: str) -> List[str]:
+    """Split an endpoint string on its unescaped colons, keeping the escapes."""
+    parts, current, escaped = [], [], False
+    for ch in description:
+        if escaped:
+            current.append(ch)
+            escaped = False
+        elif ch == "\\":
+            current.append(ch)
+            escaped = True
+        elif ch == ":":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current))
+    return parts
+
+
+def _unescape(value: str) -> str:
+    return value.replace("\\:", ":").replace("\\\\", "\\")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace(":", "\\:")
+
+
+def resolve_endpoint_paths(description: str, base_dir: str) -> str:
+    """Make the file options of an endpoint string absolute, relative to ``base_dir``."""
+    parts = split_endpoint(description)
+    out = [parts[0]]
+    for part in parts[1:]:
+        name, sep, value = part.partition("=")
+        if sep and name in _PATH_OPTIONS and value:
+            value = _escape(_resolve(base_dir, _unescape(value)))
+            part = f"{name}={value}"
+        out.append(part)
+    return ":".join(out)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def plaintext_remote(description: str) -> Optional[str]:
+    """The interface a plaintext TCP endpoint exposes beyond loopback, or None.
+
+    ``tcp``/``tcp6`` endpoints without an ``interface`` listen on every
+    interface, so they count as remote.
+    """
+    parts = split_endpoint(description)
+    if parts[0] not in ("tcp", "tcp6"):
+        return None
+    interface = None
+    positional = 0
+    for part in parts[1:]:
+        name, sep, value = part.partition("=")
+        if sep:
+            if name == "interface":
+                interface = _unescape(value)
+        else:
+            positional += 1
+            if positional == 3:
+                interface = _unescape(part)
+    if interface is None:
+        return "::" if parts[0] == "tcp6" else "0.0.0.0"
+    return None if _is_loopback(interface) else interface
+
+
+def default_listen(host: str, port: int) -> str:
+    """The endpoint string for the reference keys ``broker.host``/``broker.port``."""
+    if ":" in host:
+        return f"tcp6:{port}:interface={_escape(host)}"
+    return f"tcp:{port}:interface={host}"
+
+
+def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]:
+    raw = _section(data, "agents")
+    agents: Dict[str, AgentConfig] = {}
+    skipped: List[str] = []
+    for name, entry in raw.items():
+        prefix = f"agents.{name}"
+        if not isinstance(name, str) or not is_valid_agent_name(name):
+            raise ConfigError(prefix, "agent names are 1-64 of A-Z a-z 0-9 _ . -")
+        if entry is None:
+            entry = {}
+        if not isinstance(entry, dict):
+            raise ConfigError(prefix, "must be a mapping")
+        skipped += _check_keys(entry, prefix, _AGENT_KEYS, _IGNORED_AGENT_KEYS)
+        secret = entry.get("secret")
+        if secret is not None and (not isinstance(secret, str) or not secret):
+            raise ConfigError(f"{prefix}.secret", "must be a non-empty string")
+        key = "allowed_targets" if "allowed_targets" in entry else "allowedTargets"
+        targets = entry.get(key)
+        if targets is not None:
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise ConfigError(f"{prefix}.{key}", "must be a list of agent names")
+            targets = tuple(targets)
+        agents[name] = AgentConfig(secret=secret, allowed_targets=targets)
+    with_secret = [n for n, a in agents.items() if a.secret]
+    if with_secret and len(with_secret) != len(agents):
+        missing = sorted(n for n, a in agents.items() if not a.secret)
+        raise ConfigError(
+            f"agents.{missing[0]}.secret",
+            "per-agent authentication requires a secret for every configured agent",
+        )
+    return agents, skipped
+
+
+def parse_config(
+    data: Any, base_dir: str, secret_from_file: Optional[str] = None
+) -> Config:
+    """Validate a parsed YAML document; relative paths are taken from ``base_dir``.
+
+    ``secret_from_file`` is the content of ``broker.secretFile`` when the
+    caller has read it.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("", "the config file must hold a mapping")
+    for key in data:
+        if key not in ("broker", "security", "agents"):
+            raise ConfigError(str(key), "unknown key")
+    broker = _section(data, "broker")
+    security = _section(data, "security")
+    skipped = _check_keys(broker, "broker", _BROKER_KEYS, _IGNORED_BROKER_KEYS)
+    skipped += _check_keys(security, "security", _SECURITY_KEYS, _IGNORED_SECURITY_KEYS)
+    agents, skipped_agents = _agents(data)
+
+    host = _str(broker, "host", "broker", "127.0.0.1")
+    port = _int(broker, "port", "broker", 19121, 1, 65535)
+    secret_file = _str(broker, "secretFile", "broker", None)
+    if secret_file is not None:
+        secret_file = _resolve(base_dir, secret_file)
+    secret = broker.get("secret")
+    if secret is not None and (not isinstance(secret, str) or not secret):
+        raise ConfigError("broker.secret", "must be a non-empty string")
+    if secret is not None and secret_file is not None:
+        raise ConfigError("broker.secret", "set either broker.secret or broker.secretFile")
+    if secret is None:
+        secret = secret_from_file
+    if not secret or secret in PLACEHOLDER_SECRETS:
+        raise ConfigError(
+            "broker.secret", "is not set (set broker.secret, or broker.secretFile to have one made)"
+        )
+
+    listen_raw = broker.get("listen")
+    if listen_raw is None:
+        listen: Tuple[str, ...] = (default_listen(host, port),)
+    else:
+        if isinstance(listen_raw, str):
+            listen_raw = [listen_raw]
+        if (
+            not isinstance(listen_raw, list)
+            or not listen_raw
+            or not all(isinstance(s, str) and s.strip() for s in listen_raw)
+        ):
+            raise ConfigError("broker.listen", "must be a non-empty list of endpoint strings")
+        listen = tuple(resolve_endpoint_paths(s.strip(), base_dir) for s in listen_raw)
+
+    allow_insecure = _bool(broker, "allowInsecureRemote", "broker", False)
+    if not allow_insecure:
+        for description in listen:
+            exposed = plaintext_remote(description)
+            if exposed is not None:
+                raise ConfigError(
+                    "broker.listen",
+                    f"plaintext endpoint {description!r} is reachable beyond loopback "
+                    f"(interface {exposed}); HMAC authenticates but does not encrypt, so "
+                    "remote deployments must use an ssl: endpoint "
+                    "(or set broker.allowInsecureRemote: true)",
+                )
+
+    storage = _str(broker, "storage", "broker", "sqlite").lower()
+    sync = _str(broker, "sync", "broker", "normal").lower()
+    if sync not in SYNC_LEVELS:
+        raise ConfigError("broker.sync", f"must be one of {', '.join(SYNC_LEVELS)}")
+    sweep = broker.get("sweepSeconds", 5)
+    if isinstance(sweep, bool) or not isinstance(sweep, (int, float)) or not 0.05 <= sweep <= 3600:
+        raise ConfigError("broker.sweepSeconds", "must be a number from 0.05 to 3600")
+    tls_client_ca = _str(broker, "tlsClientCA", "broker", None)
+    if tls_client_ca is not None:
+        tls_client_ca = _resolve(base_dir, tls_client_ca)
+
+    big = 2**31 - 1
+    return Config(
+        secret=secret,
+        listen=listen,
+        host=host,
+        port=port,
+        secret_file=secret_file,
+        rate_limit_loopback=_int(broker, "rateLimitLoopback", "broker", 600, 1, big),
+        rate_limit_remote=_int(broker, "rateLimitRemote", "broker", 120, 1, big),
+        message_ttl_days=_int(broker, "messageTtlDays", "broker", 7, 0, 36500),
+        persist=_bool(broker, "persist", "broker", True),
+        storage=storage,
+        data_dir=_resolve(base_dir, _str(broker, "dataDir", "broker", "./data")),
+        lease_seconds=_int(broker, "leaseSeconds", "broker", 600, 1, MAX_LEASE_SECONDS),
+        max_attempts=_int(broker, "maxAttempts", "broker", 3, 0, 1000),
+        sync=sync,
+        sweep_seconds=float(sweep),
+        access_log=_bool(broker, "accessLog", "broker", False),
+        allow_insecure_remote=allow_insecure,
+        tls_client_ca=tls_client_ca,
+        lock_after_failures=_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
+        lock_minutes=_int(security, "lockMinutes", "security", 5, 1, 525600),
+        agents=agents,
+        ignored_keys=tuple(skipped + skipped_agents),
+    )
+
+
+def read_or_create_secret(path: str) -> Tuple[str, bool]:
+    """The secret kept in ``path``; made (32 random bytes, hex, mode 0600) if absent.
+
+    Returns the secret and whether the file was created.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ConfigError("broker.secretFile", f"cannot read {path}: {e.strerror}") from None
+    else:
+        if not secret:
+            raise ConfigError("broker.secretFile", f"{path} is empty")
+        return secret, False
+    secret = secrets.token_hex(32)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_or_create_secret(path)
+    except OSError as e:
+        raise ConfigError("broker.secretFile", f"cannot create {path}: {e.strerror}") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secret + "\n")
+    return secret, True
+
+
+def load_yaml(path: str) -> Any:
+    """The YAML document in ``path``, or a ConfigError saying why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError("", f"config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError("", f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError("", f"{path} is not valid YAML{where}") from None
+
+
+def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> Tuple[Config, bool]:
+    """Load and validate the config file; creates the secret file when needed.
+
+    ``overrides`` are ``broker.*`` values from the command line (``listen``,
+    ``dataDir``); relative paths in them are taken from the working directory.
+    Returns the config and whether a secret file was created.
+    """
+    path = os.path.abspath(path)
+    data = load_yaml(path)
+    if data is None:
+        data = {}
+    if isinstance(data, dict) and overrides:
+        broker = dict(data.get("broker") or {}) if isinstance(data.get("broker"), dict) else {}
+        for key, value in overrides.items():
+            if key == "dataDir":
+                value = os.path.abspath(value)
+            broker[key] = value
+        data = dict(data, broker=broker)
+    base_dir = os.path.dirname(path)
+    secret_from_file, created = None, False
+    broker = data.get("broker") if isinstance(data, dict) else None
+    if isinstance(broker, dict) and isinstance(broker.get("secretFile"), str) and broker.get(
+        "secret"
+    ) is None:
+        secret_from_file, created = read_or_create_secret(_resolve(base_dir, broker["secretFile"]))
+    return parse_config(data, base_dir, secret_from_file), created

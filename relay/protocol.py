@@ -1,0 +1,273 @@
+"""Wire-protocol constants and request validation (spec §2, §4, §5.1).
+
+Pure: no reactor, no I/O. Everything here takes plain values and either returns
+normalised data or raises :class:`relay.errors.RelayError`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+from relay.errors import bad_request
+
+PROTOCOL_VERSION = "1.0"
+BROKER_NAME = "dsh-agent-relay"
+
+MAX_BODY_BYTES = 1024 * 1024
+HEARTBEAT_TTL_SECONDS = 90
+MAX_CLOCK_SKEW_SECONDS = 300
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 200
+MAX_STATUS_IDS = 200
+MAX_LEASE_SECONDS = 86400
+MAX_WAIT_SECONDS = 20
+
+MESSAGE_TYPES = ("message", "ack")
+MESSAGE_KINDS = ("message", "request", "reply")
+STATUSES = ("queued", "leased", "done", "failed")
+OUTCOMES = ("completed", "retry")
+
+QUEUED = "queued"
+LEASED = "leased"
+DONE = "done"
+FAILED = "failed"
+TERMINAL = frozenset((DONE, FAILED))
+
+AGENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+
+_MISSING = object()
+
+
+def is_valid_agent_name(name: str) -> bool:
+    """True when ``name`` is a legal agent name (``[A-Za-z0-9_.-]{1,64}``)."""
+    return bool(AGENT_NAME.match(name))
+
+
+def iso_timestamp(seconds: float) -> str:
+    """An ISO-8601 UTC timestamp with milliseconds, as JavaScript's ``toISOString``."""
+    dt = datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
+    """Decode a request body as JSON; an empty body is ``{}`` when ``empty_ok``."""
+    if not raw.strip():
+        if empty_ok:
+            return {}
+        raise bad_request("request body is required")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise bad_request("request body is not valid JSON") from None
+
+
+def parse_json_object(raw: bytes, *, empty_ok: bool = True) -> Dict[str, Any]:
+    """Decode a request body that must be a JSON object."""
+    parsed = parse_json_body(raw, empty_ok=empty_ok)
+    if not isinstance(parsed, dict):
+        raise bad_request("body must be a JSON object")
+    return parsed
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_integral(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integral JSON number, else None."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def clamp_limit(value: Any, default: int = DEFAULT_LIMIT) -> int:
+    """A ``limit`` clamped to 1..200; a missing or non-numeric value gives the default.
+
+    Numbers are floored like the reference broker does; strings holding numbers
+    are accepted because v1.0 passes ``limit`` in the query string.
+    """
+    if value is None or isinstance(value, bool):
+        return default
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return default
+    elif isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        return default
+    if number != number or number in (float("inf"), float("-inf")):
+        return default
+    return max(1, min(MAX_LIMIT, int(number // 1)))
+
+
+def parse_lease_seconds(body: Dict[str, Any], default: int) -> int:
+    """``leaseSeconds`` from a pull body: an integer 1..86400, else 400."""
+    value = body.get("leaseSeconds", _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    seconds = _as_integral(value)
+    if seconds is None or not 1 <= seconds <= MAX_LEASE_SECONDS:
+        raise bad_request(f"leaseSeconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
+    return seconds
+
+
+def parse_wait_seconds(value: Any, name: str) -> int:
+    """A long-poll wait: an integer 0..20 (a JSON number or a decimal string)."""
+    if value is None:
+        return 0
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,3}", value):
+        value = int(value)
+    seconds = _as_integral(value)
+    if seconds is None or not 0 <= seconds <= MAX_WAIT_SECONDS:
+        raise bad_request(f"{name} must be an integer from 0 to {MAX_WAIT_SECONDS}")
+    return seconds
+
+
+def check_body_agent(body: Dict[str, Any], agent: str) -> None:
+    """A body ``agent`` field, when present, must name the authenticated agent."""
+    if "agent" in body and body["agent"] != agent:
+        raise bad_request("body.agent must match X-Relay-Agent header")
+
+
+def _optional_string(body: Dict[str, Any], field: str) -> Optional[str]:
+    value = body.get(field)
+    if value is None or isinstance(value, str):
+        return value
+    raise bad_request(f"{field} must be a string or null")
+
+
+def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
+    """Validate a sent envelope (full or shorthand) and fill the §2 defaults.
+
+    Returns the client-controlled fields of the stored envelope: ``id``,
+    ``from``, ``to``, ``type``, ``body``, ``replyTo``, ``ack``, ``kind``,
+    ``rootId`` and ``parentId``. The broker-managed fields (``ts``, ``status``,
+    ``attempts``, ``leaseUntil``, ``leaseId``) are ignored when sent and set by
+    the store.
+    """
+    if not isinstance(body, dict):
+        raise bad_request("body must be a JSON object")
+    msg_id = body.get("id", _MISSING)
+    if msg_id is _MISSING:
+        msg_id = str(uuid.uuid4())
+    elif not isinstance(msg_id, str) or not msg_id:
+        raise bad_request("id must be a non-empty string")
+    sender = body.get("from", _MISSING)
+    if sender is not _MISSING and sender != agent:
+        raise bad_request("envelope.from must match X-Relay-Agent header")
+    to = body.get("to")
+    if not isinstance(to, str) or not to:
+        raise bad_request("to is required")
+    if to == agent:
+        raise bad_request("cannot send a message to yourself")
+    msg_type = body.get("type", "message")
+    if msg_type not in MESSAGE_TYPES:
+        raise bad_request('type must be "message" or "ack"')
+    payload = body.get("body", _MISSING)
+    if payload is _MISSING:
+        payload = {}
+    elif not isinstance(payload, dict):
+        raise bad_request("body must be an object")
+    ack = body.get("ack", False)
+    if not isinstance(ack, bool):
+        raise bad_request("ack must be a boolean")
+    kind = body.get("kind")
+    if kind is None:
+        kind = "message"
+    elif kind not in MESSAGE_KINDS:
+        raise bad_request('kind must be "message", "request" or "reply"')
+    return {
+        "id": msg_id,
+        "from": agent,
+        "to": to,
+        "type": msg_type,
+        "body": payload,
+        "replyTo": _optional_string(body, "replyTo"),
+        "ack": ack,
+        "kind": kind,
+        "rootId": _optional_string(body, "rootId"),
+        "parentId": _optional_string(body, "parentId"),
+    }
+
+
+def ack_receipt(target: Dict[str, Any], agent: str, body: Any) -> Dict[str, Any]:
+    """The ``type: "ack"`` envelope a v1.0 receipt stores back to the sender."""
+    if not isinstance(body, dict):
+        raise bad_request("body must be a JSON object")
+    status = body.get("status", "ok")
+    if status not in ("ok", "error"):
+        raise bad_request('status must be "ok" or "error"')
+    payload: Dict[str, Any] = {"status": status}
+    if status == "error":
+        error = body.get("error", "unknown")
+        if not isinstance(error, str):
+            raise bad_request("error must be a string")
+        payload["error"] = error
+    return {
+        "id": str(uuid.uuid4()),
+        "from": agent,
+        "to": target["from"],
+        "type": "ack",
+        "body": payload,
+        "replyTo": target["id"],
+        "ack": False,
+        "kind": "message",
+        "rootId": None,
+        "parentId": None,
+    }
+
+
+def parse_ack_outcome(body: Dict[str, Any]) -> Tuple[str, str, str, Optional[str]]:
+    """``(messageId, leaseId, outcome, error)`` from a ``/v1/ack`` body, or 400."""
+    message_id = body.get("messageId")
+    lease_id = body.get("leaseId")
+    if not isinstance(message_id, str) or not message_id:
+        raise bad_request("messageId is required (a non-empty string)")
+    if not isinstance(lease_id, str) or not lease_id:
+        raise bad_request("leaseId is required (a non-empty string)")
+    outcome = body.get("outcome")
+    if outcome not in OUTCOMES:
+        raise bad_request('outcome must be "completed" or "retry"')
+    error = body.get("error")
+    if error is not None and not isinstance(error, str):
+        raise bad_request("error must be a string")
+    return message_id, lease_id, outcome, error
+
+
+def parse_status_ids(body: Dict[str, Any]) -> List[str]:
+    """The ids of a ``/v1/status`` body: an array is required; the first 200 are used."""
+    ids = body.get("messageIds")
+    if not isinstance(ids, list):
+        raise bad_request("messageIds array is required")
+    out = []
+    for value in ids[:MAX_STATUS_IDS]:
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append(json.dumps(value))
+        else:
+            raise bad_request("messageIds must hold strings")
+    return out
+
+
+def parse_query_filters(body: Dict[str, Any]) -> Dict[str, Optional[str]]:
+    """The ``kind``/``status``/``from``/``to`` filters of a query body."""
+    filters: Dict[str, Optional[str]] = {}
+    for field in ("kind", "status", "from", "to"):
+        value = body.get(field)
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"{field} must be a string")
+        filters[field] = value or None
+    return filters

@@ -1,0 +1,1 @@
+"""Message stores: one interface (:mod:`relay.store.interface`), several backends."""

@@ -1,0 +1,62 @@
+"""``twistd relay``: command-line options and the composition root of the broker."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict
+
+from twisted.python import usage
+
+from relay.errors import ConfigError
+
+DEFAULT_CONFIG = "conf/relay.yaml"
+
+
+class Options(usage.Options):
+    """Options of ``twistd relay``."""
+
+    optParameters = [
+        ["config", "c", DEFAULT_CONFIG, "Path of the YAML config file."],
+        ["data-dir", "d", None, "Directory for stored data (overrides broker.dataDir)."],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["listen"] = []
+
+    def opt_listen(self, description: str) -> None:
+        """Twisted endpoint string to listen on (repeatable; overrides broker.listen)."""
+        self["listen"].append(description)
+
+    def overrides(self) -> Dict[str, Any]:
+        """The ``broker.*`` values given on the command line."""
+        out: Dict[str, Any] = {}
+        if self["listen"]:
+            out["listen"] = list(self["listen"])
+        if self["data-dir"]:
+            out["dataDir"] = self["data-dir"]
+        return out
+
+
+def fail(error: Exception) -> None:
+    """Stop the start with one line on stderr and exit status 1."""
+    sys.stderr.write(f"relay: config error: {error}\n")
+    raise SystemExit(1)
+
+
+def makeService(options: Options):
+    """Load the config, open the store, build the broker service."""
+    from twisted.internet import reactor
+
+    from relay.config import load_config
+    from relay.service import RelayService
+    from relay.store.plugins import find_store_factory
+
+    try:
+        config, created = load_config(options["config"], options.overrides())
+        store = find_store_factory(config.storage_backend).open(config, reactor)
+        return RelayService(config, store, reactor, secret_created=created)
+    except ConfigError as error:
+        fail(error)
+    except ValueError as error:  # a malformed endpoint string
+        fail(ConfigError("broker.listen", str(error)))

@@ -1,0 +1,392 @@
+"""Test support shipped with the package: a configured in-memory API, a signing
+test client, and :class:`StoreContract`, the behaviour every storage backend
+must show (spec §4, §5.1). A third-party backend proves itself by running the
+contract against its own store fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Dict, Optional, Tuple
+
+import pytest_twisted
+from twisted.internet.task import Clock
+
+from relay import errors
+from relay.auth import sign
+from relay.config import Config, parse_config
+from relay.delivery import Message
+from relay.protocol import DONE, FAILED, LEASED, QUEUED
+
+SECRET = "s3cret"
+START = 1_712_345_678.0
+
+
+def make_config(base_dir: str = "/tmp", agents: Optional[Dict[str, Any]] = None,
+                security: Optional[Dict[str, Any]] = None, **broker: Any) -> Config:
+    """A validated Config: the shared secret ``s3cret``, memory storage, and ``broker``."""
+    values = {"secret": SECRET, "storage": "memory"}
+    values.update(broker)
+    data: Dict[str, Any] = {"broker": values}
+    if agents is not None:
+        data["agents"] = agents
+    if security is not None:
+        data["security"] = security
+    return parse_config(data, base_dir)
+
+
+def new_message(sender: str, to: str, now: float, **fields: Any) -> Message:
+    """A message as the API would build it from a shorthand envelope."""
+    envelope = {
+        "id": fields.pop("id", None) or str(uuid.uuid4()),
+        "from": sender,
+        "to": to,
+        "type": "message",
+        "body": {"text": "hello"},
+        "replyTo": None,
+        "ack": False,
+        "kind": "message",
+        "rootId": None,
+        "parentId": None,
+    }
+    envelope.update(fields)
+    return Message.from_envelope(envelope, now)
+
+
+class SignedClient:
+    """Signs requests per spec §3 and sends them through ``treq.testing.StubTreq``."""
+
+    def __init__(self, api, clock: Clock, secret: str = SECRET) -> None:
+        from treq.testing import StubTreq
+
+        self.api = api
+        self.clock = clock
+        self.secret = secret
+        self.treq = StubTreq(api.resource())
+
+    def headers(self, agent: str, method: str, path: str, raw: bytes,
+                secret: Optional[str] = None, timestamp: Optional[int] = None) -> Dict[str, str]:
+        ts = int(self.clock.seconds()) if timestamp is None else timestamp
+        return {
+            "X-Relay-Agent": agent,
+            "X-Relay-Timestamp": str(ts),
+            "X-Relay-Signature": sign(secret or self.secret, method, path, ts, raw),
+            "Content-Type": "application/json",
+        }
+
+    async def request(self, agent: Optional[str], method: str, path: str, body: Any = None,
+                      raw: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None,
+                      **sign_options: Any) -> Tuple[int, Any, Any]:
+        """Send one request; returns ``(status, parsed JSON body, response)``."""
+        if raw is None:
+            raw = b"" if body is None else json.dumps(body).encode("utf-8")
+        all_headers = {} if agent is None else self.headers(agent, method, path, raw,
+                                                            **sign_options)
+        all_headers.update(headers or {})
+        response = await self.treq.request(
+            method, "http://relay.test" + path, data=raw or None, headers=all_headers
+        )
+        content = await response.content()
+        return response.code, json.loads(content) if content else None, response
+
+    async def get(self, agent: Optional[str], path: str, **kw: Any):
+        return await self.request(agent, "GET", path, **kw)
+
+    async def post(self, agent: Optional[str], path: str, body: Any = None, **kw: Any):
+        return await self.request(agent, "POST", path, body, **kw)
+
+
+def make_api(clock: Optional[Clock] = None, store=None, config: Optional[Config] = None,
+             **broker: Any):
+    """``(api, client, clock)``: a RelayAPI over a memory store, and a signing client."""
+    from relay.store.memory import MemoryStore
+    from relay.web import RelayAPI
+
+    clock = clock if clock is not None else Clock()
+    if clock.seconds() == 0:
+        clock.advance(START)
+    config = config if config is not None else make_config(**broker)
+    api = RelayAPI(store if store is not None else MemoryStore(), config, clock)
+    return api, SignedClient(api, clock), clock
+
+
+async def _error(d) -> errors.RelayError:
+    try:
+        await d
+    except errors.RelayError as e:
+        return e
+    raise AssertionError("expected a RelayError")
+
+
+class StoreContract:
+    """Behaviour tests for an IMessageStore; needs a ``store`` fixture.
+
+    Every test drives time explicitly (``now``), never sleeps.
+    """
+
+    LEASE = 60
+
+    async def send(self, store, sender="alpha", to="beta", now=START, **fields) -> Message:
+        message = new_message(sender, to, now, **fields)
+        assert await store.add(message) is True
+        return message
+
+    # -- add, dedup, find ------------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_add_then_find(self, store):
+        sent = await self.send(store, body={"text": "hi", "n": [1, 2]}, kind="request",
+                               rootId="r1", replyTo="x")
+        found = await store.find(sent.id)
+        assert found.envelope() == {
+            "id": sent.id, "from": "alpha", "to": "beta", "ts": sent.ts, "type": "message",
+            "body": {"text": "hi", "n": [1, 2]}, "replyTo": "x", "ack": False,
+            "kind": "request", "rootId": "r1", "parentId": None, "status": QUEUED,
+            "attempts": 0, "leaseUntil": None,
+        }
+        assert await store.find("nope") is None
+
+    @pytest_twisted.ensureDeferred
+    async def test_duplicate_id_is_not_stored_twice(self, store):
+        sent = await self.send(store, id="same")
+        again = new_message("alpha", "beta", START + 1, id="same", body={"text": "other"})
+        assert await store.add(again) is False
+        assert (await store.find("same")).body == sent.body
+        messages, _ = await store.get_since("beta", None, 50, START)
+        assert [m.id for m in messages] == ["same"]
+
+    @pytest_twisted.ensureDeferred
+    async def test_any_string_is_an_id(self, store):
+        for message_id in ("plain", "with space", "sl/ash", "ünï", "x" * 300):
+            await self.send(store, id=message_id)
+            assert (await store.find(message_id)).id == message_id
+
+    # -- v1.0 poll ---------------------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_poll_cursor(self, store):
+        ids = [(await self.send(store, id=f"m{i}")).id for i in range(5)]
+        await self.send(store, to="gamma", id="other")
+        messages, cursor = await store.get_since("beta", None, 2, START)
+        assert [m.id for m in messages] == ids[:2] and cursor == ids[1]
+        messages, cursor = await store.get_since("beta", cursor, 50, START)
+        assert [m.id for m in messages] == ids[2:] and cursor == ids[4]
+        messages, cursor = await store.get_since("beta", cursor, 50, START)
+        assert messages == [] and cursor == ids[4]
+        messages, cursor = await store.get_since("beta", "unknown", 50, START)
+        assert [m.id for m in messages] == ids
+        messages, cursor = await store.get_since("nobody", None, 50, START)
+        assert messages == [] and cursor is None
+
+    @pytest_twisted.ensureDeferred
+    async def test_poll_returns_only_queued(self, store):
+        a = await self.send(store, id="a")
+        b = await self.send(store, id="b")
+        await store.pull("beta", 1, self.LEASE, START)
+        messages, cursor = await store.get_since("beta", None, 50, START)
+        assert [m.id for m in messages] == [b.id] and cursor == b.id
+        assert (await store.find(a.id)).status == LEASED
+
+    @pytest_twisted.ensureDeferred
+    async def test_recovery_delivery_after_lease_expiry(self, store):
+        a = await self.send(store, id="a")
+        b = await self.send(store, id="b")
+        leased = await store.pull("beta", 1, self.LEASE, START)
+        assert [m.id for m in leased] == ["a"]
+        messages, cursor = await store.get_since("beta", None, 50, START)
+        assert [m.id for m in messages] == ["b"] and cursor == "b"
+        await store.sweep_leases(START + self.LEASE + 1)
+        messages, cursor2 = await store.get_since("beta", cursor, 50, START + self.LEASE + 1)
+        assert [m.id for m in messages] == [a.id]
+        assert cursor2 == b.id, "the cursor never moves backwards"
+        messages, _ = await store.get_since("beta", cursor2, 50, START + self.LEASE + 2)
+        assert messages == [], "a recovery delivery happens once"
+
+    @pytest_twisted.ensureDeferred
+    async def test_recovery_without_sweep(self, store):
+        await self.send(store, id="a")
+        await self.send(store, id="b")
+        await store.pull("beta", 1, self.LEASE, START)
+        _, cursor = await store.get_since("beta", None, 50, START)
+        messages, _ = await store.get_since("beta", cursor, 50, START + self.LEASE + 1)
+        assert [m.id for m in messages] == ["a"]
+
+    # -- pull and ack -----------------------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_pull_leases_oldest_first(self, store):
+        ids = [(await self.send(store, id=f"m{i}")).id for i in range(3)]
+        await self.send(store, to="gamma")
+        leased = await store.pull("beta", 2, self.LEASE, START)
+        assert [m.id for m in leased] == ids[:2]
+        for m in leased:
+            assert m.status == LEASED and m.lease_id
+            assert m.lease_until == int(START * 1000) + self.LEASE * 1000
+            assert m.envelope(with_lease=True)["leaseId"] == m.lease_id
+        assert leased[0].lease_id != leased[1].lease_id
+        rest = await store.pull("beta", 10, self.LEASE, START)
+        assert [m.id for m in rest] == ids[2:]
+        assert await store.pull("beta", 10, self.LEASE, START) == []
+
+    @pytest_twisted.ensureDeferred
+    async def test_ack_completed(self, store):
+        sent = await self.send(store)
+        (m,) = await store.pull("beta", 1, self.LEASE, START)
+        result = await store.ack(sent.id, "beta", m.lease_id, "completed", None, START, 3)
+        assert result == {"ok": True, "status": DONE, "attempts": 0}
+        assert (await store.find(sent.id)).status == DONE
+        assert await store.pull("beta", 10, self.LEASE, START + 10**6) == []
+
+    @pytest_twisted.ensureDeferred
+    async def test_retry_then_failed(self, store):
+        sent = await self.send(store)
+        for attempt in range(1, 5):
+            (m,) = await store.pull("beta", 1, self.LEASE, START)
+            result = await store.ack(sent.id, "beta", m.lease_id, "retry", f"e{attempt}", START, 3)
+            assert result["attempts"] == attempt
+            assert result["status"] == (FAILED if attempt == 4 else QUEUED)
+        found = await store.find(sent.id)
+        assert found.status == FAILED and found.error == "e4" and found.attempts == 4
+        assert await store.pull("beta", 1, self.LEASE, START) == []
+
+    @pytest_twisted.ensureDeferred
+    async def test_ack_errors(self, store):
+        sent = await self.send(store)
+        e = await _error(store.ack("nope", "beta", "l", "completed", None, START, 3))
+        assert (e.status, e.code) == (404, "no_such_message")
+        e = await _error(store.ack(sent.id, "beta", "l", "completed", None, START, 3))
+        assert (e.status, e.code) == (409, "not_leased")
+        (m,) = await store.pull("beta", 1, self.LEASE, START)
+        e = await _error(store.ack(sent.id, "gamma", m.lease_id, "completed", None, START, 3))
+        assert (e.status, e.code) == (403, "forbidden")
+        e = await _error(store.ack(sent.id, "beta", "wrong", "completed", None, START, 3))
+        assert (e.status, e.code) == (409, "lease_mismatch")
+        assert (await store.find(sent.id)).status == LEASED
+
+    @pytest_twisted.ensureDeferred
+    async def test_expired_lease_is_dead(self, store):
+        sent = await self.send(store)
+        (leased,) = await store.pull("beta", 1, self.LEASE, START)
+        old = leased.lease_id
+        later = START + self.LEASE
+        e = await _error(store.ack(sent.id, "beta", old, "completed", None, later, 3))
+        assert e.code == "not_leased"
+        assert (await store.find(sent.id)).status == QUEUED
+        (leased,) = await store.pull("beta", 1, self.LEASE, later)
+        new = leased.lease_id
+        assert new != old
+        e = await _error(store.ack(sent.id, "beta", old, "completed", None, later, 3))
+        assert e.code == "lease_mismatch"
+        result = await store.ack(sent.id, "beta", new, "completed", None, later, 3)
+        assert result["status"] == DONE
+
+    @pytest_twisted.ensureDeferred
+    async def test_pull_releases_expired_leases_first(self, store):
+        sent = await self.send(store)
+        await store.pull("beta", 1, self.LEASE, START)
+        assert await store.pull("beta", 1, self.LEASE, START + self.LEASE - 1) == []
+        (again,) = await store.pull("beta", 1, self.LEASE, START + self.LEASE)
+        assert again.id == sent.id and again.attempts == 0
+
+    @pytest_twisted.ensureDeferred
+    async def test_terminal_states_never_change(self, store):
+        done = await self.send(store, id="done")
+        (m,) = await store.pull("beta", 1, self.LEASE, START)
+        await store.ack(done.id, "beta", m.lease_id, "completed", None, START, 3)
+        for outcome in ("completed", "retry"):
+            e = await _error(store.ack(done.id, "beta", m.lease_id, outcome, None, START, 3))
+            assert e.code == "not_leased"
+        await store.sweep_leases(START + 10**6)
+        assert (await store.find(done.id)).status == DONE
+        messages, _ = await store.get_since("beta", None, 50, START + 10**6)
+        assert messages == []
+
+    @pytest_twisted.ensureDeferred
+    async def test_sweep_leases(self, store):
+        await self.send(store, to="beta")
+        await self.send(store, to="gamma")
+        await store.pull("beta", 1, self.LEASE, START)
+        await store.pull("gamma", 1, self.LEASE * 2, START)
+        assert set(await store.sweep_leases(START + self.LEASE - 1)) == set()
+        assert set(await store.sweep_leases(START + self.LEASE)) == {"beta"}
+        assert set(await store.sweep_leases(START + self.LEASE * 2)) == {"gamma"}
+        assert set(await store.sweep_leases(START + self.LEASE * 3)) == set()
+
+    # -- status, recent, query -----------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_status_visibility(self, store):
+        sent = await self.send(store, kind="request")
+        entries = await store.status([sent.id, "unknown"], "alpha")
+        assert entries == [
+            {"id": sent.id, "status": QUEUED, "attempts": 0, "ts": sent.ts, "from": "alpha",
+             "to": "beta", "kind": "request"},
+            {"id": "unknown", "status": "not_found", "attempts": 0},
+        ]
+        assert (await store.status([sent.id], "beta"))[0]["status"] == QUEUED
+        assert await store.status([sent.id], "gamma") == [
+            {"id": sent.id, "status": "not_found", "attempts": 0}
+        ]
+
+    @pytest_twisted.ensureDeferred
+    async def test_recent_newest_first_any_status(self, store):
+        ids = [(await self.send(store, id=f"m{i}")).id for i in range(4)]
+        await self.send(store, sender="beta", to="alpha")
+        await store.pull("beta", 1, self.LEASE, START)
+        recent = await store.recent("beta", 3)
+        assert [m.id for m in recent] == ids[::-1][:3]
+        assert [m.id for m in await store.recent("beta", 50)] == ids[::-1]
+        assert (await store.recent("beta", 50))[-1].status == LEASED
+
+    @pytest_twisted.ensureDeferred
+    async def test_query_filters(self, store):
+        req = await self.send(store, id="req", kind="request")
+        await self.send(store, id="plain")
+        await self.send(store, sender="beta", to="alpha", id="rep", kind="reply", parentId="req")
+        await self.send(store, sender="gamma", to="delta", id="foreign")
+        await store.pull("beta", 1, self.LEASE, START)
+
+        async def ids(agent, limit=50, kind=None, status=None, sender=None, to=None):
+            return [m.id for m in await store.query(agent, limit, kind, status, sender, to)]
+
+        assert await ids("beta") == ["rep", "plain", "req"]
+        assert await ids("beta", limit=1) == ["rep"]
+        assert await ids("beta", kind="request") == [req.id]
+        assert await ids("beta", status=LEASED) == ["req"]
+        assert await ids("beta", sender="alpha") == ["plain", "req"]
+        assert await ids("beta", to="alpha") == ["rep"]
+        assert await ids("beta", sender="gamma") == []
+        assert await ids("alpha", kind="reply") == ["rep"]
+
+    # -- peers ---------------------------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_peers(self, store):
+        assert await store.peers() == []
+        assert await store.is_registered("beta") is False
+        await store.register("beta", START)
+        await store.register("alpha", START + 5)
+        await store.register("beta", START + 10)
+        assert await store.peers() == [("alpha", int(START) + 5), ("beta", int(START) + 10)]
+        assert await store.is_registered("beta") is True
+
+    # -- message TTL ---------------------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_sweep_expired(self, store):
+        old = await self.send(store, id="old", now=START)
+        await store.pull("beta", 1, self.LEASE, START)
+        await self.send(store, id="young", now=START + 100)
+        assert await store.sweep_expired(START + 50) == 1
+        assert await store.find(old.id) is None
+        e = await _error(store.ack(old.id, "beta", "x", "completed", None, START + 60, 3))
+        assert e.code == "no_such_message"
+        assert [m.id for m in await store.recent("beta", 50)] == ["young"]
+        assert await store.sweep_expired(START + 50) == 0
+        assert await store.status(["old"], "alpha") == [
+            {"id": "old", "status": "not_found", "attempts": 0}
+        ]
+
+
+__all__ = ["StoreContract", "SignedClient", "make_api", "make_config", "new_message"]

@@ -1,0 +1,200 @@
+"""Long-poll waiters: requests that wait until a message becomes deliverable.
+
+A waiter is registered before its first look at the queue, so a message that
+arrives during that look still wakes it (no lost wake-ups). Pulls consume
+what they find, so a new message wakes one pulling waiter; v1.0 polls only
+observe, so they are all woken. Waiting Deferreds are cancellable (Klein
+cancels them when the client goes away) and all are answered when the broker
+stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+log = Logger(namespace="relay.waiters")
+
+MAX_WAITERS_PER_AGENT = 16
+DEADLINE_RESOLUTION = 0.05
+
+
+class _Waiter:
+    __slots__ = ("agent", "attempt", "found", "consume", "result", "woken", "busy", "deferred",
+                 "timeout", "done")
+
+    def __init__(self, agent, attempt, found, consume) -> None:
+        self.agent = agent
+        self.attempt = attempt
+        self.found = found
+        self.consume = consume
+        self.result: Any = None
+        self.woken = False
+        self.busy = False
+        self.done = False
+        self.deferred: Optional[Deferred] = None
+        self.timeout: Optional[IDelayedCall] = None
+
+
+class Waiters:
+    """The set of waiting requests, per agent."""
+
+    def __init__(self, clock: IReactorTime, max_per_agent: int = MAX_WAITERS_PER_AGENT) -> None:
+        self.clock = clock
+        self.max_per_agent = max_per_agent
+        self._by_agent: Dict[str, Deque[_Waiter]] = {}
+        self._deadlines: List[Tuple[float, str]] = []
+        self._deadline_set: Set[Tuple[float, str]] = set()
+        self._deadline_call: Optional[IDelayedCall] = None
+        self.stopped = False
+
+    def count(self, agent: Optional[str] = None) -> int:
+        """How many requests are waiting (for ``agent``, or in all)."""
+        if agent is not None:
+            return len(self._by_agent.get(agent, ()))
+        return sum(len(q) for q in self._by_agent.values())
+
+    def wait_for(
+        self,
+        agent: str,
+        attempt: Callable[[], Any],
+        found: Callable[[Any], bool],
+        wait_seconds: float,
+        consume: bool = True,
+    ) -> Deferred:
+        """Run ``attempt`` until ``found(result)`` or ``wait_seconds`` pass.
+
+        Fires with the first result that is found, or with the last (empty)
+        one at the deadline. Without a wait, or when the agent already has
+        too many waiters, ``attempt`` runs once.
+        """
+        queue = self._by_agent.get(agent)
+        if wait_seconds <= 0 or self.stopped or (queue and len(queue) >= self.max_per_agent):
+            return maybeDeferred(attempt)
+        waiter = _Waiter(agent, attempt, found, consume)
+        waiter.deferred = Deferred(lambda d: self._cancel(waiter))
+        self._by_agent.setdefault(agent, deque()).append(waiter)
+        waiter.timeout = self.clock.callLater(wait_seconds, self._finish, waiter)
+        self._try(waiter)
+        return waiter.deferred
+
+    def wake(self, agent: str) -> None:
+        """Something became deliverable to ``agent``: wake its waiters."""
+        queue = self._by_agent.get(agent)
+        if not queue:
+            return
+        for waiter in list(queue):
+            if not waiter.consume:
+                self._poke(waiter)
+        for waiter in queue:
+            if waiter.consume and not waiter.woken:
+                self._poke(waiter)
+                break
+
+    def wake_at(self, agent: str, when: float) -> None:
+        """Wake ``agent``'s waiters at ``when`` (a lease deadline), if any wait then."""
+        when = math.ceil(when / DEADLINE_RESOLUTION) * DEADLINE_RESOLUTION
+        key = (when, agent)
+        if key in self._deadline_set:
+            return
+        self._deadline_set.add(key)
+        heapq.heappush(self._deadlines, key)
+        if self._deadlines[0] is key or self._deadline_call is None:
+            self._schedule_deadline()
+
+    def stop(self) -> None:
+        """Answer every waiter with its last result and accept no new waits."""
+        self.stopped = True
+        for queue in list(self._by_agent.values()):
+            for waiter in list(queue):
+                self._finish(waiter)
+        if self._deadline_call is not None and self._deadline_call.active():
+            self._deadline_call.cancel()
+        self._deadline_call = None
+
+    # -- internals ------------------------------------------------------------
+
+    def _schedule_deadline(self) -> None:
+        if self._deadline_call is not None and self._deadline_call.active():
+            self._deadline_call.cancel()
+        self._deadline_call = None
+        if not self._deadlines or self.stopped:
+            return
+        delay = max(0.0, self._deadlines[0][0] - self.clock.seconds())
+        self._deadline_call = self.clock.callLater(delay, self._deadline_due)
+
+    def _deadline_due(self) -> None:
+        self._deadline_call = None
+        now = self.clock.seconds()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            key = heapq.heappop(self._deadlines)
+            self._deadline_set.discard(key)
+            self.wake(key[1])
+        self._schedule_deadline()
+
+    def _poke(self, waiter: _Waiter) -> None:
+        waiter.woken = True
+        if not waiter.busy and not waiter.done:
+            self._try(waiter)
+
+    def _try(self, waiter: _Waiter) -> None:
+        waiter.busy = True
+        waiter.woken = False
+        d = maybeDeferred(waiter.attempt)
+        d.addCallbacks(
+            lambda result: self._tried(waiter, result), lambda f: self._failed(waiter, f)
+        )
+
+    def _tried(self, waiter: _Waiter, result: Any) -> None:
+        waiter.busy = False
+        waiter.result = result
+        if waiter.done:
+            return
+        if waiter.found(result):
+            self._finish(waiter)
+        elif waiter.woken:
+            self._try(waiter)
+
+    def _failed(self, waiter: _Waiter, failure) -> None:
+        waiter.busy = False
+        if waiter.done:
+            return
+        self._remove(waiter)
+        waiter.deferred.errback(failure)
+
+    def _remove(self, waiter: _Waiter) -> None:
+        waiter.done = True
+        if waiter.timeout is not None and waiter.timeout.active():
+            waiter.timeout.cancel()
+        queue = self._by_agent.get(waiter.agent)
+        if queue is not None:
+            with contextlib.suppress(ValueError):
+                queue.remove(waiter)
+            if not queue:
+                del self._by_agent[waiter.agent]
+
+    def _finish(self, waiter: _Waiter) -> None:
+        if waiter.done:
+            return
+        if waiter.busy:
+            # An attempt is running: answer with its result when it lands.
+            waiter.found = lambda result: True
+            if waiter.timeout is not None and waiter.timeout.active():
+                waiter.timeout.cancel()
+            return
+        self._remove(waiter)
+        waiter.deferred.callback(waiter.result)
+
+    def _cancel(self, waiter: _Waiter) -> None:
+        if not waiter.done:
+            self._remove(waiter)
+
+
+__all__ = ["Waiters", "CancelledError"]

@@ -1,0 +1,5 @@
+"""The built-in storage backends of the relay, as IStoreFactory plugins."""
+
+from relay.store.plugins import jsonl, memory, sqlite
+
+__all__ = ["memory", "sqlite", "jsonl"]
