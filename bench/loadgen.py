@@ -878,8 +878,12 @@ def table(doc: JsonDict) -> str:
 def emit(doc: JsonDict, out: Any = None) -> None:
     """Print one JSON line, then the readable table."""
     out = out or sys.stdout
-    print(json.dumps(doc, separators=(",", ":")), file=out)
-    print(table(doc), file=out, flush=True)
+    try:
+        print(json.dumps(doc, separators=(",", ":")), file=out)
+        print(table(doc), file=out, flush=True)
+    except BrokenPipeError:
+        # The reader (e.g. ``| head -1``) has what it wanted.
+        sys.stderr.close()
 
 
 # --------------------------------------------------------------------------------------

@@ -80,14 +80,11 @@ class Server:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, timeout: float = 30.0) -> "Server":
+    def start(self, timeout: float = 30.0) -> Server:
         """Spawn the process and wait until ``GET /`` answers 200."""
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO_DIR, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        finally:
-            log.close()
         deadline = time.monotonic() + timeout
         target = Target(self.url, "x")
         while time.monotonic() < deadline:
@@ -147,7 +144,7 @@ class Server:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -36,7 +36,7 @@ class Standin(Resource):
         super().__init__()
         self.key = secret.encode()
         self.peers: Set[str] = set()
-        self.messages: "OrderedDict[str, JsonDict]" = OrderedDict()
+        self.messages: OrderedDict[str, JsonDict] = OrderedDict()
         self.queues: Dict[str, Deque[str]] = {}
         self.waiters: Dict[str, List[defer.Deferred]] = {}
 
