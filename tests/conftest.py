@@ -12,12 +12,18 @@ from relay.testing import START, make_config
 BACKENDS = ("memory", "sqlite", "jsonl")
 
 
-def open_backend(name: str, data_dir: str, clock=None, **broker):
-    """Open backend ``name`` on ``data_dir``; skips the test when it is not built."""
+def open_backend(name: str, data_dir: str, **broker):
+    """Open backend ``name`` on ``data_dir``; skips the test when it is not built.
+
+    Stores get the real reactor: they may schedule their group commits on it.
+    Store methods take ``now`` explicitly, so tests still control time.
+    """
+    from twisted.internet import reactor
+
     factory = store_factories()[name]
     config = make_config(storage=name, dataDir=str(data_dir), **broker)
     try:
-        return factory.open(config, clock if clock is not None else Clock())
+        return factory.open(config, reactor)
     except ModuleNotFoundError as e:
         if e.name == factory.module:
             pytest.skip(f"backend {name} is not available")
@@ -37,7 +43,7 @@ def backend(request) -> str:
 
 
 @pytest.fixture
-def store(backend, tmp_path, clock):
-    s = open_backend(backend, tmp_path, clock)
+def store(backend, tmp_path):
+    s = open_backend(backend, tmp_path)
     yield s
     pytest_twisted.blockon(s.close())
