@@ -1,0 +1,32 @@
+# Set-up and everyday commands. Each target creates .venv when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+STAMP = $(VENV)/.installed-stamp
+
+.PHONY: run test lint bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+## run: start the broker on the shipped config (loopback, sqlite)
+run: $(STAMP)
+	$(BIN)/twistd -n relay --config conf/relay.yaml
+
+## test: lint, then the whole test suite
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+## bench: the benchmark suite (prints figures; not part of the tests)
+bench: $(STAMP)
+	$(BIN)/python bench/run_suite.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info data
