@@ -44,10 +44,10 @@ def fail(error: Exception) -> None:
     raise SystemExit(1)
 
 
-def makeService(options: Options):
+def makeService(options: Options, reactor=None):
     """Load the config, open the store, build the broker service."""
-    from twisted.internet import reactor
-
+    if reactor is None:
+        from twisted.internet import reactor
     from relay.config import load_config
     from relay.service import RelayService
     from relay.store.plugins import find_store_factory

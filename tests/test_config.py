@@ -1,0 +1,161 @@
+"""Configuration: the reference keys, defaults, and loud errors naming the key."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import yaml
+
+from relay.config import ConfigError, load_config, parse_config
+
+
+def parse(text: str, base_dir: str = "/srv/relay", secret_from_file=None):
+    return parse_config(yaml.safe_load(text), base_dir, secret_from_file)
+
+
+def error_of(text: str, **kw) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse(text, **kw)
+    return info.value
+
+
+def test_defaults_follow_the_spec():
+    config = parse("broker: {secret: s}")
+    assert config.listen == ("tcp:19121:interface=127.0.0.1",)
+    assert (config.rate_limit_loopback, config.rate_limit_remote) == (600, 120)
+    assert config.message_ttl_days == 7 and config.message_ttl_seconds == 7 * 86400
+    assert (config.lease_seconds, config.max_attempts) == (600, 3)
+    assert (config.lock_after_failures, config.lock_minutes) == (5, 5)
+    assert config.storage == "sqlite" and config.storage_backend == "sqlite"
+    assert config.data_dir == "/srv/relay/data"
+    assert config.sync == "normal"
+    assert config.agents == {}
+
+
+def test_reference_config_loads_unchanged():
+    config = parse(
+        """
+broker:
+  host: 127.0.0.1
+  port: 19555
+  secret: "abc"
+  rateLimitLoopback: 1000
+  rateLimitRemote: 50
+  messageTtlDays: 3
+  persist: false
+  storage: jsonl
+  dataDir: ./state
+  leaseSeconds: 30
+  maxAttempts: 5
+  notifyFailedToSender: true
+security:
+  lockAfterFailures: 7
+  lockMinutes: 2
+  admin_agents: [ops]
+agents:
+  alpha:
+    allowed_targets: [beta, gamma]
+  beta: {}
+"""
+    )
+    assert config.listen == ("tcp:19555:interface=127.0.0.1",)
+    assert config.storage_backend == "memory", "persist: false means memory"
+    assert config.data_dir == "/srv/relay/state"
+    assert config.agents["alpha"].allowed_targets == ("beta", "gamma")
+    assert config.agents["beta"].allowed_targets is None
+    assert set(config.ignored_keys) == {"broker.notifyFailedToSender", "security.admin_agents"}
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("broker: {secret: s, prot: 1}", "broker.prot"),
+        ("brokr: {secret: s}", "brokr"),
+        ("broker: {secret: s, port: '19121'}", "broker.port"),
+        ("broker: {secret: s, port: 70000}", "broker.port"),
+        ("broker: {secret: s, leaseSeconds: 0}", "broker.leaseSeconds"),
+        ("broker: {secret: s, leaseSeconds: 86401}", "broker.leaseSeconds"),
+        ("broker: {secret: s, persist: 'yes'}", "broker.persist"),
+        ("broker: {secret: s, maxAttempts: -1}", "broker.maxAttempts"),
+        ("broker: {secret: s, sync: sometimes}", "broker.sync"),
+        ("broker: {secret: s, listen: []}", "broker.listen"),
+        ("broker: {port: 1}", "broker.secret"),
+        ("broker: {secret: CHANGE_ME_RUN_SETUP_INIT}", "broker.secret"),
+        ("broker: {secret: s}\nsecurity: {lockMinutes: 0}", "security.lockMinutes"),
+        ("broker: {secret: s}\nagents: {alpha: {allowed_targets: beta}}",
+         "agents.alpha.allowed_targets"),
+        ("broker: {secret: s}\nagents: {alpha: {secret: a}, beta: {}}", "agents.beta.secret"),
+        ("broker: {secret: s}\nagents: {'bad name': {}}", "agents.bad name"),
+        ("broker: {secret: s}\nagents: {alpha: {colour: red}}", "agents.alpha.colour"),
+    ],
+)
+def test_errors_name_the_key(text, key):
+    assert error_of(text).key == key
+
+
+def test_plaintext_remote_listen_is_refused():
+    for listen in ("tcp:19121", "tcp:19121:interface=0.0.0.0", "tcp6:19121:interface=\\:\\:",
+                   "tcp:19121:interface=192.0.2.7"):
+        error = error_of(f"broker: {{secret: s, listen: ['{listen}']}}")
+        assert error.key == "broker.listen" and "ssl" in error.reason
+    host = error_of("broker: {secret: s, host: 0.0.0.0}")
+    assert host.key == "broker.listen"
+    config = parse("broker: {secret: s, host: 0.0.0.0, allowInsecureRemote: true}")
+    assert config.listen == ("tcp:19121:interface=0.0.0.0",)
+
+
+def test_loopback_and_tls_listen_are_fine():
+    config = parse(
+        "broker: {secret: s, listen: ['tcp:1:interface=127.0.0.1', 'tcp6:2:interface=\\:\\:1', "
+        "'ssl:3:privateKey=tls/k.pem:certKey=/etc/c.pem', 'unix:/tmp/relay.sock']}"
+    )
+    assert config.listen[2] == "ssl:3:privateKey=/srv/relay/tls/k.pem:certKey=/etc/c.pem"
+    assert parse("broker: {secret: s, host: '::1'}").listen == ("tcp6:19121:interface=\\:\\:1",)
+
+
+def test_per_agent_secrets():
+    config = parse("broker: {secret: s}\nagents: {alpha: {secret: a}, beta: {secret: b}}")
+    assert config.per_agent_secrets
+    assert not parse("broker: {secret: s}\nagents: {alpha: {}}").per_agent_secrets
+
+
+def test_secret_file_is_created_once_with_mode_0600(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    conf.write_text("broker: {secretFile: relay.secret, storage: memory}\n")
+    config, created = load_config(str(conf))
+    secret_path = tmp_path / "relay.secret"
+    assert created and config.secret_file == str(secret_path)
+    assert stat.S_IMODE(os.stat(secret_path).st_mode) == 0o600
+    assert len(config.secret) == 64 and int(config.secret, 16) >= 0
+    again, created_again = load_config(str(conf))
+    assert not created_again and again.secret == config.secret
+
+
+def test_secret_and_secret_file_together_are_an_error(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    (tmp_path / "s").write_text("x\n")
+    conf.write_text("broker: {secret: a, secretFile: s}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(conf))
+    assert info.value.key == "broker.secret"
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("broker: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(str(bad))
+
+
+def test_command_line_overrides(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    conf.write_text("broker: {secret: s, listen: ['tcp:1:interface=127.0.0.1']}\n")
+    config, _ = load_config(
+        str(conf), {"listen": ["tcp:2:interface=127.0.0.1"], "dataDir": "rel"}
+    )
+    assert config.listen == ("tcp:2:interface=127.0.0.1",)
+    assert config.data_dir == os.path.abspath("rel")

@@ -1,0 +1,208 @@
+"""The twistd plugin, the composition root and the periodic sweeps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import pytest_twisted
+from twisted.application.service import IServiceMaker
+from twisted.internet.defer import fail, succeed
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import capturedLogs
+from twisted.plugin import IPlugin, getPlugins
+from zope.interface.verify import verifyObject
+
+from relay.service import RelayService
+from relay.store.interface import IMessageStore, IStoreFactory
+from relay.store.memory import MemoryStore
+from relay.store.plugins import find_store_factory, store_factories
+from relay.tap import Options, makeService
+from relay.testing import START, make_config, new_message
+
+
+def test_twistd_plugins_are_found():
+    import twisted.plugins
+
+    names = {p.tapname for p in getPlugins(IServiceMaker, twisted.plugins)}
+    assert {"relay", "relay-agent"} <= names
+
+
+def test_twistd_lists_relay():
+    out = subprocess.run(
+        [sys.executable, "-m", "twisted", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert " relay " in out
+
+
+def test_store_factories_are_plugins():
+    factories = store_factories()
+    assert {"memory", "sqlite", "jsonl"} <= set(factories)
+    for factory in factories.values():
+        assert verifyObject(IPlugin, factory)
+        assert verifyObject(IStoreFactory, factory)
+
+
+def test_memory_store_provides_the_interface():
+    assert verifyObject(IMessageStore, MemoryStore())
+
+
+def test_unknown_backend_lists_the_names():
+    from relay.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        find_store_factory("postgres")
+    assert info.value.key == "broker.storage"
+    assert "memory" in info.value.reason and "sqlite" in info.value.reason
+
+
+def options(*argv: str) -> Options:
+    o = Options()
+    o.parseOptions(list(argv))
+    return o
+
+
+def write_config(tmp_path, text: str) -> str:
+    path = tmp_path / "relay.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_make_service_listens_on_every_endpoint(tmp_path):
+    conf = write_config(
+        tmp_path,
+        "broker: {secret: s, storage: memory, listen: ['tcp:19991:interface=127.0.0.1', "
+        "'tcp6:19992:interface=\\:\\:1']}\n",
+    )
+    reactor = MemoryReactorClock()
+    service = makeService(options("--config", conf), reactor)
+    service.startService()
+    try:
+        ports = sorted((port, iface) for port, _, _, iface in reactor.tcpServers)
+        assert ports == [(19991, "127.0.0.1"), (19992, "::1")]
+    finally:
+        service.stopService()
+
+
+def test_command_line_listen_overrides_the_file(tmp_path):
+    conf = write_config(tmp_path, "broker: {secret: s, storage: memory}\n")
+    reactor = MemoryReactorClock()
+    service = makeService(
+        options("--config", conf, "--listen", "tcp:19993:interface=127.0.0.1"), reactor
+    )
+    service.startService()
+    try:
+        assert [port for port, *_ in reactor.tcpServers] == [19993]
+    finally:
+        service.stopService()
+
+
+def test_config_error_exits_with_one_line(tmp_path, capsys):
+    conf = write_config(tmp_path, "broker: {secret: s, port: nope}\n")
+    with pytest.raises(SystemExit) as info:
+        makeService(options("--config", conf), MemoryReactorClock())
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "broker.port" in err
+
+
+class FlakyStore(MemoryStore):
+    """A store whose lease sweep fails the first time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sweeps = 0
+
+    def sweep_leases(self, now):
+        self.sweeps += 1
+        if self.sweeps == 1:
+            return fail(RuntimeError("disk on fire"))
+        return super().sweep_leases(now)
+
+
+def make_service(store=None, **broker):
+    clock = Clock()
+    clock.advance(START)
+    config = make_config(listen=["tcp:0:interface=127.0.0.1"], sweepSeconds=5, **broker)
+    service = RelayService(config, store or MemoryStore(), MemoryReactorClock(), clock=clock)
+    return service, clock
+
+
+def test_a_failing_sweep_runs_again():
+    store = FlakyStore()
+    service, clock = make_service(store)
+    with capturedLogs() as events:
+        service.startService()
+        clock.advance(5)
+        clock.advance(5)
+    service.stopService()
+    assert store.sweeps == 3
+    assert [e["kind"] for e in events if e.get("sweep") == "leases"] == ["RuntimeError"]
+
+
+def test_lease_sweep_requeues_and_wakes_waiters():
+    store = MemoryStore()
+    service, clock = make_service(store, leaseSeconds=10)
+    service.startService()
+    store.state.add(new_message("alpha", "beta", START, id="m1"))
+    store.state.pull("beta", 1, 10, clock.seconds())
+    woken = []
+    service.api.waiters.wake = woken.append
+    clock.advance(5)
+    assert store.state.by_id["m1"].status == "leased"
+    clock.advance(5)
+    assert store.state.by_id["m1"].status == "queued" and woken == ["beta"]
+    service.stopService()
+
+
+def test_expiry_sweep_removes_old_messages():
+    store = MemoryStore()
+    service, clock = make_service(store, messageTtlDays=1)
+    service.startService()
+    store.state.add(new_message("alpha", "beta", START, id="old"))
+    clock.advance(86400 - 60)
+    store.state.add(new_message("alpha", "beta", clock.seconds(), id="new"))
+    clock.advance(120)
+    assert set(store.state.by_id) == {"new"}
+    service.stopService()
+
+
+def test_ttl_zero_keeps_messages():
+    store = MemoryStore()
+    service, clock = make_service(store, messageTtlDays=0)
+    service.startService()
+    store.state.add(new_message("alpha", "beta", START, id="kept"))
+    clock.advance(86400 * 400)
+    assert set(store.state.by_id) == {"kept"}
+    service.stopService()
+
+
+def test_peer_watch_logs_offline_peers_by_name():
+    store = MemoryStore()
+    service, clock = make_service(store)
+    store.state.register("beta", clock.seconds())
+    with capturedLogs() as events:
+        service.startService()
+        clock.advance(100)
+    service.stopService()
+    messages = [e["log_format"].format(**e) for e in events if "agent" in e]
+    assert "peer beta went offline" in messages
+
+
+@pytest_twisted.ensureDeferred
+async def test_stop_answers_waiters_and_closes_the_store():
+    closed = []
+
+    class ClosingStore(MemoryStore):
+        def close(self):
+            closed.append(True)
+            return succeed(None)
+
+    service, clock = make_service(ClosingStore())
+    service.startService()
+    d = service.api.waiters.wait_for("beta", lambda: succeed([]), bool, 20)
+    assert not d.called
+    await service.stopService()
+    assert d.called and closed == [True]
