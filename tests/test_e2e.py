@@ -1,0 +1,51 @@
+"""End to end: the real ``twistd -n relay`` process over a real socket."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.broker_proc import TWISTD, BrokerProcess
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = BrokerProcess(str(tmp_path)).start()
+    yield b
+    b.kill()
+
+
+def test_message_round_trip(broker):
+    status, info = broker.request("alpha", "GET", "/")
+    assert status == 200 and info["protocol"] == "1.0" and info["storage"] == "memory"
+    assert broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
+    status, sent = broker.request("alpha", "POST", "/messages",
+                                  {"to": "beta", "body": {"text": "hi"}, "kind": "request"})
+    assert status == 201 and sent["duplicate"] is False
+    status, pulled = broker.request("beta", "POST", "/v1/pull", {"limit": 5})
+    (message,) = pulled["messages"]
+    assert message["id"] == sent["id"] and message["body"] == {"text": "hi"}
+    status, acked = broker.request(
+        "beta", "POST", "/v1/ack",
+        {"messageId": message["id"], "leaseId": message["leaseId"], "outcome": "completed"},
+    )
+    assert acked == {"ok": True, "status": "done", "attempts": 0}
+    status, states = broker.request("alpha", "POST", "/v1/status", {"messageIds": [sent["id"]]})
+    assert states["messages"][0]["status"] == "done"
+    # twistd re-raises the signal that stopped it once the shutdown is clean.
+    assert broker.stop() in (0, -15)
+    assert "Server Shut Down." in broker.log()
+
+
+def test_config_error_stops_the_start_with_one_line(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    conf.write_text("broker:\n  secret: s\n  leaseSeconds: 0\n")
+    result = subprocess.run(
+        [TWISTD, "-n", "--pidfile=", "relay", "--config", str(conf)],
+        capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == ["relay: config error: broker.leaseSeconds: must be from 1 to 86400, not 0"]
