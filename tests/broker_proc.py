@@ -51,12 +51,12 @@ class BrokerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> "BrokerProcess":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [TWISTD, "-n", "--pidfile=", "relay", "--config", self.config_path],
-            stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
-        )
+    def start(self, timeout: float = 20.0) -> BrokerProcess:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [TWISTD, "-n", "--pidfile=", "relay", "--config", self.config_path],
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
