@@ -493,12 +493,25 @@ def test_rejects_non_http_urls() -> None:
 # --- against our in-memory broker ---------------------------------------------
 
 
+def relay_stub(resource: Any) -> StubTreq:
+    """StubTreq over ``resource``, serving with the broker's own request class.
+
+    The API reads ``request.raw_body()``, which only ``relay.http.RelayRequest``
+    has; StubTreq builds a plain Site, so its request factory is swapped here.
+    """
+    from relay.http import RelayRequest
+
+    stub = StubTreq(resource)
+    stub._agent._serverFactory.requestFactory = RelayRequest
+    return stub
+
+
 def broker_clients(**broker: Any) -> Tuple[RelayClient, RelayClient, Any, Clock]:
     """Two RelayClients (alpha, beta) sharing one in-memory broker and clock."""
     from relay.testing import make_api
 
     api, _, clock = make_api(**broker)
-    stub = StubTreq(api.resource())
+    stub = relay_stub(api.resource())
 
     def client(agent: str) -> RelayClient:
         return RelayClient("http://relay.test", agent, "s3cret", clock=clock, http=stub)
@@ -569,3 +582,28 @@ async def test_every_method_against_the_memory_broker() -> None:
     with pytest.raises(RelayError) as info_:
         await wrong.peers()
     assert (info_.value.status, info_.value.code) == (401, "unauthenticated")
+
+
+@pytest_twisted.ensureDeferred
+async def test_long_poll_against_the_memory_broker() -> None:
+    alpha, beta, stub, clock = broker_clients()
+    await alpha.handshake()
+    await beta.handshake()
+    assert beta.long_poll_seconds == 20
+    await alpha.register()
+    await beta.register()
+
+    waiting = beta.pull(limit=5, wait=10)
+    assert not waiting.called
+    sent = await alpha.send("beta", {"text": "wake up"}, kind="request")
+    stub.flush()
+    answer = await waiting
+    assert [m["id"] for m in answer["messages"]] == [sent["id"]]
+
+    idle = beta.recv(wait=10)
+    clock.advance(9)
+    stub.flush()
+    assert not idle.called
+    clock.advance(1)
+    stub.flush()
+    assert (await idle)["messages"] == []
