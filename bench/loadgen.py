@@ -22,6 +22,7 @@ Scenarios (each prints one JSON line, then a readable table)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import json
@@ -33,7 +34,7 @@ import time
 import traceback
 import uuid
 from array import array
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
 DEFAULT_URL = "http://127.0.0.1:19121"
@@ -468,14 +469,19 @@ def _pull_ack_worker(target: Target, agent: str, start_at: float, end_at: float,
 
 def _poll_worker(target: Target, agent: str, start_at: float, end_at: float,
                  limit: int) -> JsonDict:
-    """v1.0 drain: GET /messages?since=<cursor>&limit=<n> until an empty page."""
+    """v1.0 drain: GET /messages?since=<cursor>&limit=<n> until an empty page, repeated.
+
+    Polling does not change a message's state, so after the empty page that ends a
+    drain the worker starts over from no cursor; that keeps the measurement bounded in
+    time with a modest prefill. Every request is recorded, empty pages included.
+    """
     conn = Conn(target)
     conn.connect()
     pages = array("d")
     counts = array("l")
     errors: Dict[str, int] = {}
     cursor: Optional[str] = None
-    empty_at = 0.0
+    drains = 0
     _sleep_until(start_at)
     while time.time() < end_at:
         path = f"/messages?limit={limit}" if cursor is None else \
@@ -486,14 +492,15 @@ def _poll_worker(target: Target, agent: str, start_at: float, end_at: float,
             continue
         doc = json.loads(payload)
         messages = doc.get("messages") or []
-        if not messages:
-            empty_at = time.time()
-            break
         pages.append(time.time())
         counts.append(len(messages))
-        cursor = doc.get("cursor") or messages[-1]["id"]
+        if messages:
+            cursor = doc.get("cursor") or messages[-1]["id"]
+        else:
+            cursor = None
+            drains += 1
     conn.close()
-    return {"pages": pages, "counts": counts, "errors": errors, "empty_at": empty_at}
+    return {"pages": pages, "counts": counts, "errors": errors, "drains": drains}
 
 
 def _latency_sender(target: Target, agent: str, to: str, rate: float, start_at: float,
@@ -697,9 +704,13 @@ def scenario_pull_ack(target: Target, workers: int = 4, duration: float = 10.0,
 
 
 def scenario_poll(target: Target, workers: int = 2, duration: float = 10.0,
-                  warmup: float = 0.5, messages: int = 20000, limit: int = 50,
+                  warmup: float = 1.0, messages: int = 10000, limit: int = 50,
                   fill_concurrency: int = 8) -> JsonDict:
-    """``poll``: W v1.0 clients, each draining its own prefilled inbox with GET /messages."""
+    """``poll``: W v1.0 clients, each draining its own prefilled inbox with GET /messages.
+
+    Each worker drains its inbox page by page and starts over when it reaches the end
+    (v1.0 polling leaves messages queued), so the rate is messages returned per second.
+    """
     prefix = run_id()
     agents = [f"poll-{prefix}-{i}" for i in range(workers)]
     register(target, agents)
@@ -711,11 +722,6 @@ def scenario_poll(target: Target, workers: int = 2, duration: float = 10.0,
         [(target, a, start, hi, limit) for a in agents],
         timeout=warmup + duration + 60,
     )
-    empties = [r["empty_at"] for r in results if r["empty_at"]]
-    drained = bool(empties)
-    if drained:
-        hi = min(hi, min(empties))
-    span = max(hi - lo, 1e-9)
     count = 0
     pages = 0
     for res in results:
@@ -725,9 +731,10 @@ def scenario_poll(target: Target, workers: int = 2, duration: float = 10.0,
                 pages += 1
     return {
         "scenario": "poll", "url": target.url, "workers": workers, "limit": limit,
-        "seconds": round(span, 2), "messages": count, "pages": pages,
-        "rate": round(count / span, 1), "unit": "msg/s",
-        "requestRate": round(pages / span, 1), "drained": drained, "prefill": fill,
+        "seconds": duration, "messages": count, "requests": pages,
+        "rate": round(count / duration, 1), "unit": "msg/s",
+        "requestRate": round(pages / duration, 1),
+        "drains": sum(r["drains"] for r in results), "prefill": fill,
         "errors": _merge_errors(results),
     }
 
@@ -796,47 +803,61 @@ def scenario_e2e(target: Target, rate: float = 200.0, duration: float = 10.0,
     }
 
 
-def scenario_depth(target: Target, levels: Sequence[int], concurrency: int = 8,
+Fresh = Callable[[], ContextManager[Tuple[Target, Optional[Callable[[], JsonDict]]]]]
+
+
+def scenario_depth(target: Optional[Target], levels: Sequence[int], concurrency: int = 8,
                    workers: int = 4, duration: float = 5.0, pull_messages: int = 15000,
                    rate: float = 200.0, fill_concurrency: int = 8,
                    rss: Optional[Callable[[], JsonDict]] = None,
-                   include_e2e: bool = True, log: Callable[[str], None] = print) -> JsonDict:
-    """``depth``: send, pull-ack and e2e-latency with messages already stored for others.
+                   include_e2e: bool = True, log: Callable[[str], None] = print,
+                   fresh: Optional[Fresh] = None) -> JsonDict:
+    """``depth``: pull-ack, send and e2e-latency with messages already stored for others.
 
-    Levels are cumulative on one broker: before each level the store is topped up (for
-    ten other registered agents) to the level's count of prefilled messages. Messages
-    the measurements themselves store are reported as ``storedTotal``.
+    With ``fresh`` (a factory of context managers yielding ``(target, rss)``), every
+    level gets a new broker, is prefilled from empty to the level's count for ten other
+    registered agents, and is measured in the order pull-ack, send, e2e-latency, so the
+    levels differ only in the prefill. Without it, levels are cumulative on ``target``:
+    the store is topped up to each count, and the messages the earlier measurements
+    stored are counted in ``storedBefore``.
     """
-    others = [f"other-{run_id()}-{i}" for i in range(10)]
-    register(target, others)
+    rows: List[JsonDict] = []
     filled = 0
     stored_by_runs = 0
-    rows: List[JsonDict] = []
+    others: List[str] = []
     for level in sorted(levels):
-        fill = prefill(target, others, level - filled, fill_concurrency)
-        filled = max(filled, level)
-        if fill["count"]:
-            log(f"  depth {level}: prefilled {fill['count']} in {fill['seconds']}s "
-                f"({fill['rate']} msg/s)")
-        row: JsonDict = {"depth": level, "prefill": fill,
-                         "storedBefore": filled + stored_by_runs}
-        send = scenario_send(target, concurrency, duration, 1.0)
-        stored_by_runs += send["stored"]
-        row["send"] = send
-        pull = scenario_pull_ack(target, workers, duration, 0.5, pull_messages, 10,
-                                 fill_concurrency)
-        stored_by_runs += pull["prefill"]["count"]
-        row["pullAck"] = pull
-        if include_e2e:
-            e2e = scenario_e2e(target, rate, duration, 0.5)
-            stored_by_runs += e2e["sent"]
-            row["e2e"] = e2e
-        if rss is not None:
-            row["rss"] = rss()
-        row["storedTotal"] = filled + stored_by_runs
+        ctx: ContextManager[Any] = fresh() if fresh is not None else \
+            contextlib.nullcontext((target, rss))
+        with ctx as (tgt, level_rss):
+            if fresh is not None or not others:
+                others = [f"other-{run_id()}-{i}" for i in range(10)]
+                register(tgt, others)
+                filled = stored_by_runs = 0
+            fill = prefill(tgt, others, level - filled, fill_concurrency)
+            filled = max(filled, level)
+            if fill["count"]:
+                log(f"  depth {level}: prefilled {fill['count']} in {fill['seconds']}s "
+                    f"({fill['rate']} msg/s)")
+            row: JsonDict = {"depth": level, "prefill": fill,
+                             "storedBefore": filled + stored_by_runs}
+            pull = scenario_pull_ack(tgt, workers, duration, 0.5, pull_messages, 10,
+                                     fill_concurrency)
+            stored_by_runs += pull["prefill"]["count"]
+            row["pullAck"] = pull
+            send = scenario_send(tgt, concurrency, duration, 1.0)
+            stored_by_runs += send["stored"]
+            row["send"] = send
+            if include_e2e:
+                e2e = scenario_e2e(tgt, rate, duration, 0.5)
+                stored_by_runs += e2e["sent"]
+                row["e2e"] = e2e
+            if level_rss is not None:
+                row["rss"] = level_rss()
+            row["storedTotal"] = filled + stored_by_runs
         log("  " + _depth_line(row))
         rows.append(row)
-    return {"scenario": "depth", "url": target.url, "levels": rows}
+    return {"scenario": "depth", "url": target.url if target else "fresh broker per level",
+            "freshPerLevel": fresh is not None, "levels": rows}
 
 
 def _depth_line(row: JsonDict) -> str:
@@ -932,8 +953,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         doc = scenario_pull_ack(target, args.workers, args.duration, args.warmup,
                                 args.messages, args.limit or 10, args.fill_concurrency)
     elif args.scenario == "poll":
-        doc = scenario_poll(target, args.workers, args.duration, args.warmup, args.messages,
-                            args.limit or 50, args.fill_concurrency)
+        doc = scenario_poll(target, args.workers, args.duration, args.warmup,
+                            min(args.messages, 10000), args.limit or 50, args.fill_concurrency)
     elif args.scenario == "e2e-latency":
         doc = scenario_e2e(target, args.rate, args.duration, args.warmup, args.poll_interval,
                            args.no_long_poll)

@@ -17,6 +17,7 @@ saying why. The full result is also written to ``bench/results/suite-<time>.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,13 +33,13 @@ JsonDict = Dict[str, Any]
 PROFILES: Dict[str, JsonDict] = {
     "quick": {
         "duration": 3.0, "warmup": 1.0, "concurrency": 8, "workers": 4,
-        "pullMessages": 12000, "pollMessages": 20000, "pollWorkers": 2,
+        "pullMessages": 16000, "pollMessages": 4000, "pollWorkers": 2,
         "e2eDuration": 5.0, "rate": 200.0,
         "depthLevels": [0, 1000, 10000], "depthDuration": 3.0, "depthPullMessages": 8000,
     },
     "full": {
         "duration": 10.0, "warmup": 2.0, "concurrency": 8, "workers": 4,
-        "pullMessages": 40000, "pollMessages": 50000, "pollWorkers": 2,
+        "pullMessages": 50000, "pollMessages": 10000, "pollWorkers": 2,
         "e2eDuration": 15.0, "rate": 200.0,
         "depthLevels": [0, 1000, 10000, 100000], "depthDuration": 5.0,
         "depthPullMessages": 15000,
@@ -51,17 +52,20 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_scenarios(target: loadgen.Target, prof: JsonDict, scenarios: Sequence[str],
-                  fresh: Callable[[], Any], label: str) -> JsonDict:
-    """Run each scenario against a broker from ``fresh()`` and collect results and RSS.
+def run_scenarios(prof: JsonDict, scenarios: Sequence[str], fresh: Callable[[str], Any],
+                  label: str, managed: bool) -> JsonDict:
+    """Run each scenario against a broker from ``fresh(name)``; collect results and RSS.
 
-    ``fresh()`` returns a context manager yielding a ``(target, rss_fn)`` pair: a new
-    broker per scenario when the suite manages it, the same one when it was given a URL.
+    ``fresh(name)`` returns a context manager yielding a ``(target, rss_fn)`` pair: a
+    new broker per scenario (and per depth level) when the suite manages the broker,
+    the same one when it was given a URL.
     """
     out: JsonDict = {}
     for name in scenarios:
         say(f"[{label}] {name} ...")
-        with fresh() as (tgt, rss):
+        depth_fresh = (lambda name=name: fresh(name)) if managed else None
+        with (contextlib.nullcontext((None, None)) if managed and name == "depth"
+              else fresh(name)) as (tgt, rss):
             if name == "send":
                 doc = loadgen.scenario_send(tgt, prof["concurrency"], prof["duration"],
                                             prof["warmup"])
@@ -69,8 +73,8 @@ def run_scenarios(target: loadgen.Target, prof: JsonDict, scenarios: Sequence[st
                 doc = loadgen.scenario_pull_ack(tgt, prof["workers"], prof["duration"],
                                                 prof["warmup"], prof["pullMessages"])
             elif name == "poll":
-                doc = loadgen.scenario_poll(tgt, prof["pollWorkers"], prof["duration"], 0.0,
-                                            prof["pollMessages"])
+                doc = loadgen.scenario_poll(tgt, prof["pollWorkers"], prof["duration"],
+                                            prof["warmup"], prof["pollMessages"])
             elif name == "e2e-latency":
                 doc = loadgen.scenario_e2e(tgt, prof["rate"], prof["e2eDuration"],
                                            prof["warmup"])
@@ -78,7 +82,7 @@ def run_scenarios(target: loadgen.Target, prof: JsonDict, scenarios: Sequence[st
                 doc = loadgen.scenario_depth(
                     tgt, prof["depthLevels"], prof["concurrency"], prof["workers"],
                     prof["depthDuration"], prof["depthPullMessages"], prof["rate"],
-                    rss=rss, log=say)
+                    rss=rss, log=say, fresh=depth_fresh)
             else:
                 raise ValueError(name)
             if rss is not None:
@@ -92,8 +96,9 @@ def run_scenarios(target: loadgen.Target, prof: JsonDict, scenarios: Sequence[st
 class _Managed:
     """Context manager: start a fresh broker, yield (target, rss), stop it."""
 
-    def __init__(self, python: str, storage: str, workdir: str) -> None:
-        self.server = servers.broker(python, storage, workdir)
+    def __init__(self, python: str, storage: str, workdir: str,
+                 profile: Optional[str] = None) -> None:
+        self.server = servers.broker(python, storage, workdir, profile=profile)
 
     def __enter__(self) -> Any:
         self.server.start()
@@ -120,6 +125,17 @@ class _External:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+def profile_path(directory: Optional[str], storage: str, scenario: str) -> Optional[str]:
+    """Where to save the broker's cProfile stats for one scenario (None: no profiling).
+
+    Depth levels share one name per backend; the last level's broker wins.
+    """
+    if not directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    return os.path.abspath(os.path.join(directory, f"{storage}-{scenario}.pstats"))
 
 
 def measure_ceilings(python: str, workdir: str, prof: JsonDict) -> JsonDict:
@@ -201,9 +217,18 @@ def summary_rows(result: JsonDict) -> List[List[str]]:
             _ms(level(r, d)["e2e"]["latencyMs"]["p50"]),
             _ms(level(r, d)["e2e"]["latencyMs"]["p99"])))
         add(f"depth {d:,}: peak RSS MB", lambda r, d=d: str(level(r, d)["rss"]["peakMB"]))
-    add("peak RSS MB (all scenarios)", lambda r: str(max(
-        doc.get("rss", {}).get("peakMB", 0.0) for doc in r.values() if isinstance(doc, dict))))
+    add("peak RSS MB (all scenarios)", lambda r: str(peak_rss(r)))
     return rows
+
+
+def peak_rss(backend: JsonDict) -> float:
+    """The largest peak RSS of any scenario (and any depth level) of one backend."""
+    peaks = [0.0]
+    for doc in backend.values():
+        if isinstance(doc, dict):
+            peaks.append(doc.get("rss", {}).get("peakMB", 0.0))
+            peaks.extend(row.get("rss", {}).get("peakMB", 0.0) for row in doc.get("levels", []))
+    return max(peaks)
 
 
 def render(rows: List[List[str]]) -> str:
@@ -234,6 +259,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-ceiling", action="store_true", help="skip the ceiling servers")
     p.add_argument("--levels", help="depth levels, e.g. 0,1000,10000,100000")
     p.add_argument("--out", help="write the full JSON result here")
+    p.add_argument("--profile", metavar="DIR",
+                   help="run each started broker under cProfile, saving DIR/<backend>-"
+                        "<scenario>.pstats (figures are then slower; for finding hot spots)")
     args = p.parse_args(argv)
 
     prof = dict(PROFILES["quick" if args.quick else "full"])
@@ -260,8 +288,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             info = loadgen.handshake(target)
             label = str(info.get("storage") or "external")
             ext = _External(target, args.broker_pid)
-            result["backends"][label] = run_scenarios(target, prof, scenarios, lambda: ext,
-                                                      label)
+            result["backends"][label] = run_scenarios(prof, scenarios, lambda _: ext, label,
+                                                      managed=False)
             result["brokerInfo"] = {label: info}
         else:
             for storage in [b.strip() for b in args.backends.split(",") if b.strip()]:
@@ -281,8 +309,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     say(f"note: {storage} config reports storage={info.get('storage')}")
                 result.setdefault("brokerInfo", {})[storage] = info
                 result["backends"][storage] = run_scenarios(
-                    probe.target, prof, scenarios,
-                    lambda s=storage: _Managed(python, s, workdir), storage)
+                    prof, scenarios,
+                    lambda name, s=storage: _Managed(python, s, workdir,
+                                                     profile_path(args.profile, s, name)),
+                    storage, managed=True)
     finally:
         servers.cleanup(workdir)
     result["elapsedSeconds"] = round(time.time() - started, 1)

@@ -151,9 +151,13 @@ class Server:
         self.stop()
 
 
-def broker(python: str, storage: str, workdir: str, extra: Optional[Dict[str, Any]] = None
-           ) -> Server:
-    """A broker ``Server`` (not yet started) for ``storage`` in a fresh data dir."""
+def broker(python: str, storage: str, workdir: str, extra: Optional[Dict[str, Any]] = None,
+           profile: Optional[str] = None) -> Server:
+    """A broker ``Server`` (not yet started) for ``storage`` in a fresh data dir.
+
+    With ``profile``, twistd runs the reactor under cProfile and saves pstats there
+    when the broker stops (``twistd --profile FILE --savestats``).
+    """
     port = free_port()
     secret = secrets.token_hex(32)
     data_dir = tempfile.mkdtemp(prefix=f"data-{storage}-", dir=workdir)
@@ -166,7 +170,10 @@ def broker(python: str, storage: str, workdir: str, extra: Optional[Dict[str, An
     with open(config, "w") as fh:
         json.dump(conf, fh, indent=2)  # JSON is valid YAML
     argv = [python, "-c", TWISTD, "-n", "--pidfile", os.path.join(run_dir, "twistd.pid"),
-            "--logfile", os.path.join(run_dir, "twistd.log"), "relay", "--config", config]
+            "--logfile", os.path.join(run_dir, "twistd.log")]
+    if profile:
+        argv += ["--profile", profile, "--profiler", "cprofile", "--savestats"]
+    argv += ["relay", "--config", config]
     return Server(f"broker-{storage}", argv, f"http://127.0.0.1:{port}", run_dir, secret)
 
 
