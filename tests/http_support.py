@@ -1,0 +1,191 @@
+"""HTTP-level test support for the API tests: raw, signed requests in memory.
+
+Requests go through a real ``twisted.web`` Site built with the broker's own
+:class:`relay.http.RelayRequest` (the body limit lives there), over
+``treq.testing.RequestTraversalAgent``: no sockets, and time is a
+``task.Clock``. The path is sent and signed byte for byte as given, so query
+strings and odd ids reach the broker exactly as a client wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+from treq.testing import RequestTraversalAgent
+from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.internet.task import Clock
+from twisted.web.client import readBody
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
+from zope.interface import implementer
+
+from relay.auth import sign
+from relay.http import RelayRequest
+from relay.testing import SECRET, START, make_config
+from relay.web import RelayAPI
+
+BASE = b"http://127.0.0.1:19121"
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """Writes ``chunks`` at once; ``chunked`` hides the length (Transfer-Encoding: chunked)."""
+
+    def __init__(self, chunks: List[bytes], chunked: bool = False) -> None:
+        self.chunks = chunks
+        self.length = UNKNOWN_LENGTH if chunked else sum(len(c) for c in chunks)
+
+    def startProducing(self, consumer):
+        for chunk in self.chunks:
+            consumer.write(chunk)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+class Reply:
+    """One HTTP response: status, headers, parsed JSON (None when empty)."""
+
+    def __init__(self, code: int, headers: Headers, raw: bytes) -> None:
+        self.code = code
+        self.headers = headers
+        self.raw = raw
+        self.json: Any = json.loads(raw) if raw else None
+
+    def header(self, name: str) -> Optional[str]:
+        values = self.headers.getRawHeaders(name)
+        return values[0] if values else None
+
+    @property
+    def error_code(self) -> Optional[str]:
+        if isinstance(self.json, dict) and isinstance(self.json.get("error"), dict):
+            return self.json["error"].get("code")
+        return None
+
+    def __repr__(self) -> str:
+        return f"<Reply {self.code} {self.raw[:300]!r}>"
+
+
+def assert_error(reply: Reply, status: int, code: str) -> None:
+    """The §6 error body, exactly, with the JSON headers."""
+    assert reply.code == status, reply
+    assert set(reply.json) == {"error"}, reply
+    assert set(reply.json["error"]) == {"code", "message"}, reply
+    assert reply.json["error"]["code"] == code, reply
+    assert isinstance(reply.json["error"]["message"], str) and reply.json["error"]["message"]
+    assert_json_headers(reply)
+
+
+def assert_json_headers(reply: Reply) -> None:
+    assert reply.header("content-type") == "application/json; charset=utf-8", reply
+    assert reply.header("cache-control") == "no-store", reply
+
+
+class Broker:
+    """A RelayAPI over a memory store with a signing, byte-exact client."""
+
+    def __init__(self, clock: Optional[Clock] = None, store=None, config=None, **broker: Any):
+        from relay.store.memory import MemoryStore
+
+        self.clock = clock if clock is not None else Clock()
+        if self.clock.seconds() == 0:
+            self.clock.advance(START)
+        self.config = config if config is not None else make_config(**broker)
+        self.store = store if store is not None else MemoryStore()
+        self.api = RelayAPI(self.store, self.config, self.clock)
+        self.agent = RequestTraversalAgent(self.api.resource())
+        self.agent._serverFactory.requestFactory = RelayRequest
+        self.secrets: Dict[str, str] = {}
+
+    # -- raw requests ---------------------------------------------------------
+
+    def send(self, method: str, path: str, raw: bytes = b"",
+             headers: Optional[Dict[str, str]] = None, chunked: bool = False,
+             chunks: Optional[List[bytes]] = None) -> Deferred:
+        """Start a request; the Deferred fires with a :class:`Reply`."""
+        h = Headers()
+        for name, value in (headers or {}).items():
+            h.addRawHeader(name, value)
+        body = chunks if chunks is not None else ([raw] if raw else [])
+        producer = BytesProducer(body, chunked) if (body or chunked) else None
+
+        async def run() -> Reply:
+            response = await self.agent.request(method.encode("ascii"), BASE + path.encode("utf-8"),
+                                                h, producer)
+            content = await readBody(response)
+            return Reply(response.code, response.headers, content)
+
+        return ensureDeferred(run())
+
+    def signed_headers(self, agent: str, method: str, path: str, raw: bytes,
+                       secret: Optional[str] = None, timestamp: Optional[int] = None
+                       ) -> Dict[str, str]:
+        ts = int(self.clock.seconds()) if timestamp is None else timestamp
+        key = secret if secret is not None else self.secrets.get(agent, SECRET)
+        return {
+            "X-Relay-Agent": agent,
+            "X-Relay-Timestamp": str(ts),
+            "X-Relay-Signature": sign(key, method, path, ts, raw),
+            "Content-Type": "application/json",
+        }
+
+    def request(self, agent: Optional[str], method: str, path: str, body: Any = None,
+                raw: Optional[bytes] = None, chunked: bool = False,
+                headers: Optional[Dict[str, str]] = None, **sign_options: Any) -> Deferred:
+        """A signed request (unsigned when ``agent`` is None)."""
+        if raw is None:
+            raw = b"" if body is None else json.dumps(body).encode("utf-8")
+        all_headers = {} if agent is None else self.signed_headers(agent, method, path, raw,
+                                                                   **sign_options)
+        all_headers.update(headers or {})
+        return self.send(method, path, raw, all_headers, chunked=chunked)
+
+    def get(self, agent: Optional[str], path: str, **kw: Any) -> Deferred:
+        return self.request(agent, "GET", path, **kw)
+
+    def post(self, agent: Optional[str], path: str, body: Any = None, **kw: Any) -> Deferred:
+        return self.request(agent, "POST", path, body, **kw)
+
+    def flush(self) -> None:
+        """Deliver what the server wrote after the request returned (long polls)."""
+        self.agent.flush()
+
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.flush()
+
+    # -- conveniences ---------------------------------------------------------
+
+    async def register(self, *agents: str) -> None:
+        for agent in agents:
+            reply = await self.post(agent, "/register", {})
+            assert reply.code == 200, reply
+
+    async def message(self, sender: str, to: str, **fields: Any) -> str:
+        """Send a message; returns its id."""
+        reply = await self.post(sender, "/messages", dict(fields, to=to))
+        assert reply.code == 201, reply
+        return reply.json["id"]
+
+    async def pull(self, agent: str, **body: Any) -> List[Dict[str, Any]]:
+        reply = await self.post(agent, "/v1/pull", body)
+        assert reply.code == 200, reply
+        return reply.json["messages"]
+
+    async def poll(self, agent: str, query: str = "") -> Tuple[List[Dict[str, Any]], Any]:
+        reply = await self.get(agent, "/messages" + query)
+        assert reply.code == 200, reply
+        return reply.json["messages"], reply.json["cursor"]
+
+    async def status(self, agent: str, *ids: str) -> List[Dict[str, Any]]:
+        reply = await self.post(agent, "/v1/status", {"messageIds": list(ids)})
+        assert reply.code == 200, reply
+        return reply.json["messages"]
