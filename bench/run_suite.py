@@ -93,7 +93,7 @@ def run_scenarios(prof: JsonDict, scenarios: Sequence[str], fresh: Callable[[str
     return out
 
 
-class _Managed:
+class ManagedBroker:
     """Context manager: start a fresh broker, yield (target, rss), stop it."""
 
     def __init__(self, python: str, storage: str, workdir: str,
@@ -108,7 +108,7 @@ class _Managed:
         self.server.stop()
 
 
-class _External:
+class ExternalBroker:
     """Context manager for a broker the suite did not start (RSS only with --broker-pid)."""
 
     def __init__(self, target: loadgen.Target, pid: Optional[int]) -> None:
@@ -270,13 +270,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     python = os.path.abspath(args.python) if os.sep in args.python else args.python
     workdir = servers.workspace()
+    busy = servers.busy_note()
+    if busy:
+        say(busy)
     started = time.time()
     result: JsonDict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": "quick" if args.quick else "full",
         "machine": {"cores": os.cpu_count(), "platform": platform.platform(),
                     "loadgenPython": platform.python_version()},
         "brokerPython": python, "settings": prof, "ceilings": {}, "backends": {},
-        "skipped": {},
+        "skipped": {}, "busyNote": busy,
     }
     try:
         if not args.no_ceiling:
@@ -287,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             target = loadgen.Target(args.broker_url, args.secret)
             info = loadgen.handshake(target)
             label = str(info.get("storage") or "external")
-            ext = _External(target, args.broker_pid)
+            ext = ExternalBroker(target, args.broker_pid)
             result["backends"][label] = run_scenarios(prof, scenarios, lambda _: ext, label,
                                                       managed=False)
             result["brokerInfo"] = {label: info}
@@ -310,7 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 result.setdefault("brokerInfo", {})[storage] = info
                 result["backends"][storage] = run_scenarios(
                     prof, scenarios,
-                    lambda name, s=storage: _Managed(python, s, workdir,
+                    lambda name, s=storage: ManagedBroker(python, s, workdir,
                                                      profile_path(args.profile, s, name)),
                     storage, managed=True)
     finally:
@@ -320,6 +323,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(f"dsh-agent-relay benchmark ({result['profile']}) {result['date']}, "
           f"{result['machine']['cores']} cores, broker python {python}")
+    if busy:
+        print(busy)
     for kind, doc in result["ceilings"].items():
         print(f"ceiling {kind:<5} {doc['rate']:>9,.0f} req/s  (p50 {doc['latencyMs']['p50']} ms)")
     for storage, why in result["skipped"].items():

@@ -194,6 +194,32 @@ def cleanup(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _cpu_times() -> List[int]:
+    with open("/proc/stat") as fh:
+        return [int(x) for x in fh.readline().split()[1:]]
+
+
+def busy_note(sample: float = 1.0) -> str:
+    """A warning when other processes are using the CPU right now (figures will be noisy).
+
+    Samples ``/proc/stat`` for ``sample`` seconds before anything is started.
+    """
+    try:
+        before = _cpu_times()
+        time.sleep(sample)
+        after = _cpu_times()
+    except (OSError, ValueError):
+        return ""
+    delta = [y - x for x, y in zip(before, after)]
+    total = sum(delta)
+    idle = delta[3] + (delta[4] if len(delta) > 4 else 0)
+    busy_cores = (total - idle) / total * (os.cpu_count() or 1) if total else 0.0
+    if busy_cores < 0.2:
+        return ""
+    return (f"warning: other processes were using {busy_cores:.1f} cores before the run; "
+            "figures will be lower and noisier than on an idle machine")
+
+
 def default_python() -> str:
     """The interpreter of the repo's venv if present, else the running one."""
     venv = os.path.join(REPO_DIR, ".venv", "bin", "python")
