@@ -34,6 +34,7 @@ RECEIPT_TTL_SECONDS = 24 * 60 * 60
 HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
 POLL_INTERVAL_SECONDS = 2.0
 SHUTDOWN_GRACE_SECONDS = 30.0
+RETRY_DELAY_SECONDS = 5.0
 EXEC_TIMEOUT_SECONDS = 300.0
 MAX_ERROR_TEXT = 500
 
@@ -172,6 +173,9 @@ class AgentService(Service):
         coroutine. Raising (or failing) re-queues the request with ``retry``.
     :param receipts: where completed replies are remembered.
     :param concurrency: how many requests may be handled at once.
+    :param retry_delay: seconds a failed request stays leased before it is
+        handed back with ``retry``, so a failing handler does not burn all the
+        broker's attempts at once.
     :param on_receipt: called with each ``type: "ack"`` envelope (v1.0 receipts).
     :param on_reply: called with each ``kind: "reply"`` envelope (answers to
         this agent's own requests). Neither is run as a request.
@@ -193,6 +197,7 @@ class AgentService(Service):
         poll_interval: float = POLL_INTERVAL_SECONDS,
         heartbeat_interval: float = HEARTBEAT_INTERVAL_SECONDS,
         shutdown_grace: float = SHUTDOWN_GRACE_SECONDS,
+        retry_delay: float = RETRY_DELAY_SECONDS,
         on_receipt: Optional[Callable[[Message], Any]] = None,
         on_reply: Optional[Callable[[Message], Any]] = None,
         on_fatal: Optional[Callable[[RelayError], Any]] = None,
@@ -207,6 +212,7 @@ class AgentService(Service):
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self.shutdown_grace = shutdown_grace
+        self.retry_delay = retry_delay
         self.on_receipt = on_receipt
         self.on_reply = on_reply
         self.on_fatal = on_fatal
@@ -246,10 +252,18 @@ class AgentService(Service):
         pending = list(self._inflight)
         if not pending:
             return defer.succeed(None)
-        done = defer.DeferredList(pending, consumeErrors=True)
-        done.addTimeout(self.shutdown_grace, self._clock)
-        done.addErrback(lambda failure: failure.trap(defer.TimeoutError) and None)
-        return done.addCallback(lambda _: None)
+        done: defer.Deferred = defer.Deferred()
+
+        def finish(_: Any = None) -> None:
+            if not done.called:
+                done.callback(None)
+
+        # The handlers are not cancelled when the grace period ends: the
+        # process just stops waiting for them.
+        timer = self._clock.callLater(self.shutdown_grace, finish)
+        defer.DeferredList(pending, consumeErrors=True).addBoth(finish)
+        done.addBoth(lambda result: timer.cancel() if timer.active() else None)
+        return done
 
     async def _pause(self, d: defer.Deferred) -> Any:
         """Wait for ``d``, letting :meth:`stopService` cancel the wait."""
@@ -407,6 +421,8 @@ class AgentService(Service):
                     id=message_id,
                     kind=failure.type.__name__,
                 )
+                if not self._stopping and self.retry_delay > 0:
+                    await deferLater(self._clock, self.retry_delay)
                 await self._finish(message_id, "retry", _error_text(failure))
                 return
             reply = {

@@ -1,0 +1,173 @@
+"""twistd plugin ``relay-agent``: run one agent with a Python handler or a command.
+
+    twistd -n relay-agent --agent NAME --handler package.module:callable
+    twistd -n relay-agent --agent NAME --exec "COMMAND"
+
+Connection settings are resolved as for the ``relay`` command (flags, then
+environment, then ``~/.dsh-relay.json``). A ``--handler`` callable may carry
+``on_receipt`` / ``on_reply`` attributes, which receive v1.0 receipts and
+replies to this agent's own requests.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from twisted.application.service import IService
+from twisted.python import reflect, usage
+
+from relay.agent import (
+    EXEC_TIMEOUT_SECONDS,
+    HEARTBEAT_INTERVAL_SECONDS,
+    POLL_INTERVAL_SECONDS,
+    SHUTDOWN_GRACE_SECONDS,
+    AgentService,
+    ExecHandler,
+    ReceiptStore,
+    receipts_path,
+)
+from relay.cli import Settings, UsageError, resolve_settings
+
+
+def _positive(kind: Any) -> Any:
+    def coerce(value: str) -> Any:
+        number = kind(value)
+        if number <= 0:
+            raise ValueError(f"must be positive: {value}")
+        return number
+
+    coerce.coerceDoc = "Must be positive."  # type: ignore[attr-defined]
+    return coerce
+
+
+def load_handler(spec: str) -> Any:
+    """The callable named by ``module:callable`` (or ``module.callable``)."""
+    dotted = spec.replace(":", ".", 1) if ":" in spec else spec
+    try:
+        handler = reflect.namedAny(dotted)
+    except (ImportError, AttributeError, ValueError, reflect.ObjectNotFound) as error:
+        raise usage.UsageError(f"cannot load handler {spec!r}: {error}") from None
+    if not callable(handler):
+        raise usage.UsageError(f"handler {spec!r} is not callable")
+    return handler
+
+
+class Options(usage.Options):
+    """Command-line options of ``twistd relay-agent``."""
+
+    synopsis = "--agent NAME (--handler MODULE:CALLABLE | --exec COMMAND) [options]"
+
+    optParameters = [
+        ["agent", None, None, "This agent's name (or DSH_RELAY_AGENT)."],
+        ["broker", None, None, "Broker URL (or DSH_RELAY_BROKER_URL)."],
+        ["secret", None, None, "HMAC secret (or DSH_RELAY_SECRET)."],
+        ["secret-file", None, None, "File holding the HMAC secret (or DSH_RELAY_SECRET_FILE)."],
+        ["ca-file", None, None, "PEM CA bundle to trust for https (or DSH_RELAY_CA_FILE)."],
+        ["handler", None, None, "Python handler as module:callable."],
+        ["exec", None, None, "Shell command run per request: request on stdin, reply on stdout."],
+        [
+            "exec-timeout",
+            None,
+            EXEC_TIMEOUT_SECONDS,
+            "Seconds before --exec is killed.",
+            _positive(float),
+        ],
+        ["concurrency", None, 1, "Requests handled at once.", _positive(int)],
+        ["lease", None, None, "Lease length in seconds (broker default if unset).", _positive(int)],
+        [
+            "poll-interval",
+            None,
+            POLL_INTERVAL_SECONDS,
+            "Seconds between polls when the broker has no long-poll.",
+            _positive(float),
+        ],
+        [
+            "heartbeat",
+            None,
+            HEARTBEAT_INTERVAL_SECONDS,
+            "Seconds between heartbeats.",
+            _positive(float),
+        ],
+        [
+            "shutdown-grace",
+            None,
+            SHUTDOWN_GRACE_SECONDS,
+            "Seconds to wait for in-flight requests on shutdown.",
+            _positive(float),
+        ],
+        ["receipts-dir", None, None, "Directory of the receipts file (default: home)."],
+    ]
+
+    settings: Settings
+    handler: Any = None
+
+    def postOptions(self) -> None:
+        flags = {
+            "broker": self["broker"],
+            "agent": self["agent"],
+            "secret": self["secret"],
+            "secret_file": self["secret-file"],
+            "ca_file": self["ca-file"],
+        }
+        try:
+            self.settings = resolve_settings(flags, os.environ, Path.home())
+        except UsageError as error:
+            raise usage.UsageError(str(error)) from None
+        if not self.settings.agent:
+            raise usage.UsageError("no agent name: pass --agent NAME or set DSH_RELAY_AGENT")
+        if not self.settings.secret:
+            raise usage.UsageError(
+                "no secret: pass --secret, --secret-file or set DSH_RELAY_SECRET"
+            )
+        if (self["handler"] is None) == (self["exec"] is None):
+            raise usage.UsageError("give exactly one of --handler and --exec")
+        if self["handler"] is not None:
+            self.handler = load_handler(self["handler"])
+        if self["heartbeat"] >= 90:
+            raise usage.UsageError("--heartbeat must be well under the broker's 90 s TTL")
+
+
+def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
+    """The agent runtime described by ``options``."""
+    if reactor is None:
+        from twisted.internet import reactor  # type: ignore[no-redef]
+    from relay.client import RelayClient
+
+    settings = options.settings
+    client = RelayClient(
+        settings.broker_url,
+        settings.agent or "",
+        settings.secret or "",
+        clock=reactor,
+        reactor=reactor,
+        ca_file=settings.ca_file,
+    )
+    if options["exec"] is not None:
+        handler: Any = ExecHandler(
+            options["exec"], reactor=reactor, timeout=options["exec-timeout"]
+        )
+    else:
+        handler = options.handler
+    home = Path(options["receipts-dir"]).expanduser() if options["receipts-dir"] else Path.home()
+    receipts = ReceiptStore(receipts_path(client.agent, home), reactor)
+
+    def fatal(error: Exception) -> None:
+        if reactor.running:
+            reactor.stop()
+
+    return AgentService(
+        client,
+        handler,
+        clock=reactor,
+        receipts=receipts,
+        concurrency=options["concurrency"],
+        lease_seconds=options["lease"],
+        poll_interval=options["poll-interval"],
+        heartbeat_interval=options["heartbeat"],
+        shutdown_grace=options["shutdown-grace"],
+        on_receipt=getattr(handler, "on_receipt", None),
+        on_reply=getattr(handler, "on_reply", None),
+        on_fatal=fatal,
+    )

@@ -1,0 +1,545 @@
+"""The agent runtime against the in-memory broker, driven by a Clock; the receipts
+store; the ``--exec`` handler with real processes; the twistd plugin options."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import pytest_twisted
+from treq.testing import StubTreq
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.python import usage
+from twisted.python.failure import Failure
+
+from relay.agent import (
+    RECEIPT_TTL_SECONDS,
+    AgentService,
+    ExecFailed,
+    ExecHandler,
+    ReceiptStore,
+    exec_input,
+    receipts_path,
+    reply_body,
+)
+from relay.client import RelayClient
+from relay.errors import RelayError
+
+# -- receipts --------------------------------------------------------------------
+
+
+def test_receipts_path_is_per_agent_and_stable(tmp_path: Path) -> None:
+    one = receipts_path("alpha", tmp_path)
+    assert one == receipts_path("alpha", tmp_path)
+    assert one != receipts_path("beta", tmp_path)
+    assert one.parent == tmp_path
+    assert one.name.startswith(".dsh-agent-relay-receipts-") and one.suffix == ".json"
+    assert "alpha" not in one.name
+
+
+def test_receipts_persist_expire_after_a_day_and_are_private(tmp_path: Path) -> None:
+    clock = Clock()
+    clock.advance(1000)
+    path = tmp_path / "receipts.json"
+    store = ReceiptStore(path, clock)
+    assert store.get("q1") is None
+    store.put("q1", {"id": "r1", "to": "alpha", "body": {"text": "x"}})
+    store.mark("q1", receiptSent=True)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["receipts.json"]
+
+    reopened = ReceiptStore(path, clock)
+    entry = reopened.get("q1")
+    assert entry is not None
+    assert entry["reply"]["id"] == "r1" and entry["receiptSent"] is True
+
+    clock.advance(RECEIPT_TTL_SECONDS - 1)
+    assert reopened.get("q1") is not None
+    clock.advance(2)
+    assert reopened.get("q1") is None
+    reopened.put("q2", {"id": "r2"})
+    on_disk = json.loads(path.read_text())["receipts"]
+    assert list(on_disk) == ["q2"]  # the expired entry is dropped on the next write
+
+
+def test_unreadable_receipts_start_empty(tmp_path: Path) -> None:
+    path = tmp_path / "receipts.json"
+    path.write_text("{broken", encoding="utf-8")
+    store = ReceiptStore(path, Clock())
+    assert len(store) == 0
+    store.put("q", {"id": "r"})
+    assert ReceiptStore(path, Clock()).get("q") is not None
+
+
+def test_reply_body_shapes() -> None:
+    assert reply_body({"a": 1}) == {"a": 1}
+    assert reply_body("hi") == {"text": "hi"}
+    assert reply_body(b"hi") == {"text": "hi"}
+    assert reply_body(None) == {}
+    assert reply_body([1, 2]) == {"result": [1, 2]}
+
+
+# -- a broker, two clients and a runtime ------------------------------------------
+
+
+def relay_stub(resource: Any) -> StubTreq:
+    """StubTreq serving with the broker's own request class (see test_client)."""
+    from relay.http import RelayRequest
+
+    stub = StubTreq(resource)
+    stub._agent._serverFactory.requestFactory = RelayRequest
+    return stub
+
+
+class World:
+    """An in-memory broker, the requester ``alpha`` and helpers to run ``worker``."""
+
+    def __init__(self, tmp_path: Path, **broker: Any) -> None:
+        from relay.testing import make_api
+
+        self.api, _, self.clock = make_api(**broker)
+        self.stub = relay_stub(self.api.resource())
+        self.home = tmp_path
+        self.alpha = self.client("alpha")
+
+    def client(self, agent: str) -> RelayClient:
+        return RelayClient("http://relay.test", agent, "s3cret", clock=self.clock, http=self.stub)
+
+    def runtime(
+        self, handler: Any, client: Optional[RelayClient] = None, **kwargs: Any
+    ) -> AgentService:
+        client = client or self.client("worker")
+        receipts = ReceiptStore(receipts_path(client.agent, self.home), self.clock)
+        return AgentService(client, handler, clock=self.clock, receipts=receipts, **kwargs)
+
+    def settle(self, seconds: float = 0.0) -> None:
+        """Let in-memory HTTP exchanges finish, then move the clock on."""
+        for _ in range(5):
+            self.stub.flush()
+        if seconds:
+            self.clock.advance(seconds)
+            for _ in range(5):
+                self.stub.flush()
+
+    def run(self, coroutine: Any) -> Any:
+        """The result of a client call that completes without the clock moving."""
+        d = defer.ensureDeferred(coroutine)
+        self.settle()
+        results: List[Any] = []
+        d.addBoth(results.append)
+        assert results, "client call did not complete"
+        if isinstance(results[0], Failure):
+            results[0].raiseException()
+        return results[0]
+
+    def request(self, text: str, **fields: Any) -> str:
+        self.run(self.alpha.register())
+        return self.run(self.alpha.send("worker", {"text": text}, kind="request", **fields))["id"]
+
+    def status(self, message_id: str) -> Tuple[str, int]:
+        (entry,) = self.run(self.alpha.status([message_id]))["messages"]
+        return entry["status"], entry["attempts"]
+
+    def replies(self) -> List[Dict[str, Any]]:
+        answer = self.run(self.alpha.query(kind="reply"))
+        return answer["messages"]
+
+
+class Recorder:
+    """A handler that records calls and answers with upper-case text."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: List[str] = []
+        self.fail = fail
+
+    def __call__(self, message: Dict[str, Any]) -> Any:
+        self.calls.append(message["id"])
+        if self.fail:
+            raise RuntimeError("handler is broken")
+        return message["body"]["text"].upper()
+
+
+def start(world: World, service: AgentService) -> None:
+    service.startService()
+    world.settle()
+
+
+def stop(world: World, service: AgentService) -> None:
+    d = service.stopService()
+    world.settle()
+    assert d.called
+
+
+def test_request_reply_done(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    handler = Recorder()
+    service = world.runtime(handler)
+    start(world, service)
+    peers = world.run(world.alpha.peers())["peers"]
+    assert [p["agent"] for p in peers] == ["worker"]
+
+    request = world.request("hello", root_id="root-1")
+    world.settle()
+    assert handler.calls == [request]
+    assert world.status(request)[0] == "done"
+    (reply,) = world.replies()
+    assert reply["body"] == {"text": "HELLO"}
+    assert (reply["from"], reply["to"], reply["kind"]) == ("worker", "alpha", "reply")
+    assert (reply["replyTo"], reply["parentId"], reply["rootId"]) == (request, request, "root-1")
+    stop(world, service)
+
+
+def test_root_id_defaults_to_the_request_id(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    service = world.runtime(Recorder())
+    start(world, service)
+    request = world.request("x")
+    world.settle()
+    (reply,) = world.replies()
+    assert reply["rootId"] == request
+    stop(world, service)
+
+
+def test_handler_failure_retries_then_fails_after_max_attempts(tmp_path: Path) -> None:
+    world = World(tmp_path, maxAttempts=3)
+    handler = Recorder(fail=True)
+    service = world.runtime(handler, retry_delay=5.0)
+    start(world, service)
+    request = world.request("boom")
+    world.settle()
+    assert handler.calls == [request]
+    assert world.status(request) == ("leased", 0)  # held for the retry delay
+    world.settle(4.9)
+    assert world.status(request) == ("leased", 0)
+    world.settle(0.1)
+    assert len(handler.calls) == 2  # handed back with retry, leased again at once
+    assert world.status(request) == ("leased", 1)
+    for _ in range(4):
+        world.settle(5)
+    # spec 5.1: retry gives attempts+1 and "> maxAttempts -> failed"
+    assert handler.calls == [request] * 4
+    assert world.status(request) == ("failed", 4)
+    assert world.replies() == []
+    stop(world, service)
+
+
+def test_deferred_handler(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    pending: List[defer.Deferred] = []
+
+    def deferred_handler(message: Dict[str, Any]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        pending.append(d)
+        return d
+
+    service = world.runtime(deferred_handler)
+    start(world, service)
+    request = world.request("later")
+    world.settle()
+    assert world.status(request)[0] == "leased"
+    pending[0].callback({"answer": 42})
+    world.settle()
+    assert world.status(request)[0] == "done"
+    assert world.replies()[0]["body"] == {"answer": 42}
+    stop(world, service)
+
+
+def test_coroutine_handler(tmp_path: Path) -> None:
+    async def coroutine_handler(message: Dict[str, Any]) -> str:
+        return "from a coroutine"
+
+    world = World(tmp_path)
+    service = world.runtime(coroutine_handler)
+    start(world, service)
+    world.request("x")
+    world.settle()
+    assert world.replies()[0]["body"] == {"text": "from a coroutine"}
+    stop(world, service)
+
+
+class LosesAcks(RelayClient):
+    """A client whose completed acks never reach the broker."""
+
+    def ack_outcome(self, message_id: str, lease_id: str, outcome: str, error: Any = None) -> Any:
+        if outcome == "completed":
+            return defer.fail(RelayError(0, "connection_error", "lost"))
+        return super().ack_outcome(message_id, lease_id, outcome, error)
+
+
+def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path)
+    handler = Recorder()
+    lossy = LosesAcks("http://relay.test", "worker", "s3cret", clock=world.clock, http=world.stub)
+    first = world.runtime(handler, client=lossy, lease_seconds=60)
+    start(world, first)
+    request = world.request("once", ack=True)
+    world.settle()
+    assert handler.calls == [request]
+    assert world.status(request)[0] == "leased"
+    stop(world, first)
+
+    # the lease lapses; a new process (new ReceiptStore from the same file) starts
+    world.settle(61)
+    world.run(world.api.store.sweep_leases(world.clock.seconds()))
+    assert world.status(request)[0] == "queued"
+    handler_after_restart = Recorder()
+    second = world.runtime(handler_after_restart)
+    start(world, second)
+    world.settle()
+    assert handler_after_restart.calls == []
+    assert world.status(request)[0] == "done"
+    replies = world.replies()
+    assert len(replies) == 1  # the replay reused the reply id: the broker saw a duplicate
+    assert replies[0]["body"] == {"text": "ONCE"}
+    receipts = [
+        m
+        for m in world.run(world.alpha.recv())["messages"]
+        if m.get("type") == "ack" and m.get("replyTo") == request
+    ]
+    assert len(receipts) == 1  # the v1.0 receipt went out once, not once per delivery
+    stop(world, second)
+
+
+def test_receipts_and_replies_are_surfaced_not_run(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    handler = Recorder()
+    seen: Dict[str, List[str]] = {"receipt": [], "reply": []}
+    service = world.runtime(
+        handler,
+        client=world.client("alpha"),
+        on_receipt=lambda m: seen["receipt"].append(m["replyTo"]),
+        on_reply=lambda m: seen["reply"].append(m["parentId"]),
+    )
+    worker = world.client("worker")
+    world.run(worker.register())
+    start(world, service)
+    sent = world.run(world.alpha.send("worker", {"text": "please ack"}, ack=True))["id"]
+    world.run(worker.ack(sent))
+    answer = world.run(
+        worker.send("alpha", {"text": "answer"}, kind="reply", reply_to=sent, parent_id=sent)
+    )
+    world.settle()
+    assert handler.calls == []
+    assert seen == {"receipt": [sent], "reply": [sent]}
+    assert world.status(answer["id"])[0] == "done"
+    stop(world, service)
+
+
+def test_concurrency_limits_requests_in_flight(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    pending: List[defer.Deferred] = []
+
+    def handler(message: Dict[str, Any]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        pending.append(d)
+        return d
+
+    service = world.runtime(handler, concurrency=2)
+    start(world, service)
+    requests = [world.request(f"r{i}") for i in range(3)]
+    world.settle(1)
+    assert len(pending) == 2
+    assert [world.status(r)[0] for r in requests].count("leased") == 2
+    pending[0].callback("done")
+    world.settle(1)
+    assert len(pending) == 3
+    for d in pending[1:]:
+        d.callback("done")
+    world.settle()
+    assert [world.status(r)[0] for r in requests] == ["done"] * 3
+    stop(world, service)
+
+
+def test_shutdown_stops_pulling_and_waits_for_in_flight_handlers(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    pending: List[defer.Deferred] = []
+
+    def handler(message: Dict[str, Any]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        pending.append(d)
+        return d
+
+    service = world.runtime(handler, shutdown_grace=30)
+    start(world, service)
+    first = world.request("first")
+    world.settle()
+    stopping = service.stopService()
+    world.settle()
+    assert not stopping.called
+    second = world.request("second")
+    world.settle(5)
+    assert world.status(second)[0] == "queued"  # no more leasing after stop
+    pending[0].callback("finished")
+    world.settle()
+    assert stopping.called
+    assert world.status(first)[0] == "done"
+
+
+def test_shutdown_gives_up_after_the_grace_period(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    service = world.runtime(lambda message: defer.Deferred(), shutdown_grace=30)
+    start(world, service)
+    request = world.request("stuck")
+    world.settle()
+    stopping = service.stopService()
+    world.settle(29)
+    assert not stopping.called
+    world.settle(1)
+    assert stopping.called
+    assert world.status(request)[0] == "leased"  # its lease lapses at the broker
+
+
+def test_protocol_mismatch_is_fatal(tmp_path: Path) -> None:
+    clock = Clock()
+    from twisted.web.resource import Resource
+
+    class OtherBroker(Resource):
+        isLeaf = True
+
+        def render(self, request: Any) -> bytes:
+            return b'{"protocol": "2.0"}'
+
+    client = RelayClient("http://x", "worker", "s", clock=clock, http=StubTreq(OtherBroker()))
+    fatal: List[RelayError] = []
+    service = AgentService(
+        client,
+        Recorder(),
+        clock=clock,
+        receipts=ReceiptStore(tmp_path / "r.json", clock),
+        on_fatal=fatal.append,
+    )
+    service.startService()
+    assert [e.code for e in fatal] == ["protocol_mismatch"]
+    assert not clock.getDelayedCalls()
+    assert service.stopService().called
+
+
+# -- the --exec handler (real processes, bounded) -------------------------------
+
+
+def test_exec_input_is_text_or_json() -> None:
+    assert exec_input({"body": {"text": "plain"}}) == b"plain"
+    assert json.loads(exec_input({"body": {"n": 1}})) == {"n": 1}
+
+
+@pytest_twisted.inlineCallbacks
+def test_exec_handler_reads_stdin_and_replies_with_stdout() -> Any:
+    from twisted.internet import reactor
+
+    handler = ExecHandler(
+        'tr a-z A-Z; echo " $RELAY_FROM $RELAY_KIND"', reactor=reactor, timeout=10
+    )
+    text = yield handler({"id": "m1", "from": "alpha", "kind": "request", "body": {"text": "hi"}})
+    assert text == "HI alpha request"
+
+
+@pytest_twisted.inlineCallbacks
+def test_exec_handler_non_zero_exit_fails() -> Any:
+    from twisted.internet import reactor
+
+    handler = ExecHandler("cat >/dev/null; exit 3", reactor=reactor, timeout=10)
+    with pytest.raises(ExecFailed, match="status 3"):
+        yield handler({"id": "m", "body": {"text": "x"}})
+
+
+@pytest_twisted.inlineCallbacks
+def test_exec_handler_times_out() -> Any:
+    from twisted.internet import reactor
+
+    handler = ExecHandler("exec sleep 30", reactor=reactor, timeout=0.3)
+    with pytest.raises(ExecFailed, match="timed out"):
+        yield handler({"id": "m", "body": {"text": "x"}})
+
+
+@pytest_twisted.inlineCallbacks
+def test_exec_script_as_an_agent(tmp_path: Path) -> Any:
+    """A small script runs per request; the reply is its stdout; exit 1 means retry."""
+    from twisted.internet import reactor
+
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import sys\n"
+        "text = sys.stdin.read()\n"
+        "if text == 'fail':\n"
+        "    sys.exit(1)\n"
+        "print(text[::-1])\n",
+        encoding="utf-8",
+    )
+    world = World(tmp_path)
+    handler = ExecHandler(f"{sys.executable} {script}", reactor=reactor, timeout=20)
+    service = world.runtime(handler, retry_delay=0)
+    start(world, service)
+    good = world.request("stressed")
+    bad = world.request("fail")
+    for _ in range(400):
+        world.settle()
+        if world.status(good)[0] == "done" and world.status(bad)[0] == "failed":
+            break
+        yield _sleep(reactor, 0.025)
+    assert world.status(good)[0] == "done"
+    assert world.replies()[0]["body"] == {"text": "desserts"}
+    assert world.status(bad) == ("failed", 4)
+    d = service.stopService()
+    world.settle()
+    yield d
+
+
+def _sleep(reactor: Any, seconds: float) -> defer.Deferred:
+    from twisted.internet.task import deferLater
+
+    return deferLater(reactor, seconds)
+
+
+# -- the twistd plugin ----------------------------------------------------------------
+
+
+def test_plugin_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from relay import agent_tap
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("DSH_RELAY_SECRET", raising=False)
+    options = agent_tap.Options()
+    options.parseOptions(
+        ["--agent", "worker", "--secret", "s", "--exec", "cat", "--concurrency", "3"]
+    )
+    assert options.settings.agent == "worker"
+    assert options["concurrency"] == 3
+    with pytest.raises(usage.UsageError, match="exactly one"):
+        agent_tap.Options().parseOptions(["--agent", "w", "--secret", "s"])
+    with pytest.raises(usage.UsageError, match="exactly one"):
+        agent_tap.Options().parseOptions(
+            ["--agent", "w", "--secret", "s", "--exec", "cat", "--handler", "json:dumps"]
+        )
+    with pytest.raises(usage.UsageError, match="no agent"):
+        agent_tap.Options().parseOptions(["--secret", "s", "--exec", "cat"])
+    with pytest.raises(usage.UsageError, match="cannot load"):
+        agent_tap.Options().parseOptions(
+            ["--agent", "w", "--secret", "s", "--handler", "no_such_module:f"]
+        )
+    loaded = agent_tap.Options()
+    loaded.parseOptions(["--agent", "w", "--secret", "s", "--handler", "json:dumps"])
+    assert loaded.handler is json.dumps
+
+
+def test_make_service_builds_an_agent_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay import agent_tap
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    options = agent_tap.Options()
+    options.parseOptions(
+        ["--agent", "worker", "--secret", "s", "--broker", "http://127.0.0.1:1", "--exec", "cat"]
+    )
+    service = agent_tap.makeService(options)
+    assert isinstance(service, AgentService)
+    assert service.client.agent == "worker"
+    assert service.receipts.path == receipts_path("worker", tmp_path)
+    assert isinstance(service.handler, ExecHandler)
