@@ -7,13 +7,13 @@ from typing import Callable, Optional, Set
 from twisted.application.internet import StreamServerEndpointService, TimerService
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from relay.config import Config
 from relay.http import RelaySite
 from relay.protocol import HEARTBEAT_TTL_SECONDS
+from relay.tls import server_endpoints
 from relay.web import RelayAPI
 
 log = Logger(namespace="relay.service")
@@ -79,8 +79,7 @@ class RelayService(MultiService):
         self.secret_created = secret_created
         self.api = RelayAPI(store, config, self.clock)
         self.site = RelaySite(self.api.resource(), access_log=config.access_log)
-        for description in config.listen:
-            endpoint = serverFromString(reactor, description)
+        for endpoint in server_endpoints(reactor, config.listen, config.tls_client_ca):
             listener = StreamServerEndpointService(endpoint, self.site)
             listener._raiseSynchronously = True
             listener.setServiceParent(self)

@@ -1,0 +1,305 @@
+"""TLS listeners: ``ssl:`` endpoint strings with checked files and optional client certificates.
+
+An ``ssl:`` string of ``broker.listen`` takes the options of Twisted's own
+``ssl:`` server endpoint (``port``, ``privateKey``, ``certKey``, ``sslmethod``,
+``interface``, ``backlog``, ``extraCertChain``, ``dhParameters``). Every file
+it names is read and checked before the broker listens, so a missing,
+unreadable, malformed or mismatched key or certificate stops the start with
+the path and the reason. When ``broker.tlsClientCA`` is set, every ``ssl:``
+listener also requires a client certificate signed by a CA in that file and
+refuses any other client during the handshake. Other endpoint strings go to
+:func:`twisted.internet.endpoints.serverFromString` unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from OpenSSL import SSL, crypto
+from twisted.internet import ssl
+from twisted.internet.endpoints import SSL4ServerEndpoint, serverFromString
+from twisted.internet.interfaces import IStreamServerEndpoint
+from twisted.logger import Logger
+from twisted.python.filepath import FilePath
+
+from relay.config import _unescape, split_endpoint
+from relay.errors import ConfigError
+
+__all__ = ["TLSListener", "parse_ssl_endpoint", "server_endpoints"]
+
+log = Logger(namespace="relay.tls")
+
+LISTEN_KEY = "broker.listen"
+CLIENT_CA_KEY = "broker.tlsClientCA"
+
+# The parameters of Twisted's ``ssl:`` server parser, in positional order.
+_SSL_PARAMETERS = (
+    "port",
+    "privateKey",
+    "certKey",
+    "sslmethod",
+    "interface",
+    "backlog",
+    "extraCertChain",
+    "dhParameters",
+)
+_DEFAULT_BACKLOG = 50
+
+
+class TLSListener:
+    """The checked settings of one ``ssl:`` endpoint string."""
+
+    def __init__(
+        self,
+        port: int,
+        private_key: str,
+        cert_key: str,
+        interface: str = "",
+        backlog: int = _DEFAULT_BACKLOG,
+        sslmethod: Optional[str] = None,
+        extra_cert_chain: Optional[str] = None,
+        dh_parameters: Optional[str] = None,
+    ) -> None:
+        self.port = port
+        self.private_key = private_key
+        self.cert_key = cert_key
+        self.interface = interface
+        self.backlog = backlog
+        self.sslmethod = sslmethod
+        self.extra_cert_chain = extra_cert_chain
+        self.dh_parameters = dh_parameters
+
+
+def _is_ssl(description: str) -> bool:
+    return split_endpoint(description)[0].strip().lower() == "ssl"
+
+
+def parse_ssl_endpoint(description: str) -> TLSListener:
+    """The settings of an ``ssl:`` endpoint string; ConfigError when malformed.
+
+    Positional and ``name=value`` arguments follow Twisted's ``ssl:`` parser;
+    ``privateKey`` is required (``certKey`` defaults to it, for a file that
+    holds both).
+    """
+    parts = split_endpoint(description)
+    values: Dict[str, str] = {}
+    positional = 0
+    for part in parts[1:]:
+        name, sep, value = part.partition("=")
+        if sep:
+            if name not in _SSL_PARAMETERS:
+                raise ConfigError(
+                    LISTEN_KEY, f"{description!r}: unknown ssl: endpoint option {name!r}"
+                )
+        else:
+            if positional >= len(_SSL_PARAMETERS):
+                raise ConfigError(LISTEN_KEY, f"{description!r}: too many arguments")
+            name, value = _SSL_PARAMETERS[positional], part
+            positional += 1
+        if name in values:
+            raise ConfigError(LISTEN_KEY, f"{description!r}: {name} is given twice")
+        values[name] = _unescape(value)
+
+    port = _number(description, values, "port", None, 0, 65535)
+    private_key = values.get("privateKey")
+    if not private_key:
+        raise ConfigError(LISTEN_KEY, f"{description!r}: privateKey=PATH is required")
+    sslmethod = values.get("sslmethod")
+    if sslmethod is not None and not (
+        sslmethod.endswith("_METHOD") and isinstance(getattr(SSL, sslmethod, None), int)
+    ):
+        raise ConfigError(LISTEN_KEY, f"{description!r}: unknown sslmethod {sslmethod!r}")
+    return TLSListener(
+        port=port,
+        private_key=private_key,
+        cert_key=values.get("certKey") or private_key,
+        interface=values.get("interface", ""),
+        backlog=_number(description, values, "backlog", _DEFAULT_BACKLOG, 1, 65535),
+        sslmethod=sslmethod,
+        extra_cert_chain=values.get("extraCertChain") or None,
+        dh_parameters=values.get("dhParameters") or None,
+    )
+
+
+def _number(
+    description: str, values: Dict[str, str], name: str, default: Optional[int], lo: int, hi: int
+) -> int:
+    raw = values.get(name)
+    if raw is None:
+        if default is None:
+            raise ConfigError(LISTEN_KEY, f"{description!r}: the port is missing")
+        return default
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        raise ConfigError(
+            LISTEN_KEY, f"{description!r}: {name} must be a number from {lo} to {hi}"
+        )
+    return int(raw)
+
+
+def _read(key: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(key, f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(key, f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise ConfigError(key, f"{path}: cannot read: {e.strerror}") from None
+
+
+def _load_private_key(path: str):
+    data = _read(LISTEN_KEY, path)
+    try:
+        return serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        raise ConfigError(
+            LISTEN_KEY, f"{path}: the private key is encrypted; the broker needs it unencrypted"
+        ) from None
+    except (ValueError, serialization.UnsupportedAlgorithm):
+        raise ConfigError(LISTEN_KEY, f"{path}: no PEM private key found") from None
+
+
+def _load_certificates(key: str, path: str, what: str) -> List[x509.Certificate]:
+    data = _read(key, path)
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise ConfigError(key, f"{path}: no PEM certificate found ({what})")
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError:
+        raise ConfigError(key, f"{path}: malformed PEM certificate ({what})") from None
+
+
+def _spki(public_key) -> bytes:
+    return public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _validity(certificate: x509.Certificate) -> Tuple[datetime.datetime, datetime.datetime]:
+    if hasattr(certificate, "not_valid_after_utc"):
+        return certificate.not_valid_before_utc, certificate.not_valid_after_utc
+    utc = datetime.timezone.utc
+    return (
+        certificate.not_valid_before.replace(tzinfo=utc),
+        certificate.not_valid_after.replace(tzinfo=utc),
+    )
+
+
+def _warn_validity(path: str, certificate: x509.Certificate, now: datetime.datetime) -> None:
+    not_before, not_after = _validity(certificate)
+    if now > not_after:
+        log.warn(
+            "TLS certificate {path} expired on {date}; clients will refuse it",
+            path=path,
+            date=not_after.isoformat(),
+        )
+    elif now < not_before:
+        log.warn(
+            "TLS certificate {path} is not valid before {date}; clients will refuse it",
+            path=path,
+            date=not_before.isoformat(),
+        )
+
+
+def load_client_ca(path: str) -> Any:
+    """The trust root for client certificates: every certificate in the PEM file ``path``."""
+    certificates = _load_certificates(CLIENT_CA_KEY, path, "client CA")
+    return ssl.trustRootFromCertificates(
+        [ssl.Certificate(crypto.X509.from_cryptography(c)) for c in certificates]
+    )
+
+
+def certificate_options(
+    listener: TLSListener,
+    client_ca: Optional[Any] = None,
+    now: Optional[datetime.datetime] = None,
+) -> ssl.CertificateOptions:
+    """The TLS server settings of ``listener``, with every file loaded and checked.
+
+    With ``client_ca``, a client must present a certificate that chains to it.
+    Raises ConfigError naming the file and the problem.
+    """
+    key = _load_private_key(listener.private_key)
+    certificate = _load_certificates(LISTEN_KEY, listener.cert_key, "server certificate")[0]
+    if _spki(certificate.public_key()) != _spki(key.public_key()):
+        raise ConfigError(
+            LISTEN_KEY,
+            f"{listener.cert_key}: the certificate does not match the private key "
+            f"{listener.private_key}",
+        )
+    _warn_validity(
+        listener.cert_key, certificate, now or datetime.datetime.now(datetime.timezone.utc)
+    )
+    chain = None
+    if listener.extra_cert_chain is not None:
+        chain = [
+            crypto.X509.from_cryptography(c)
+            for c in _load_certificates(
+                LISTEN_KEY, listener.extra_cert_chain, "extraCertChain"
+            )
+        ]
+    kwargs: Dict[str, object] = {}
+    if listener.dh_parameters is not None:
+        _read(LISTEN_KEY, listener.dh_parameters)
+        kwargs["dhParameters"] = ssl.DiffieHellmanParameters.fromFile(
+            FilePath(listener.dh_parameters)
+        )
+    if listener.sslmethod is not None:
+        kwargs["method"] = getattr(SSL, listener.sslmethod)
+    if client_ca is not None:
+        kwargs["trustRoot"] = client_ca
+    options = ssl.CertificateOptions(
+        privateKey=crypto.PKey.from_cryptography_key(key),
+        certificate=crypto.X509.from_cryptography(certificate),
+        extraCertChain=chain,
+        **kwargs,
+    )
+    try:
+        options.getContext()
+    except SSL.Error as e:
+        files = ", ".join(
+            p for p in (listener.cert_key, listener.extra_cert_chain, listener.dh_parameters) if p
+        )
+        raise ConfigError(LISTEN_KEY, f"{files}: OpenSSL refused the settings: {e}") from None
+    return options
+
+
+def server_endpoints(
+    reactor, descriptions: Sequence[str], client_ca_path: Optional[str] = None
+) -> List[IStreamServerEndpoint]:
+    """One endpoint per listen string, in order.
+
+    ``ssl:`` strings are built here with checked files (and client
+    certificate verification when ``client_ca_path`` is given); the others
+    go to ``serverFromString``. Raises ConfigError for a bad file, and when a
+    client CA is set but no ``ssl:`` listener would use it.
+    """
+    ssl_listeners = [d for d in descriptions if _is_ssl(d)]
+    client_ca = None
+    if client_ca_path is not None:
+        if not ssl_listeners:
+            raise ConfigError(
+                CLIENT_CA_KEY, "is set, but broker.listen has no ssl: endpoint to apply it to"
+            )
+        client_ca = load_client_ca(client_ca_path)
+    endpoints: List[IStreamServerEndpoint] = []
+    for description in descriptions:
+        if not _is_ssl(description):
+            endpoints.append(serverFromString(reactor, description))
+            continue
+        listener = parse_ssl_endpoint(description)
+        options = certificate_options(listener, client_ca)
+        endpoints.append(
+            SSL4ServerEndpoint(
+                reactor,
+                listener.port,
+                options,
+                backlog=listener.backlog,
+                interface=listener.interface,
+            )
+        )
+    return endpoints
