@@ -55,7 +55,9 @@ def set_json_headers(request, status: int) -> None:
 def write_json(request, status: int, value: Any) -> bytes:
     """Set the status and JSON headers of ``request``; returns the encoded body."""
     set_json_headers(request, status)
-    return encode_json(value)
+    body = encode_json(value)
+    request.setHeader(b"content-length", b"%d" % len(body))
+    return body
 
 
 def parse_json(raw: bytes) -> Any:
@@ -196,6 +198,7 @@ class RelayAPI:
         if request.body_too_large:
             raise errors.bad_request(f"request body exceeds {protocol.MAX_BODY_BYTES} bytes")
         set_json_headers(request, 200)
+        request.setHeader(b"content-length", b"%d" % len(self.info))
         return self.info
 
     @app.route("/register", methods=["POST"])
