@@ -343,6 +343,7 @@ class RelayAPI:
     @inlineCallbacks
     def status(self, request, agent: str):
         ids = protocol.parse_status_ids(parse_object(request.raw_body()))
+        yield self.release_expired_leases()
         entries = yield self.store.status(ids, agent)
         return write_json(request, 200, {"messages": entries})
 
@@ -352,6 +353,7 @@ class RelayAPI:
     def recent(self, request, agent: str):
         body = parse_object(request.raw_body())
         protocol.check_body_agent(body, agent)
+        yield self.release_expired_leases()
         messages = yield self.store.recent(agent, protocol.clamp_limit(body.get("limit")))
         return write_json(
             request, 200, {"messages": [m.envelope() for m in messages], "count": len(messages)}
@@ -364,6 +366,7 @@ class RelayAPI:
         body = parse_object(request.raw_body())
         protocol.check_body_agent(body, agent)
         filters = protocol.parse_query_filters(body)
+        yield self.release_expired_leases()
         messages = yield self.store.query(
             agent,
             protocol.clamp_limit(body.get("limit")),
@@ -377,6 +380,21 @@ class RelayAPI:
         )
 
     # -- rules -----------------------------------------------------------------
+
+    def release_expired_leases(self) -> Deferred:
+        """Requeue leases past their deadline before a read, so it reports them truthfully.
+
+        The periodic sweep does the same; this keeps ``/v1/status``, ``/v1/recent``
+        and ``/v1/messages/query`` exact between two sweeps (spec §5.1).
+        """
+        d = self.store.sweep_leases(self.clock.seconds())
+
+        def woke(agents) -> None:
+            for name in agents:
+                self.waiters.wake(name)
+
+        d.addCallback(woke)
+        return d
 
     def check_acl(self, sender: str, recipient: str) -> None:
         """403 ``forbidden`` when ``sender``'s ``allowed_targets`` omit ``recipient``."""
