@@ -58,6 +58,7 @@ class Config:
     max_attempts: int = 3
     sync: str = "normal"
     sweep_seconds: float = 5.0
+    request_read_seconds: float = 30.0
     access_log: bool = False
     allow_insecure_remote: bool = False
     tls_client_ca: Optional[str] = None
@@ -107,6 +108,7 @@ _BROKER_KEYS = frozenset(
         "maxAttempts",
         "sync",
         "sweepSeconds",
+        "requestReadSeconds",
         "accessLog",
         "allowInsecureRemote",
         "tlsClientCA",
@@ -359,6 +361,13 @@ def parse_config(
     sweep = broker.get("sweepSeconds", 5)
     if isinstance(sweep, bool) or not isinstance(sweep, (int, float)) or not 0.05 <= sweep <= 3600:
         raise ConfigError("broker.sweepSeconds", "must be a number from 0.05 to 3600")
+    read_seconds = broker.get("requestReadSeconds", 30)
+    if (
+        isinstance(read_seconds, bool)
+        or not isinstance(read_seconds, (int, float))
+        or not 1 <= read_seconds <= 3600
+    ):
+        raise ConfigError("broker.requestReadSeconds", "must be a number from 1 to 3600")
     tls_client_ca = _str(broker, "tlsClientCA", "broker", None)
     if tls_client_ca is not None:
         tls_client_ca = _resolve(base_dir, tls_client_ca)
@@ -380,6 +389,7 @@ def parse_config(
         max_attempts=_int(broker, "maxAttempts", "broker", 3, 0, 1000),
         sync=sync,
         sweep_seconds=float(sweep),
+        request_read_seconds=float(read_seconds),
         access_log=_bool(broker, "accessLog", "broker", False),
         allow_insecure_remote=allow_insecure,
         tls_client_ca=tls_client_ca,

@@ -1,8 +1,12 @@
-"""The HTTP layer under the Klein app: bounded request bodies and a quiet site.
+"""The HTTP layer under the Klein app: bounded request bodies, bounded request
+reading time, and a quiet site.
 
 A request body over 1 MiB is counted but not kept: the app answers
 ``400 bad_request`` once the request is complete, so memory stays bounded
-whatever ``Content-Length`` or chunked upload a client sends.
+whatever ``Content-Length`` or chunked upload a client sends. A request must
+arrive whole within ``REQUEST_READ_SECONDS`` of its first byte, so a client
+trickling headers or a body cannot hold a connection; idle keep-alive
+connections close after ``IDLE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -14,16 +18,32 @@ from twisted.web import http, server
 
 from relay.protocol import MAX_BODY_BYTES
 
+REQUEST_READ_SECONDS = 30.0
+IDLE_SECONDS = 60.0
+
+_TIMEOUT_BODY = (
+    b'{"error":{"code":"request_timeout","message":"request not received in time"}}'
+)
+TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\n"
+    b"content-type: application/json; charset=utf-8\r\n"
+    b"cache-control: no-store\r\n"
+    b"connection: close\r\n"
+    b"content-length: " + str(len(_TIMEOUT_BODY)).encode("ascii") + b"\r\n\r\n" + _TIMEOUT_BODY
+)
+
 
 class RelayRequest(server.Request):
     """A request that keeps at most ``MAX_BODY_BYTES`` of its body in memory."""
 
-    # Never parse form or multipart bodies into request.args: bodies are JSON.
-    _parsePOSTFormSubmission = False
-
     body_limit = MAX_BODY_BYTES
     body_too_large = False
     _received = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Never parse form or multipart bodies into request.args: bodies are JSON.
+        self._parsePOSTFormSubmission = False
 
     def gotLength(self, length: Optional[int]) -> None:
         self.content = BytesIO()
@@ -42,15 +62,54 @@ class RelayRequest(server.Request):
         return b"" if self.body_too_large else self.content.getvalue()
 
 
+class RelayChannel(http.HTTPChannel):
+    """An HTTP channel that gives each request a deadline to arrive whole."""
+
+    request_read_seconds = REQUEST_READ_SECONDS
+    _read_deadline = None
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._read_deadline is None and not self._handlingRequest:
+            self._read_deadline = self.callLater(self.request_read_seconds, self._read_too_slow)
+        super().dataReceived(data)
+
+    def allContentReceived(self) -> None:
+        self._cancel_read_deadline()
+        super().allContentReceived()
+
+    def connectionLost(self, reason) -> None:
+        self._cancel_read_deadline()
+        super().connectionLost(reason)
+
+    def _cancel_read_deadline(self) -> None:
+        if self._read_deadline is not None:
+            if self._read_deadline.active():
+                self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_too_slow(self) -> None:
+        self._read_deadline = None
+        self.transport.write(TIMEOUT_RESPONSE)
+        self.transport.loseConnection()
+
+
 class RelaySite(server.Site):
     """A Site that builds :class:`RelayRequest` and writes no access log by default."""
 
     requestFactory = RelayRequest
+    protocol = RelayChannel
     noisy = False
 
-    def __init__(self, resource, access_log: bool = False, timeout: float = 60.0) -> None:
-        super().__init__(resource, timeout=timeout)
+    def __init__(self, resource, access_log: bool = False, timeout: float = IDLE_SECONDS,
+                 request_read_seconds: float = REQUEST_READ_SECONDS, reactor=None) -> None:
+        super().__init__(resource, timeout=timeout, reactor=reactor)
+        self.request_read_seconds = request_read_seconds
         self.access_log = access_log
+
+    def buildProtocol(self, addr):
+        channel = super().buildProtocol(addr)
+        channel.request_read_seconds = self.request_read_seconds
+        return channel
 
     def log(self, request: http.Request) -> None:
         if self.access_log:

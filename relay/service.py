@@ -78,7 +78,11 @@ class RelayService(MultiService):
         self.clock = clock if clock is not None else reactor
         self.secret_created = secret_created
         self.api = RelayAPI(store, config, self.clock)
-        self.site = RelaySite(self.api.resource(), access_log=config.access_log)
+        self.site = RelaySite(
+            self.api.resource(),
+            access_log=config.access_log,
+            request_read_seconds=config.request_read_seconds,
+        )
         for endpoint in server_endpoints(reactor, config.listen, config.tls_client_ca):
             listener = StreamServerEndpointService(endpoint, self.site)
             listener._raiseSynchronously = True
