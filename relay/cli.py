@@ -24,7 +24,7 @@ from twisted.internet import defer
 from twisted.internet.task import deferLater
 
 from relay.agent import read_json, write_json_atomic
-from relay.client import DEFAULT_BROKER_URL, RelayClient
+from relay.client import DEFAULT_BROKER_URL, RETRY_DELAYS_SECONDS, RelayClient
 from relay.errors import RelayError
 
 SETTINGS_FILE = ".dsh-relay.json"
@@ -147,6 +147,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _retries(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if not 0 <= number <= len(RETRY_DELAYS_SECONDS):
+        raise argparse.ArgumentTypeError(f"must be 0 to {len(RETRY_DELAYS_SECONDS)}: {value}")
+    return number
+
+
 def _positive_float(value: str) -> float:
     try:
         number = float(value)
@@ -182,6 +192,12 @@ def _global_flags() -> argparse.ArgumentParser:
     group.add_argument("--secret", metavar="SECRET", help="the HMAC secret")
     group.add_argument("--secret-file", metavar="PATH", help="a file holding the HMAC secret")
     group.add_argument("--ca-file", metavar="PATH", help="PEM CA bundle to trust for https")
+    group.add_argument(
+        "--retries",
+        type=_retries,
+        metavar="N",
+        help="retries of a transient failure, 0-3 (default 3: after 2, 4 and 8 s)",
+    )
     group.add_argument("--json", action="store_true", help="print one JSON document")
     return common
 
@@ -281,9 +297,8 @@ def parse(argv: Sequence[str], env: Mapping[str, str], home: Path) -> Invocation
     usage = sub_usage(parser, command)
     if command not in NO_AGENT_COMMANDS | {"selfcheck"} and not settings.agent:
         raise UsageError(
-                f"{usage}\nrelay {command}: error: no agent name: pass --agent NAME "
-                f"or set {ENV_AGENT}"
-            )
+            f"{usage}\nrelay {command}: error: no agent name: pass --agent NAME or set {ENV_AGENT}"
+        )
     if command not in NO_AGENT_COMMANDS and not settings.secret:
         raise UsageError(
             f"{usage}\nrelay {command}: error: no secret: pass --secret, "
@@ -844,6 +859,8 @@ async def run(
     console = Console(out, err, inv.json)
     settings = inv.settings
 
+    retries = getattr(inv.args, "retries", len(RETRY_DELAYS_SECONDS))
+
     def make_client(agent: str) -> RelayClient:
         return RelayClient(
             settings.broker_url,
@@ -853,6 +870,7 @@ async def run(
             reactor=reactor,
             http=http,
             ca_file=settings.ca_file,
+            retry_delays=RETRY_DELAYS_SECONDS[:retries],
         )
 
     try:

@@ -141,7 +141,8 @@ def test_subcommand_options(tmp_path: Path) -> None:
         3,
         None,
     )
-    inv = parse(base + ["status", "a", "b"], {}, tmp_path)
+    inv = parse(base + ["status", "a", "b", "--retries", "0"], {}, tmp_path)
+    assert inv.args.retries == 0
     assert inv.args.message_ids == ["a", "b"]
 
 
@@ -329,3 +330,250 @@ def test_process_help_is_exit_0(tmp_path: Path) -> None:
     status, out, _ = python_relay(["--help"], tmp_path)
     assert status == 0
     assert "selfcheck" in out
+
+
+# -- against a real broker process ------------------------------------------------
+
+BROKER_SECRET = "cli-test-secret-0123456789abcdef"
+START_TIMEOUT_SECONDS = 20.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class BrokerProcess:
+    """``twistd -n relay`` on a free loopback port with an in-memory store."""
+
+    def __init__(self, directory: Path) -> None:
+        import time
+        import urllib.request
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = directory / "relay.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "broker": {
+                        "host": "127.0.0.1",
+                        "port": self.port,
+                        "secret": BROKER_SECRET,
+                        "storage": "memory",
+                    }
+                }
+            ),
+            encoding="utf-8",
+        )
+        self.log = open(directory / "broker.log", "wb")  # noqa: SIM115
+        twistd = Path(sys.executable).with_name("twistd")
+        self.process = subprocess.Popen(
+            [str(twistd), "-n", "--pidfile=", "relay", "--config", str(config)],
+            cwd=str(directory),
+            env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/", timeout=1) as answer:
+                    if json.loads(answer.read())["protocol"] == "1.0":
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"broker did not start: {(directory / 'broker.log').read_text()}"
+                )
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    process = BrokerProcess(tmp_path_factory.mktemp("broker"))
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+class Shell:
+    """Runs ``relay`` command lines in process against the broker, as one agent."""
+
+    def __init__(self, broker: BrokerProcess, home: Path, agent: str) -> None:
+        self.env = {
+            "DSH_RELAY_BROKER_URL": broker.url,
+            "DSH_RELAY_SECRET": BROKER_SECRET,
+            "DSH_RELAY_AGENT": agent,
+        }
+        self.home = home
+
+    def __call__(self, *argv: str) -> defer.Deferred:
+        return in_process(list(argv), self.home, env=self.env)
+
+
+def unique(name: str) -> str:
+    import uuid
+
+    return f"{name}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest_twisted.inlineCallbacks
+def test_every_subcommand_against_the_broker(broker: BrokerProcess, tmp_path: Path) -> Any:
+    a_name, b_name = unique("alpha"), unique("beta")
+    alpha, beta = Shell(broker, tmp_path, a_name), Shell(broker, tmp_path, b_name)
+
+    hs = yield alpha("handshake")
+    assert hs.status == 0 and "protocol 1.0" in hs.out
+    hs_json = yield alpha("handshake", "--json")
+    assert hs_json.json()["protocol"] == "1.0"
+
+    for shell, name in ((alpha, a_name), (beta, b_name)):
+        reg = yield shell("register")
+        assert (reg.status, reg.out.strip()) == (0, f"registered {name}")
+
+    peers = yield alpha("peers")
+    assert peers.out.splitlines()[0].split() == ["AGENT", "ONLINE", "LAST", "SEEN"]
+    assert any(line.split()[:2] == [a_name, "yes"] for line in peers.out.splitlines())
+    peers_json = yield alpha("peers", "--json")
+    assert {a_name, b_name} <= {p["agent"] for p in peers_json.json()["peers"]}
+
+    sent = yield alpha("send", b_name, "hello there", "--ack", "--json")
+    assert sent.status == 0, sent.err
+    first_id = sent.json()["id"]
+    plain = yield alpha("send", b_name, "second")
+    assert plain.out.startswith("sent ") and plain.out.strip().endswith(f"to {b_name}")
+
+    got = yield beta("recv", "--json")
+    document = got.json()
+    assert [m["body"]["text"] for m in document["messages"]] == ["hello there", "second"]
+    assert document["count"] == 2
+    receipt = yield alpha("recv", "--json")  # beta's recv sent a receipt for --ack
+    acks = [m for m in receipt.json()["messages"] if m["type"] == "ack"]
+    assert len(acks) == 1 and acks[0]["replyTo"] == first_id
+    again = yield beta("recv")
+    assert again.out.strip() == "no new messages"  # the cursor was kept in the state file
+    state = json.loads((tmp_path / ".dsh-relay-state.json").read_text())
+    assert state[f"{broker.url}|{b_name}"]["since"] == document["cursor"]
+    reset = yield beta("recv", "--reset", "--once", "--limit", "1")
+    assert reset.out.count("hello there") == 1 and "second" not in reset.out
+
+    request = yield alpha("send", b_name, "question", "--kind", "request", "--json")
+    request_id = request.json()["id"]
+    pulled = yield beta("pull", "--limit", "10", "--lease", "60", "--json")
+    leased = {m["id"]: m for m in pulled.json()["messages"]}
+    assert request_id in leased
+    lease_id = leased[request_id]["leaseId"]
+    readable_pull = yield beta("pull")
+    assert readable_pull.out.strip() == "nothing to lease"
+
+    reply = yield beta("send", a_name, "answer", "--kind", "reply", "--reply-to", request_id)
+    assert reply.status == 0
+    acked = yield beta("ack", request_id, lease_id, "completed")
+    assert acked.out.strip().startswith(f"{request_id}: done")
+    twice = yield beta("ack", request_id, lease_id, "completed")
+    assert twice.status == 1 and "not_leased" in twice.err
+
+    status = yield alpha("status", request_id, "--json")
+    assert [m["status"] for m in status.json()["messages"]] == ["done"]
+    status_table = yield alpha("status", request_id)
+    assert status_table.out.splitlines()[1].split()[:2] == [request_id, "done"]
+
+    recent = yield alpha("recent", "--limit", "20", "--json")
+    assert any(m.get("parentId") == request_id for m in recent.json()["messages"])
+    query = yield alpha("query", "--kind", "reply", "--from", b_name, "--json")
+    assert [m["body"]["text"] for m in query.json()["messages"]] == ["answer"]
+    readable_query = yield alpha("query", "--kind", "reply")
+    assert "answer" in readable_query.out and f"{b_name} -> {a_name}" in readable_query.out
+
+    retry_req = yield alpha("send", b_name, "again", "--kind", "request", "--json")
+    retry_id = retry_req.json()["id"]
+    pulled = yield beta("pull", "--json")
+    lease_id = {m["id"]: m for m in pulled.json()["messages"]}[retry_id]["leaseId"]
+    retried = yield beta("ack", retry_id, lease_id, "retry", "--error", "not now", "--json")
+    assert retried.json()["status"] == "queued" and retried.json()["attempts"] == 1
+
+
+@pytest_twisted.inlineCallbacks
+def test_watch_prints_one_line_per_message(broker: BrokerProcess, tmp_path: Path) -> Any:
+    a_name, b_name = unique("alpha"), unique("beta")
+    alpha, beta = Shell(broker, tmp_path, a_name), Shell(broker, tmp_path, b_name)
+    yield alpha("register")
+    yield beta("register")
+    watching = beta("watch", "--count", "2")
+    yield alpha("send", b_name, "first line")
+    yield alpha("send", b_name, "multi\nline")
+    watched = yield watching
+    assert watched.status == 0, watched.err
+    lines = watched.out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith(": first line") and f" {a_name} [" in lines[0]
+    assert lines[1].endswith(": multi line")
+    assert "long-poll" in watched.err
+
+
+@pytest_twisted.inlineCallbacks
+def test_broker_errors_exit_1_with_code(broker: BrokerProcess, tmp_path: Path) -> Any:
+    alpha = Shell(broker, tmp_path, unique("alpha"))
+    yield alpha("register")
+    missing = yield alpha("send", "nobody-" + unique("x"), "hi")
+    assert missing.status == 1
+    assert missing.err.startswith("error: no_such_agent:")
+    as_json = yield alpha("send", "nobody", "hi", "--json")
+    assert as_json.status == 1
+    assert as_json.json()["error"]["code"] == "no_such_agent"
+    wrong = yield in_process(
+        ["peers", "--broker", broker.url, "--agent", "alpha", "--secret", "wrong"], tmp_path
+    )
+    assert (wrong.status, wrong.err.split(":")[1].strip()) == (1, "unauthenticated")
+
+
+@pytest_twisted.inlineCallbacks
+def test_selfcheck_passes_against_the_broker(broker: BrokerProcess, tmp_path: Path) -> Any:
+    shell = Shell(broker, tmp_path, "unused")
+    report = yield shell("selfcheck")
+    assert report.status == 0, report.out + report.err
+    assert report.out.strip().endswith("selfcheck passed")
+    assert report.out.count("ok  ") == 9
+    as_json = yield shell("selfcheck", "--json")
+    assert as_json.json()["ok"] is True
+
+
+def test_process_round_trip_and_exit_codes(broker: BrokerProcess, tmp_path: Path) -> None:
+    """The console entry point itself: output, exit codes, no tracebacks."""
+    env = {"DSH_RELAY_BROKER_URL": broker.url, "DSH_RELAY_SECRET": BROKER_SECRET}
+    a_name, b_name = unique("alpha"), unique("beta")
+    for name in (a_name, b_name):
+        status, out, err = python_relay(["register", "--agent", name], tmp_path, env)
+        assert status == 0, err
+    status, out, err = python_relay(
+        ["send", b_name, "via process", "--agent", a_name], tmp_path, env
+    )
+    assert status == 0 and out.startswith("sent "), err
+    status, out, err = python_relay(["recv", "--agent", b_name, "--json"], tmp_path, env)
+    assert status == 0
+    assert [m["body"]["text"] for m in json.loads(out)["messages"]] == ["via process"]
+    status, out, err = python_relay(["send", "ghost", "x", "--agent", a_name], tmp_path, env)
+    assert status == 1 and err.startswith("error: no_such_agent") and "Traceback" not in err
+
+
+def test_process_network_error_exit_1_without_traceback(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens here
+    status, _, err = python_relay(
+        ["handshake", "--broker", f"http://127.0.0.1:{port}", "--retries", "1"], tmp_path
+    )
+    assert status == 1
+    assert err.startswith("error: connection_error:")
+    assert "Traceback" not in err
