@@ -104,6 +104,10 @@ class RateLimiter:
             raise errors.rate_limited()
         self._windows.put(host, (window, previous, current + 1))
 
+    def tracked(self) -> int:
+        """How many source addresses have a rate window (for tests and stats)."""
+        return len(self._windows)
+
 
 class Lockout:
     """Consecutive authentication failures per agent, and the locks they cause."""

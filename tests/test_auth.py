@@ -1,0 +1,346 @@
+"""relay.auth on its own (spec §3): signatures, skew, headers, names, lockout,
+per-agent secrets, rate limits and bounded tables. Pure: a ``task.Clock``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Optional
+
+import pytest
+from twisted.internet.task import Clock
+
+from relay.auth import Authenticator, Lockout, RateLimiter, is_loopback_address, sign
+from relay.config import AgentConfig
+from relay.errors import RelayError
+
+SECRET = "s3cret"
+NOW = 1_712_345_678
+BODY = b'{"id":"m-1","to":"beta","body":{"text":"hi"}}'
+
+
+def hmac_hex(secret: str, text: bytes) -> str:
+    return hmac.new(secret.encode(), text, hashlib.sha256).hexdigest()
+
+
+def clock_at(now: float = NOW) -> Clock:
+    c = Clock()
+    c.advance(now)
+    return c
+
+
+def make_auth(clock: Clock, agents=None, after: int = 5, seconds: float = 300.0,
+              max_tracked: int = 50_000) -> Authenticator:
+    return Authenticator(clock, SECRET, agents or {}, after, seconds, max_tracked)
+
+
+def check(auth: Authenticator, agent: Optional[str] = "alpha", method: str = "POST",
+          path: str = "/messages", body: bytes = BODY, timestamp: Optional[int] = None,
+          secret: str = SECRET, signature: Optional[str] = None) -> str:
+    ts = int(auth.clock.seconds()) if timestamp is None else timestamp
+    sig = signature if signature is not None else sign(secret, method, path, ts, body)
+    return auth.authenticate(
+        method.encode(), path.encode(), None if agent is None else agent.encode(),
+        str(ts).encode(), sig.encode(), body,
+    )
+
+
+def refused(f, *args, **kwargs) -> RelayError:
+    with pytest.raises(RelayError) as info:
+        f(*args, **kwargs)
+    return info.value
+
+
+# -- signing string and vectors -------------------------------------------------------
+
+
+def test_signature_vector_matches_independent_hmac():
+    expected = hmac_hex(SECRET, b"POST\n/messages\n1712345678\n" + BODY)
+    assert sign(SECRET, "POST", "/messages", NOW, BODY) == expected
+    auth = make_auth(clock_at())
+    assert check(auth, signature=expected) == "alpha"
+
+
+def test_signature_with_query_string_and_empty_body():
+    path = "/messages?since=abc&limit=50"
+    expected = hmac_hex(SECRET, b"GET\n/messages?since=abc&limit=50\n1712345678\n")
+    assert sign(SECRET, "GET", path, NOW, b"") == expected
+    auth = make_auth(clock_at())
+    assert check(auth, method="GET", path=path, body=b"", signature=expected) == "alpha"
+    e = refused(check, make_auth(clock_at()), method="GET", path="/messages", body=b"",
+                signature=expected)
+    assert (e.status, e.code) == (401, "unauthenticated"), "the query string is signed"
+
+
+def test_signature_over_utf8_body_bytes():
+    body = '{"to":"beta","body":{"t":"héllo ✓"}}'.encode()
+    expected = hmac_hex(SECRET, b"POST\n/messages\n1712345678\n" + body)
+    assert check(make_auth(clock_at()), body=body, signature=expected) == "alpha"
+
+
+def test_uppercase_hex_signature_is_accepted():
+    sig = hmac_hex(SECRET, b"POST\n/messages\n1712345678\n" + BODY).upper()
+    assert check(make_auth(clock_at()), signature=sig) == "alpha"
+
+
+@pytest.mark.parametrize("tamper", ["method", "path", "body", "timestamp", "secret"])
+def test_any_change_breaks_the_signature(tamper):
+    auth = make_auth(clock_at())
+    sig = sign(SECRET, "POST", "/messages", NOW, BODY)
+    kwargs = {"signature": sig}
+    if tamper == "method":
+        kwargs["method"] = "PUT"
+    elif tamper == "path":
+        kwargs["path"] = "/messages?x=1"
+    elif tamper == "body":
+        kwargs["body"] = BODY + b" "
+    elif tamper == "timestamp":
+        kwargs["timestamp"] = NOW - 1
+    else:
+        kwargs = {"secret": "other"}
+    e = refused(check, auth, **kwargs)
+    assert (e.status, e.code) == (401, "unauthenticated")
+
+
+# -- skew ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("offset", "ok"), [(-300, True), (300, True), (-301, False),
+                                            (301, False), (0, True), (-10**9, False)])
+def test_skew_boundary_is_300_seconds(offset, ok):
+    auth = make_auth(clock_at())
+    if ok:
+        assert check(auth, timestamp=NOW + offset) == "alpha"
+    else:
+        e = refused(check, auth, timestamp=NOW + offset)
+        assert (e.status, e.code) == (401, "unauthenticated")
+
+
+def test_skew_uses_the_clock():
+    clock = clock_at()
+    auth = make_auth(clock)
+    clock.advance(301)
+    assert refused(check, auth, timestamp=NOW).code == "unauthenticated"
+
+
+@pytest.mark.parametrize("timestamp", [b"", b"abc", b"1712345678.0", b"+1712345678",
+                                       b"1e9", b"9" * 40])
+def test_malformed_timestamp_is_401(timestamp):
+    auth = make_auth(clock_at())
+    sig = sign(SECRET, "POST", "/messages", NOW, BODY).encode()
+    e = refused(auth.authenticate, b"POST", b"/messages", b"alpha", timestamp, sig, BODY)
+    assert (e.status, e.code) == (401, "unauthenticated")
+
+
+# -- headers and names -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["agent", "timestamp", "signature"])
+@pytest.mark.parametrize("value", [None, b""])
+def test_missing_or_empty_headers_are_401(missing, value):
+    auth = make_auth(clock_at())
+    headers = {"agent": b"alpha", "timestamp": str(NOW).encode(),
+               "signature": sign(SECRET, "POST", "/messages", NOW, BODY).encode()}
+    headers[missing] = value
+    e = refused(auth.authenticate, b"POST", b"/messages", headers["agent"],
+                headers["timestamp"], headers["signature"], BODY)
+    assert (e.status, e.code) == (401, "unauthenticated")
+
+
+@pytest.mark.parametrize("name", ["a" * 65, "bad name", "a/b", "ünï", "a\nb", "a:b", "*"])
+def test_bad_agent_names_are_401(name):
+    auth = make_auth(clock_at())
+    e = refused(auth.authenticate, b"POST", b"/messages", name.encode("utf-8"),
+                str(NOW).encode(), sign(SECRET, "POST", "/messages", NOW, BODY).encode(), BODY)
+    assert (e.status, e.code) == (401, "unauthenticated")
+
+
+@pytest.mark.parametrize("name", ["a", "a" * 64, "Agent_1.x-y", "0"])
+def test_good_agent_names(name):
+    assert check(make_auth(clock_at()), agent=name) == name
+
+
+# -- lockout -------------------------------------------------------------------------------
+
+
+def test_lockout_after_five_failures_even_with_a_valid_signature():
+    clock = clock_at()
+    auth = make_auth(clock)
+    for _ in range(4):
+        assert refused(check, auth, secret="wrong").code == "unauthenticated"
+    assert check(auth) == "alpha", "four failures do not lock"
+    for _ in range(5):
+        assert refused(check, auth, secret="wrong").code == "unauthenticated"
+    e = refused(check, auth)
+    assert (e.status, e.code) == (403, "locked")
+    assert check(auth, agent="beta") == "beta", "the lock is per agent"
+
+
+def test_unlock_after_lock_minutes():
+    clock = clock_at()
+    auth = make_auth(clock, seconds=300.0)
+    for _ in range(5):
+        refused(check, auth, secret="wrong")
+    clock.advance(299)
+    assert refused(check, auth).code == "locked"
+    clock.advance(1)
+    assert check(auth) == "alpha"
+
+
+def test_success_resets_the_failure_count():
+    auth = make_auth(clock_at())
+    for _ in range(3):
+        for _ in range(4):
+            refused(check, auth, secret="wrong")
+        assert check(auth) == "alpha"
+
+
+def test_skew_failures_count_towards_the_lockout():
+    auth = make_auth(clock_at(), after=2)
+    refused(check, auth, timestamp=NOW - 1000)
+    refused(check, auth, timestamp=NOW + 1000)
+    assert refused(check, auth).code == "locked"
+
+
+def test_lockout_threshold_is_configurable():
+    auth = make_auth(clock_at(), after=1)
+    refused(check, auth, secret="wrong")
+    assert refused(check, auth).code == "locked"
+
+
+def test_lockout_from_config_minutes():
+    from relay.testing import make_config
+
+    clock = clock_at()
+    auth = Authenticator.from_config(
+        make_config(security={"lockAfterFailures": 2, "lockMinutes": 1}), clock)
+    refused(check, auth, secret="wrong")
+    refused(check, auth, secret="wrong")
+    assert refused(check, auth).code == "locked"
+    clock.advance(60)
+    assert check(auth) == "alpha"
+
+
+# -- per-agent secrets --------------------------------------------------------------------
+
+
+def test_per_agent_secrets():
+    agents = {"alpha": AgentConfig(secret="a-key"), "beta": AgentConfig(secret="b-key")}
+    auth = make_auth(clock_at(), agents=agents)
+    assert check(auth, agent="alpha", secret="a-key") == "alpha"
+    assert check(auth, agent="beta", secret="b-key") == "beta"
+    assert refused(check, auth, agent="alpha", secret="b-key").code == "unauthenticated"
+    assert refused(check, auth, agent="alpha", secret=SECRET).code == "unauthenticated"
+    e = refused(check, auth, agent="gamma", secret=SECRET)
+    assert (e.status, e.code) == (401, "unknown_agent")
+
+
+def test_without_agent_secrets_the_shared_secret_signs_for_everyone():
+    agents = {"alpha": AgentConfig(allowed_targets=("beta",))}
+    auth = make_auth(clock_at(), agents=agents)
+    assert check(auth, agent="alpha") == "alpha"
+    assert check(auth, agent="anyone") == "anyone"
+
+
+# -- rate limits ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.8.7", "::1", "::ffff:127.0.0.1",
+                                  "0:0:0:0:0:0:0:1"])
+def test_loopback_addresses(host):
+    assert is_loopback_address(host)
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "192.168.1.2", "::ffff:10.0.0.1", "2001:db8::1",
+                                  "0.0.0.0", "::", "unix", "localhost", ""])
+def test_remote_addresses(host):
+    assert not is_loopback_address(host)
+
+
+@pytest.mark.parametrize(("host", "limit"), [("127.0.0.1", 6), ("::1", 6),
+                                             ("::ffff:127.0.0.1", 6), ("10.1.2.3", 3),
+                                             ("::ffff:10.1.2.3", 3), ("2001:db8::7", 3)])
+def test_rate_limit_per_address_per_minute(host, limit):
+    clock = clock_at(60 * 1000)  # the start of a minute
+    limiter = RateLimiter(clock, loopback=6, remote=3)
+    for _ in range(limit):
+        limiter.hit(host)
+    e = refused(limiter.hit, host)
+    assert (e.status, e.code) == (429, "rate_limited")
+    limiter.hit("10.9.9.9")  # another address has its own budget
+    clock.advance(120)
+    for _ in range(limit):
+        limiter.hit(host)
+    assert refused(limiter.hit, host).code == "rate_limited"
+
+
+def test_rate_limit_default_budgets():
+    clock = clock_at(60 * 1000)
+    limiter = RateLimiter(clock, loopback=600, remote=120)
+    for _ in range(600):
+        limiter.hit("127.0.0.1")
+    assert refused(limiter.hit, "127.0.0.1").code == "rate_limited"
+    for _ in range(120):
+        limiter.hit("203.0.113.5")
+    assert refused(limiter.hit, "203.0.113.5").code == "rate_limited"
+
+
+def test_rate_limit_slides_across_minutes():
+    clock = clock_at(60 * 1000 + 30)  # half way through a minute
+    limiter = RateLimiter(clock, loopback=10, remote=10)
+    for _ in range(10):
+        limiter.hit("10.0.0.1")
+    clock.advance(30)  # a new minute begins: the last one still counts in full
+    assert refused(limiter.hit, "10.0.0.1").code == "rate_limited"
+    clock.advance(30)  # half of the previous minute remains in the window
+    for _ in range(5):
+        limiter.hit("10.0.0.1")
+    assert refused(limiter.hit, "10.0.0.1").code == "rate_limited"
+
+
+def test_refused_requests_do_not_extend_the_block():
+    clock = clock_at(60 * 1000)
+    limiter = RateLimiter(clock, loopback=2, remote=2)
+    limiter.hit("10.0.0.1")
+    limiter.hit("10.0.0.1")
+    for _ in range(100):
+        refused(limiter.hit, "10.0.0.1")
+    clock.advance(120)
+    limiter.hit("10.0.0.1")
+    limiter.hit("10.0.0.1")
+
+
+# -- bounded tables ---------------------------------------------------------------------------
+
+
+def test_failure_and_lock_tables_are_bounded():
+    auth = make_auth(clock_at(), after=2, max_tracked=1000)
+    for i in range(100_000):
+        refused(check, auth, agent=f"agent{i}", secret="wrong")
+    failures, locks = auth.lockout.tracked()
+    assert failures <= 1000 and locks <= 1000
+    for i in range(5000):
+        name = f"burn{i}"
+        refused(check, auth, agent=name, secret="wrong")
+        refused(check, auth, agent=name, secret="wrong")
+    failures, locks = auth.lockout.tracked()
+    assert failures <= 1000 and 0 < locks <= 1000
+
+
+def test_default_tables_stay_bounded_for_100k_names():
+    lockout = Lockout(clock_at(), after=5, seconds=300)
+    for i in range(100_000):
+        lockout.failed(f"agent{i}")
+    assert lockout.tracked()[0] <= 50_000
+
+
+def test_rate_windows_are_bounded():
+    limiter = RateLimiter(clock_at(), loopback=600, remote=120, max_tracked=1000)
+    for i in range(100_000):
+        limiter.hit(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}")
+    assert limiter.tracked() <= 1000
+    limiter = RateLimiter(clock_at(), loopback=600, remote=120)
+    for i in range(100_000):
+        limiter.hit(f"2001:db8::{i:x}")
+    assert limiter.tracked() <= 50_000
