@@ -1,0 +1,600 @@
+"""The jsonl backend (``broker.storage: jsonl``): memory indexes and an append-only log.
+
+The state is that of :class:`relay.store.memory.MemoryState`; every change is
+appended to ``dataDir/messages.jsonl`` and the file is replayed at start. One
+JSON object per line:
+
+``{"seq": N, "message": {...}}``
+    A full snapshot of one message: the wire envelope (spec §2, §5.1) plus
+    ``leaseId``, ``error``, ``created`` (epoch seconds) and ``recovery`` (the
+    v1.0 recovery-delivery mark). A later snapshot of the same id replaces the
+    earlier one. This is the reference broker's own line format (its v1.0
+    lines lack the v1.1 fields and default to ``queued``), so its files load
+    here; new messages are written this way, so it can read ours back (it
+    skips the other records).
+``{"op": "state", "id": ID, "status", "attempts", "leaseUntil", "leaseId", "error", "recovery"}``
+    The delivery state of a message changed (pull, ack, lease expiry, poll).
+``{"op": "peer", "agent": NAME, "lastSeen": SECONDS}``
+    A registration (heartbeat).
+``{"op": "expire", "through": SEQ}``
+    The TTL sweep removed every message up to and including SEQ.
+``{"op": "next", "seq": N}``
+    The next sequence number (head of a compacted file), so seqs never repeat.
+
+A line that is not one of these — a torn last line after a crash, or a
+corrupt one — is skipped, counted and logged by its line number only.
+
+Durability follows ``broker.sync``: the records of one reactor turn are
+written with one ``write`` before any of that turn's Deferreds fire (so a
+killed process loses nothing acknowledged); ``full`` also fsyncs that write.
+``off`` behaves like ``normal`` here.
+
+Compaction: when the file holds more than twice as many records as there are
+live messages and peers (and at least ``compact_min_records``), a new file
+with one record per live message and peer is written beside it in chunks, one
+per reactor turn; records appended meanwhile also go to the new file; it is
+fsynced, renamed over the old one and the directory fsynced. Until the rename
+the old file stays complete, so a crash during compaction loses nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+from typing import IO, Any, Dict, List, Optional
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IReactorThreads, IReactorTime
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay.config import Config
+from relay.delivery import Message
+from relay.errors import ConfigError
+from relay.protocol import MESSAGE_KINDS, MESSAGE_TYPES, STATUSES, iso_timestamp
+from relay.store.grouped import GroupCommit
+from relay.store.interface import IMessageStore
+from relay.store.memory import MemoryState
+
+log = Logger(namespace="relay.store.jsonl")
+
+LOG_NAME = "messages.jsonl"
+COMPACT_SUFFIX = ".compact"
+COMPACT_MIN_RECORDS = 10_000
+COMPACT_CHUNK = 1000
+LOGGED_SKIPS = 20
+
+
+# -- records ---------------------------------------------------------------------
+
+
+def _encode(record: Dict[str, Any]) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode("utf-8") + b"\n"
+
+
+def snapshot_record(message: Message) -> Dict[str, Any]:
+    """The full-snapshot record of ``message`` (the reference broker's line format)."""
+    envelope = message.envelope(with_lease=True)
+    envelope["created"] = message.created
+    if message.recovery:
+        envelope["recovery"] = True
+    return {"seq": message.seq, "message": envelope}
+
+
+def state_record(message: Message) -> Dict[str, Any]:
+    """The record of a change of ``message``'s delivery state."""
+    record: Dict[str, Any] = {"op": "state", "id": message.id}
+    record.update(message.state())
+    return record
+
+
+def _text(value: Any, optional: bool = True) -> Optional[str]:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or (not value and not optional):
+        raise ValueError("not a string")
+    return value
+
+
+def _int(value: Any, optional: bool = False) -> Optional[int]:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("not a number")
+    return int(value)
+
+
+def _created(envelope: Dict[str, Any], now: float) -> float:
+    created = envelope.get("created")
+    if isinstance(created, (int, float)) and not isinstance(created, bool):
+        return float(created)
+    ts = envelope.get("ts")
+    if isinstance(ts, str):
+        try:
+            parsed = datetime.datetime.fromisoformat(ts.replace("Z", "+00:00"))
+        except ValueError:
+            return now
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+        return parsed.timestamp()
+    return now
+
+
+def message_from_snapshot(seq: Any, envelope: Any, now: float) -> Message:
+    """A Message from a snapshot record; ValueError when it is not one.
+
+    Fields of v1.1 that a v1.0 line lacks get their defaults (``queued``,
+    no lease); ``created`` falls back to ``ts``, then to ``now``.
+    """
+    if not isinstance(envelope, dict):
+        raise ValueError("message is not an object")
+    seq = _int(seq)
+    if seq < 1:
+        raise ValueError("bad seq")
+    created = _created(envelope, now)
+    status = envelope.get("status") or "queued"
+    kind = envelope.get("kind") or "message"
+    msg_type = envelope.get("type") or "message"
+    body = envelope.get("body")
+    if status not in STATUSES or kind not in MESSAGE_KINDS or msg_type not in MESSAGE_TYPES:
+        raise ValueError("bad enumeration")
+    if body is not None and not isinstance(body, dict):
+        raise ValueError("body is not an object")
+    ts = envelope.get("ts")
+    return Message(
+        seq=seq,
+        id=_text(envelope.get("id"), optional=False),
+        sender=_text(envelope.get("from"), optional=False),
+        to=_text(envelope.get("to"), optional=False),
+        created=created,
+        ts=ts if isinstance(ts, str) else iso_timestamp(created),
+        type=msg_type,
+        body=body,
+        reply_to=_text(envelope.get("replyTo")),
+        ack=bool(envelope.get("ack", False)),
+        kind=kind,
+        root_id=_text(envelope.get("rootId")),
+        parent_id=_text(envelope.get("parentId")),
+        status=status,
+        attempts=_int(envelope.get("attempts") or 0),
+        lease_until=_int(envelope.get("leaseUntil"), optional=True),
+        lease_id=_text(envelope.get("leaseId")),
+        error=_text(envelope.get("error")),
+        recovery=bool(envelope.get("recovery", False)),
+    )
+
+
+def _apply_state(message: Message, record: Dict[str, Any]) -> None:
+    status = record["status"]
+    if status not in STATUSES:
+        raise ValueError("bad status")
+    attempts = _int(record["attempts"])
+    lease_until = _int(record.get("leaseUntil"), optional=True)
+    lease_id = _text(record.get("leaseId"))
+    error = _text(record.get("error"))
+    message.status = status
+    message.attempts = attempts
+    message.lease_until = lease_until
+    message.lease_id = lease_id
+    message.error = error
+    message.recovery = bool(record.get("recovery", False))
+
+
+class LoadedLog:
+    """What replaying a log gave: live messages in seq order, peers, counters."""
+
+    def __init__(self) -> None:
+        self.messages: List[Message] = []
+        self.peers: Dict[str, int] = {}
+        self.next_seq = 1
+        self.records = 0
+        self.skipped = 0
+        self.ends_with_newline = True
+
+
+def read_log(path: str, now: float) -> LoadedLog:
+    """Replay the log at ``path`` (this backend's or the reference broker's).
+
+    Unreadable lines are skipped, counted in ``skipped`` and logged by line
+    number. Raises OSError when the file cannot be read.
+    """
+    loaded = LoadedLog()
+    by_id: Dict[str, Message] = {}
+    through = 0
+    max_seq = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            loaded.ends_with_newline = line.endswith(b"\n")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not an object")
+                op = record.get("op")
+                if op is None:
+                    message = message_from_snapshot(record["seq"], record["message"], now)
+                    by_id[message.id] = message
+                    max_seq = max(max_seq, message.seq)
+                elif op == "state":
+                    target = by_id.get(_text(record["id"], optional=False))
+                    if target is not None:
+                        _apply_state(target, record)
+                elif op == "peer":
+                    agent = _text(record["agent"], optional=False)
+                    loaded.peers[agent] = _int(record["lastSeen"])
+                elif op == "expire":
+                    through = max(through, _int(record["through"]))
+                elif op == "next":
+                    max_seq = max(max_seq, _int(record["seq"]) - 1)
+                else:
+                    raise ValueError("unknown op")
+            except (ValueError, KeyError, TypeError, RecursionError):
+                loaded.skipped += 1
+                if loaded.skipped <= LOGGED_SKIPS:
+                    log.warn("skipped unreadable line {line} of {path}", line=number, path=path)
+                continue
+            loaded.records += 1
+    seen = set()
+    next_seq = max(max_seq, through) + 1
+    for message in sorted(by_id.values(), key=lambda m: m.seq):
+        if message.seq <= through:
+            continue
+        if message.seq in seen:  # two ids claim one seq: keep both, in file order
+            message.seq = next_seq
+            next_seq += 1
+        seen.add(message.seq)
+        loaded.messages.append(message)
+    loaded.next_seq = next_seq
+    return loaded
+
+
+# -- state --------------------------------------------------------------------------
+
+
+class LoggedState(MemoryState):
+    """MemoryState that hands a record of every change to ``append``."""
+
+    def __init__(self, append) -> None:
+        super().__init__()
+        self.append = append
+
+    def changed(self, message: Message) -> None:
+        self.append(state_record(message))
+
+    def add(self, message: Message) -> bool:
+        added = super().add(message)
+        if added:
+            self.append(snapshot_record(message))
+        return added
+
+    def register(self, agent: str, now: float) -> None:
+        super().register(agent, now)
+        self.append({"op": "peer", "agent": agent, "lastSeen": self.peer_seen[agent]})
+
+    def sweep_expired(self, cutoff: float) -> List[Message]:
+        removed = super().sweep_expired(cutoff)
+        if removed:
+            self.append({"op": "expire", "through": removed[-1].seq})
+        return removed
+
+    def live_records(self) -> int:
+        return len(self.by_id) + len(self.peer_seen)
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Compaction:
+    """One rewrite of the log into ``path + COMPACT_SUFFIX``, a chunk per reactor turn."""
+
+    def __init__(self, store: JsonlStore) -> None:
+        self.store = store
+        self.tmp_path = store.path + COMPACT_SUFFIX
+        self.file: IO[bytes] = open(self.tmp_path, "wb")  # noqa: SIM115 (lives across turns)
+        state = store.state
+        self.seqs = list(state.by_seq)
+        self.position = 0
+        self.tail: List[bytes] = []
+        self.tail_records = 0
+        self.records = 1 + len(state.peer_seen)
+        self.file.write(_encode({"op": "next", "seq": state.next_seq}))
+        for agent, seen in sorted(state.peer_seen.items()):
+            self.file.write(_encode({"op": "peer", "agent": agent, "lastSeen": seen}))
+        self.done: Deferred = Deferred()
+        self.call = None
+
+    def step(self) -> bool:
+        """Write the next chunk; True when every live message is written."""
+        by_seq = self.store.state.by_seq
+        chunk = self.seqs[self.position : self.position + COMPACT_CHUNK]
+        self.position += len(chunk)
+        lines = []
+        for seq in chunk:
+            message = by_seq.get(seq)
+            if message is not None:
+                lines.append(_encode(snapshot_record(message)))
+        self.file.write(b"".join(lines))
+        self.records += len(lines)
+        return self.position >= len(self.seqs)
+
+    def written(self, data: bytes, records: int) -> None:
+        """Records that reached the old file after the snapshot started."""
+        self.tail.append(data)
+        self.tail_records += records
+
+    def sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def finish(self) -> IO[bytes]:
+        """Append the tail, make the new file durable, rename it over the old one.
+
+        Returns the new file opened for appending.
+        """
+        self.file.write(b"".join(self.tail))
+        self.records += self.tail_records
+        self.sync()
+        self.file.close()
+        os.replace(self.tmp_path, self.store.path)
+        _fsync_directory(os.path.dirname(self.store.path) or ".")
+        return open(self.store.path, "ab", buffering=0)
+
+    def abandon(self) -> None:
+        self.file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp_path)
+
+
+@implementer(IMessageStore)
+class JsonlStore:
+    """MemoryState plus an append-only log, written once per reactor turn."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str, file: IO[bytes], clock: IReactorTime, sync: str,
+                 records: int = 0) -> None:
+        self.path = path
+        self.file = file
+        self.clock = clock
+        self.fsync = sync == "full"
+        self.records = records
+        self.compact_min_records = COMPACT_MIN_RECORDS
+        self.compactions = 0
+        self.compaction: Optional[Compaction] = None
+        self._buffer: List[bytes] = []
+        self._torn = False
+        self._closed = False
+        self.state = LoggedState(self._append)
+        self.commits = GroupCommit(clock, self._write, "jsonl")
+
+    # -- the log ---------------------------------------------------------------------
+
+    def _append(self, record: Dict[str, Any]) -> None:
+        self._buffer.append(_encode(record))
+        self.commits.touch()
+
+    def _write(self) -> None:
+        """Write the turn's records (one write); fsync under ``sync: full``."""
+        if not self._buffer:
+            return
+        data = b"".join(self._buffer)
+        count = len(self._buffer)
+        prefix = b"\n" if self._torn else b""
+        try:
+            self._write_all(prefix + data)
+            if self.fsync:
+                os.fsync(self.file.fileno())
+        except OSError:
+            self._torn = True
+            raise
+        self._torn = False
+        self._buffer = []
+        self.records += count
+        if self.compaction is not None:
+            self.compaction.written(data, count)
+        elif self._should_compact():
+            self.clock.callLater(0, self._start_compaction)
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = self.file.write(view)
+            view = view[n:]
+
+    def _should_compact(self) -> bool:
+        live = self.state.live_records()
+        return self.records >= self.compact_min_records and self.records > 2 * live
+
+    # -- compaction ------------------------------------------------------------------
+
+    def compact(self) -> Deferred:
+        """Rewrite the log now (unless a rewrite is running); fires when it is renamed."""
+        compaction = self.compaction or self._start_compaction()
+        if compaction is None:
+            return fail(RuntimeError("compaction could not start"))
+        d: Deferred = Deferred()
+
+        def relay(result):
+            d.callback(result)
+            return None
+
+        compaction.done.addBoth(relay)
+        return d
+
+    def _start_compaction(self) -> Optional[Compaction]:
+        if self.compaction is not None or self._closed:
+            return self.compaction
+        try:
+            self.compaction = Compaction(self)
+        except OSError as e:
+            log.error("cannot start compacting {path}: {reason}", path=self.path,
+                      reason=e.strerror)
+            self.records = max(self.records, self.compact_min_records) * 2
+            return None
+        log.info("compacting {path}: {records} records, {live} live",
+                 path=self.path, records=self.records, live=self.state.live_records())
+        self.compaction.call = self.clock.callLater(0, self._compact_step)
+        return self.compaction
+
+    def _compact_step(self) -> None:
+        compaction = self.compaction
+        if compaction is None:
+            return
+        compaction.call = None
+        try:
+            finished = compaction.step()
+        except OSError as e:
+            self._compaction_failed(e)
+            return
+        if not finished:
+            compaction.call = self.clock.callLater(0, self._compact_step)
+            return
+        if IReactorThreads.providedBy(self.clock):
+            d = deferToThreadPool(self.clock, self.clock.getThreadPool(), compaction.sync)
+        else:
+            d = Deferred()
+            try:
+                compaction.sync()
+            except OSError:
+                d.errback()
+            else:
+                d.callback(None)
+        d.addCallbacks(lambda _: self._compact_finish(compaction),
+                       lambda f: self._compaction_failed(f.value))
+
+    def _compact_finish(self, compaction: Compaction) -> None:
+        if self.compaction is not compaction:
+            return
+        try:
+            new = compaction.finish()
+        except OSError as e:
+            self._compaction_failed(e)
+            return
+        old, self.file = self.file, new
+        old.close()
+        before = self.records
+        self.records = compaction.records
+        self._torn = False
+        self.compaction = None
+        self.compactions += 1
+        log.info("compacted {path}: {before} records -> {after}",
+                 path=self.path, before=before, after=self.records)
+        compaction.done.callback(None)
+
+    def _compaction_failed(self, error: Exception) -> None:
+        compaction, self.compaction = self.compaction, None
+        if compaction is None:
+            return
+        if compaction.call is not None and compaction.call.active():
+            compaction.call.cancel()
+        compaction.abandon()
+        log.error("compacting {path} failed: {kind}; the old file stays in use",
+                  path=self.path, kind=type(error).__name__)
+        self.records = max(self.records, self.compact_min_records) * 2
+        compaction.done.errback(error)
+
+    # -- IMessageStore -------------------------------------------------------------------
+
+    def add(self, message: Message) -> Deferred:
+        return self.commits.run(self.state.add, message)
+
+    def find(self, message_id: str) -> Deferred:
+        return self.commits.run(self.state.by_id.get, message_id)
+
+    def get_since(self, agent: str, since_id: Optional[str], limit: int, now: float) -> Deferred:
+        return self.commits.run(self.state.get_since, agent, since_id, limit, now)
+
+    def pull(self, agent: str, limit: int, lease_seconds: int, now: float) -> Deferred:
+        return self.commits.run(self.state.pull, agent, limit, lease_seconds, now)
+
+    def ack(self, message_id, agent, lease_id, outcome, error, now, max_attempts) -> Deferred:
+        return self.commits.run(
+            self.state.ack, message_id, agent, lease_id, outcome, error, now, max_attempts
+        )
+
+    def status(self, message_ids, agent: str) -> Deferred:
+        return self.commits.run(self.state.status, message_ids, agent)
+
+    def recent(self, agent: str, limit: int) -> Deferred:
+        return self.commits.run(self.state.recent, agent, limit)
+
+    def query(self, agent, limit, kind, status, sender, recipient) -> Deferred:
+        return self.commits.run(self.state.query, agent, limit, kind, status, sender, recipient)
+
+    def register(self, agent: str, now: float) -> Deferred:
+        return self.commits.run(self.state.register, agent, now)
+
+    def is_registered(self, agent: str) -> Deferred:
+        return succeed(agent in self.state.peer_seen)
+
+    def peers(self) -> Deferred:
+        return succeed(self.state.peers())
+
+    def sweep_leases(self, now: float) -> Deferred:
+        return self.commits.run(self.state.expire_due, now)
+
+    def sweep_expired(self, cutoff: float) -> Deferred:
+        return self.commits.run(lambda: len(self.state.sweep_expired(cutoff)))
+
+    def close(self) -> Deferred:
+        """Write what is pending, drop an unfinished compaction, close the file."""
+        if self._buffer:
+            self.commits.touch()
+        self.commits.flush()
+        self._closed = True
+        compaction, self.compaction = self.compaction, None
+        if compaction is not None:
+            if compaction.call is not None and compaction.call.active():
+                compaction.call.cancel()
+            compaction.abandon()
+        self.file.close()
+        return succeed(None)
+
+
+def open_store(config: Config, clock: IReactorTime) -> JsonlStore:
+    """Replay ``dataDir/messages.jsonl`` and open it for appending (the factory entry point)."""
+    data_dir = config.data_dir
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("broker.dataDir", f"cannot create {data_dir}: {e.strerror}") from None
+    path = os.path.join(data_dir, LOG_NAME)
+    try:
+        if os.path.exists(path + COMPACT_SUFFIX):
+            os.unlink(path + COMPACT_SUFFIX)  # an unfinished compaction; the log is whole
+        loaded = read_log(path, clock.seconds()) if os.path.exists(path) else LoadedLog()
+        file = open(path, "ab", buffering=0)  # noqa: SIM115 (the store's log)
+    except OSError as e:
+        raise ConfigError("broker.dataDir", f"cannot open {path}: {e.strerror}") from None
+    store = JsonlStore(path, file, clock, config.sync, loaded.records + loaded.skipped)
+    _restore(store, loaded)
+    if not loaded.ends_with_newline:
+        store._torn = True
+    if loaded.records or loaded.skipped:
+        log.info(
+            "loaded {count} messages and {peers} peers from {path} "
+            "({records} records, {skipped} unreadable lines skipped)",
+            count=len(loaded.messages), peers=len(loaded.peers), path=path,
+            records=loaded.records, skipped=loaded.skipped,
+        )
+    return store
+
+
+def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
+    state = store.state
+    for message in loaded.messages:
+        state.insert(message)
+    state.peer_seen.update(loaded.peers)
+    state.next_seq = max(state.next_seq, loaded.next_seq)
+
+
+__all__ = ["JsonlStore", "LoadedLog", "open_store", "read_log", "snapshot_record"]

@@ -1,0 +1,560 @@
+"""The SQLite backend (``broker.storage: sqlite``): the database ``dataDir/relay.db``.
+
+The database is the source of truth: messages and peers live in indexed
+tables (``sqlite-v1.sql``) and every operation reads and writes only the rows
+it needs; no copy of the messages is kept in memory. The delivery rules are
+those of :mod:`relay.delivery`: a row is read, the rule applied to it, and
+what changed written back.
+
+Durability: statements run synchronously on the reactor thread (each costs
+microseconds on an indexed table). Writes join one open transaction that is
+committed at the end of the reactor turn, and the Deferred of every operation
+of that turn fires only after that COMMIT (see :mod:`relay.store.grouped`):
+a ``201`` means the message is in the database, and many requests share one
+commit. ``broker.sync`` sets ``PRAGMA synchronous`` of the WAL journal:
+
+- ``normal`` (default): a commit survives a killed broker process; a power
+  loss may take back the last commits.
+- ``full``: every commit is fsynced; a commit also survives a power loss.
+- ``off``: no fsync at all; only for throwaway data.
+
+Registrations (``is_registered``, ``peers``) are answered at once, even while
+the heartbeat that recorded them is not yet committed.
+
+Schema: a new database is created from the newest ``sqlite-vN.sql``; an
+older one is backed up (``relay.db.vN.bak``) and brought forward by the
+``sqlite-upgrade-to-vN.sql`` scripts in order; a database written by a newer
+broker stops the start. When a new database is created and
+``dataDir/messages.jsonl`` exists (the reference broker's file, or this
+broker's jsonl backend), its messages and peers are imported in the same
+transaction that creates the schema, so the import happens exactly once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import sqlite3
+from importlib import resources
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
+
+from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from relay import delivery, errors
+from relay.config import Config
+from relay.delivery import Message
+from relay.errors import ConfigError
+from relay.store.grouped import GroupCommit
+from relay.store.interface import IMessageStore
+
+log = Logger(namespace="relay.store.sqlite")
+
+SCHEMA_VERSION = 1
+DB_NAME = "relay.db"
+JSONL_NAME = "messages.jsonl"
+EXPIRE_BATCH = 2000
+
+COLUMNS = (
+    "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
+    "status, attempts, lease_until, lease_id, error, created, recovery"
+)
+_SELECT = f"SELECT {COLUMNS} FROM messages"
+_INSERT = (
+    f"INSERT OR IGNORE INTO messages ({COLUMNS}) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_SAVE_STATE = (
+    "UPDATE messages SET status = ?, attempts = ?, lease_until = ?, lease_id = ?, error = ?, "
+    "recovery = ? WHERE seq = ?"
+)
+
+# Every statement an operation runs, by operation; tests check their query plans.
+STATEMENTS = {
+    "add": [_INSERT],
+    "find": [f"{_SELECT} WHERE id = ?"],
+    "get_since": [
+        "SELECT seq FROM messages WHERE id = ?",
+        f"{_SELECT} WHERE recipient = ? AND recovery = 1 AND seq <= ? ORDER BY seq LIMIT ?",
+        f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > ? ORDER BY seq LIMIT ?",
+        _SAVE_STATE,
+    ],
+    "pull": [
+        f"{_SELECT} WHERE recipient = ? AND status = 'queued' ORDER BY seq LIMIT ?",
+        _SAVE_STATE,
+    ],
+    "ack": [f"{_SELECT} WHERE id = ?", _SAVE_STATE],
+    "status": [
+        "SELECT id, status, attempts, ts, sender, recipient, kind FROM messages WHERE id = ?"
+    ],
+    "sweep_leases": [
+        f"{_SELECT} WHERE status = 'leased' AND lease_until <= ?",
+        _SAVE_STATE,
+    ],
+    "sweep_expired": [
+        "DELETE FROM messages WHERE seq IN "
+        "(SELECT seq FROM messages WHERE created < ? ORDER BY created LIMIT ?)"
+    ],
+    "register": ["INSERT OR REPLACE INTO peers (agent, last_seen) VALUES (?, ?)"],
+    "is_registered": ["SELECT 1 FROM peers WHERE agent = ?"],
+}
+
+
+def _query_statement(side: str, kind: Optional[str], status: Optional[str],
+                     other: Optional[str]) -> Tuple[str, List[str]]:
+    """The SELECT of one side (``recipient`` or ``sender``) of a query, and its filters."""
+    where = [f"{side} = ?"]
+    names = []
+    if other is not None:
+        where.append(("sender" if side == "recipient" else "recipient") + " = ?")
+        names.append("other")
+    if kind is not None:
+        where.append("kind = ?")
+        names.append("kind")
+    if status is not None:
+        where.append("status = ?")
+        names.append("status")
+    sql = f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?"
+    return sql, names
+
+
+def _recent_statement() -> str:
+    return f"{_SELECT} WHERE recipient = ? ORDER BY seq DESC LIMIT ?"
+
+
+STATEMENTS["recent"] = [_recent_statement()]
+STATEMENTS["query"] = [
+    _query_statement(side, kind, status, other)[0]
+    for side in ("recipient", "sender")
+    for kind in (None, "request")
+    for status in (None, "queued")
+    for other in (None, "x")
+]
+
+
+def schema_script(version: int) -> str:
+    """The SQL that creates a fresh database of schema ``version``."""
+    return resources.files("relay.store").joinpath(f"sqlite-v{version}.sql").read_text("utf-8")
+
+
+def upgrade_script(version: int) -> str:
+    """The SQL that brings a database from ``version - 1`` to ``version``."""
+    name = f"sqlite-upgrade-to-v{version}.sql"
+    return resources.files("relay.store").joinpath(name).read_text("utf-8")
+
+
+def _row(message: Message) -> Tuple[Any, ...]:
+    return (
+        message.seq or None,
+        message.id,
+        message.sender,
+        message.to,
+        message.ts,
+        message.type,
+        json.dumps(message.body, separators=(",", ":")),
+        message.reply_to,
+        int(message.ack),
+        message.kind,
+        message.root_id,
+        message.parent_id,
+        message.status,
+        message.attempts,
+        message.lease_until,
+        message.lease_id,
+        message.error,
+        message.created,
+        int(message.recovery),
+    )
+
+
+def _message(row: Sequence[Any]) -> Message:
+    return Message(
+        seq=row[0],
+        id=row[1],
+        sender=row[2],
+        to=row[3],
+        ts=row[4],
+        type=row[5],
+        body=json.loads(row[6]),
+        reply_to=row[7],
+        ack=bool(row[8]),
+        kind=row[9],
+        root_id=row[10],
+        parent_id=row[11],
+        status=row[12],
+        attempts=row[13],
+        lease_until=row[14],
+        lease_id=row[15],
+        error=row[16],
+        created=row[17],
+        recovery=bool(row[18]),
+    )
+
+
+def _state_row(message: Message) -> Tuple[Any, ...]:
+    return (
+        message.status,
+        message.attempts,
+        message.lease_until,
+        message.lease_id,
+        message.error,
+        int(message.recovery),
+        message.seq,
+    )
+
+
+@implementer(IMessageStore)
+class SQLiteStore:
+    """Messages and peers in one SQLite database, committed in groups."""
+
+    name = "sqlite"
+
+    def __init__(self, db: sqlite3.Connection, clock: IReactorTime, path: str) -> None:
+        self.db = db
+        self.path = path
+        self.commits = GroupCommit(clock, self._commit, "sqlite")
+
+    # -- transactions ----------------------------------------------------------
+
+    def _begin(self) -> None:
+        """Open the turn's transaction (if needed) before a write."""
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN IMMEDIATE")
+        self.commits.touch()
+
+    def _commit(self) -> None:
+        if not self.db.in_transaction:
+            return
+        try:
+            self.db.execute("COMMIT")
+        except sqlite3.Error:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+
+    def _save(self, messages: Iterable[Message]) -> None:
+        self._begin()
+        self.db.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
+
+    def _select(self, sql: str, *args: Any) -> List[Message]:
+        return [_message(row) for row in self.db.execute(sql, args)]
+
+    # -- operations (synchronous) ---------------------------------------------
+
+    def _add(self, message: Message) -> bool:
+        self._begin()
+        cursor = self.db.execute(_INSERT, _row(message))
+        if cursor.rowcount != 1:
+            return False
+        message.seq = cursor.lastrowid
+        return True
+
+    def _find(self, message_id: str) -> Optional[Message]:
+        row = self.db.execute(STATEMENTS["find"][0], (message_id,)).fetchone()
+        return None if row is None else _message(row)
+
+    def _expire_due(self, now: float) -> Set[str]:
+        expired = self._select(STATEMENTS["sweep_leases"][0], delivery.now_ms(now))
+        for message in expired:
+            delivery.expire_lease(message)
+        if expired:
+            self._save(expired)
+        return {m.to for m in expired}
+
+    def _get_since(
+        self, agent: str, since_id: Optional[str], limit: int, now: float
+    ) -> Tuple[List[Message], Optional[str]]:
+        self._expire_due(now)
+        since_seq = 0
+        if since_id:
+            row = self.db.execute(STATEMENTS["get_since"][0], (since_id,)).fetchone()
+            since_seq = row[0] if row is not None else 0
+        out: List[Message] = []
+        if since_seq:
+            out = self._select(STATEMENTS["get_since"][1], agent, since_seq, limit)
+        fresh = self._select(STATEMENTS["get_since"][2], agent, since_seq, limit - len(out))
+        out.extend(fresh)
+        marked = [m for m in out if m.recovery]
+        for message in marked:
+            message.recovery = False
+        if marked:
+            self._save(marked)
+        cursor = fresh[-1].id if fresh else (since_id or None)
+        return out, cursor
+
+    def _pull(self, agent: str, limit: int, lease_seconds: int, now: float) -> List[Message]:
+        self._expire_due(now)
+        out = self._select(STATEMENTS["pull"][0], agent, limit)
+        for message in out:
+            delivery.lease(message, lease_seconds, now)
+        if out:
+            self._save(out)
+        return out
+
+    def _ack(
+        self,
+        message_id: str,
+        agent: str,
+        lease_id: str,
+        outcome: str,
+        error: Optional[str],
+        now: float,
+        max_attempts: int,
+    ) -> dict:
+        message = self._find(message_id)
+        if message is None:
+            raise errors.no_such_message()
+        before = message.state()
+        try:
+            return delivery.settle(message, agent, lease_id, outcome, error, now, max_attempts)
+        finally:
+            if message.state() != before:
+                self._save([message])
+
+    def _status(self, message_ids: Iterable[str], agent: str) -> List[dict]:
+        out = []
+        sql = STATEMENTS["status"][0]
+        for message_id in message_ids:
+            row = self.db.execute(sql, (message_id,)).fetchone()
+            if row is None or agent not in (row[4], row[5]):
+                out.append(delivery.not_found_status(message_id))
+            else:
+                out.append(
+                    {
+                        "id": row[0],
+                        "status": row[1],
+                        "attempts": row[2],
+                        "ts": row[3],
+                        "from": row[4],
+                        "to": row[5],
+                        "kind": row[6],
+                    }
+                )
+        return out
+
+    def _recent(self, agent: str, limit: int) -> List[Message]:
+        return self._select(_recent_statement(), agent, limit)
+
+    def _query_side(self, side: str, agent: str, limit: int, kind: Optional[str],
+                    status: Optional[str], other: Optional[str]) -> List[Message]:
+        sql, names = _query_statement(side, kind, status, other)
+        values = {"other": other, "kind": kind, "status": status}
+        return self._select(sql, agent, *[values[n] for n in names], limit)
+
+    def _query(
+        self,
+        agent: str,
+        limit: int,
+        kind: Optional[str],
+        status: Optional[str],
+        sender: Optional[str],
+        recipient: Optional[str],
+    ) -> List[Message]:
+        if sender is not None and recipient is not None and agent not in (sender, recipient):
+            return []
+        if sender == agent:
+            return self._query_side("sender", agent, limit, kind, status, recipient)
+        if recipient == agent:
+            return self._query_side("recipient", agent, limit, kind, status, sender)
+        if sender is not None:
+            return self._query_side("recipient", agent, limit, kind, status, sender)
+        if recipient is not None:
+            return self._query_side("sender", agent, limit, kind, status, recipient)
+        inbox = self._query_side("recipient", agent, limit, kind, status, None)
+        outbox = self._query_side("sender", agent, limit, kind, status, None)
+        merged = heapq.merge(inbox, outbox, key=lambda m: m.seq, reverse=True)
+        return [m for _, m in zip(range(limit), merged)]
+
+    def _expire_batch(self, cutoff: float, batch: int) -> int:
+        self._begin()
+        return self.db.execute(STATEMENTS["sweep_expired"][0], (cutoff, batch)).rowcount
+
+    def _register(self, agent: str, now: float) -> None:
+        self._begin()
+        self.db.execute(STATEMENTS["register"][0], (agent, int(now)))
+
+    def _at_once(self, operation: Callable[..., Any], *args: Any) -> Deferred:
+        try:
+            return succeed(operation(*args))
+        except Exception:
+            return fail()
+
+    # -- IMessageStore -----------------------------------------------------------
+
+    def add(self, message: Message) -> Deferred:
+        return self.commits.run(self._add, message)
+
+    def find(self, message_id: str) -> Deferred:
+        return self.commits.run(self._find, message_id)
+
+    def get_since(self, agent: str, since_id: Optional[str], limit: int, now: float) -> Deferred:
+        return self.commits.run(self._get_since, agent, since_id, limit, now)
+
+    def pull(self, agent: str, limit: int, lease_seconds: int, now: float) -> Deferred:
+        return self.commits.run(self._pull, agent, limit, lease_seconds, now)
+
+    def ack(self, message_id, agent, lease_id, outcome, error, now, max_attempts) -> Deferred:
+        return self.commits.run(
+            self._ack, message_id, agent, lease_id, outcome, error, now, max_attempts
+        )
+
+    def status(self, message_ids, agent: str) -> Deferred:
+        return self.commits.run(self._status, message_ids, agent)
+
+    def recent(self, agent: str, limit: int) -> Deferred:
+        return self.commits.run(self._recent, agent, limit)
+
+    def query(self, agent, limit, kind, status, sender, recipient) -> Deferred:
+        return self.commits.run(self._query, agent, limit, kind, status, sender, recipient)
+
+    def register(self, agent: str, now: float) -> Deferred:
+        return self.commits.run(self._register, agent, now)
+
+    def is_registered(self, agent: str) -> Deferred:
+        sql = STATEMENTS["is_registered"][0]
+        return self._at_once(lambda: self.db.execute(sql, (agent,)).fetchone() is not None)
+
+    def peers(self) -> Deferred:
+        sql = "SELECT agent, last_seen FROM peers ORDER BY agent"
+        return self._at_once(lambda: [tuple(row) for row in self.db.execute(sql)])
+
+    def sweep_leases(self, now: float) -> Deferred:
+        return self.commits.run(self._expire_due, now)
+
+    @inlineCallbacks
+    def sweep_expired(self, cutoff: float):
+        """Removes in batches, one per reactor turn, so a large expiry never stalls requests."""
+        total = 0
+        while True:
+            removed = yield self.commits.run(self._expire_batch, cutoff, EXPIRE_BATCH)
+            total += removed
+            if removed < EXPIRE_BATCH:
+                return total
+
+    def close(self) -> Deferred:
+        self.commits.flush()
+        self.db.close()
+        return succeed(None)
+
+
+# -- opening ---------------------------------------------------------------------
+
+
+def _connect(path: str, sync: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ConfigError("broker.dataDir", f"{path}: the WAL journal is not available here")
+        db.execute(f"PRAGMA synchronous={sync.upper()}")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _tables(db: sqlite3.Connection) -> Set[str]:
+    rows = db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+    return {row[0] for row in rows}
+
+
+def _import_jsonl(db: sqlite3.Connection, data_dir: str, now: float) -> None:
+    """Copy the messages and peers of ``dataDir/messages.jsonl`` into the open transaction."""
+    from relay.store.jsonl import read_log
+
+    path = os.path.join(data_dir, JSONL_NAME)
+    if not os.path.exists(path):
+        return
+    loaded = read_log(path, now)
+    db.executemany(_INSERT, [_row(m) for m in loaded.messages])
+    db.executemany(STATEMENTS["register"][0], sorted(loaded.peers.items()))
+    db.execute(
+        "UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'messages'",
+        (loaded.next_seq - 1,),
+    )
+    log.info(
+        "imported {count} messages and {peers} peers from {path} ({skipped} unreadable lines)",
+        count=len(loaded.messages),
+        peers=len(loaded.peers),
+        path=path,
+        skipped=loaded.skipped,
+    )
+
+
+def _create(db: sqlite3.Connection, data_dir: str, now: float) -> None:
+    db.executescript("BEGIN IMMEDIATE;\n" + schema_script(SCHEMA_VERSION))
+    try:
+        db.execute("INSERT INTO version (version) VALUES (?)", (SCHEMA_VERSION,))
+        db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('messages', 0)")
+        _import_jsonl(db, data_dir, now)
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+
+
+def upgrade(db: sqlite3.Connection, path: str, target: int = SCHEMA_VERSION,
+            script: Callable[[int], str] = upgrade_script) -> int:
+    """Bring the database at ``path`` to schema ``target``; returns the version found.
+
+    Backs the database up first; refuses a database newer than ``target``.
+    """
+    (found,) = db.execute("SELECT version FROM version").fetchone()
+    if found > target:
+        raise ConfigError(
+            "broker.dataDir",
+            f"{path} has schema version {found}, newer than this broker's {target}: "
+            "it was written by a newer relay; run that, or point broker.dataDir elsewhere",
+        )
+    if found < target:
+        backup = sqlite3.connect(f"{path}.v{found}.bak")
+        try:
+            db.backup(backup)
+        finally:
+            backup.close()
+        for version in range(found + 1, target + 1):
+            db.executescript(f"BEGIN IMMEDIATE;\n{script(version)}\n")
+            db.execute("UPDATE version SET version = ?", (version,))
+            db.execute("COMMIT")
+        log.info("upgraded {path} from schema version {old} to {new}",
+                 path=path, old=found, new=target)
+    return found
+
+
+def open_database(path: str, data_dir: str, sync: str, now: float) -> sqlite3.Connection:
+    """Open (creating or upgrading as needed) the relay database at ``path``."""
+    db = _connect(path, sync)
+    try:
+        tables = _tables(db)
+        if not tables:
+            _create(db, data_dir, now)
+        elif "version" not in tables:
+            raise ConfigError("broker.dataDir", f"{path} is not a relay database (no version)")
+        else:
+            upgrade(db, path)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def open_store(config: Config, clock: IReactorTime) -> SQLiteStore:
+    """Open ``dataDir/relay.db`` (the IStoreFactory entry point); ConfigError if impossible."""
+    data_dir = config.data_dir
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("broker.dataDir", f"cannot create {data_dir}: {e.strerror}") from None
+    path = os.path.join(data_dir, DB_NAME)
+    try:
+        db = open_database(path, data_dir, config.sync, clock.seconds())
+    except sqlite3.Error as e:
+        raise ConfigError("broker.dataDir", f"cannot open database {path}: {e}") from None
+    return SQLiteStore(db, clock, path)
+
+
+__all__ = ["SQLiteStore", "open_store", "open_database", "upgrade", "SCHEMA_VERSION"]
