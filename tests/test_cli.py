@@ -577,3 +577,63 @@ def test_process_network_error_exit_1_without_traceback(tmp_path: Path) -> None:
     assert status == 1
     assert err.startswith("error: connection_error:")
     assert "Traceback" not in err
+
+
+def test_relay_agent_process_answers_requests(broker: BrokerProcess, tmp_path: Path) -> None:
+    """``twistd -n relay-agent --exec`` as a process: a request gets the command's stdout."""
+    import time
+
+    worker = unique("worker")
+    env = {"DSH_RELAY_BROKER_URL": broker.url, "DSH_RELAY_SECRET": BROKER_SECRET}
+    twistd = Path(sys.executable).with_name("twistd")
+    log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
+    agent = subprocess.Popen(
+        [str(twistd), "-n", "--pidfile=", "relay-agent", "--agent", worker]
+        + ["--exec", "tr a-z A-Z", "--receipts-dir", str(tmp_path)],
+        cwd=str(tmp_path),
+        env={
+            "PATH": os.environ.get("PATH", ""),
+            "PYTHONPATH": str(REPO),
+            "HOME": str(tmp_path),
+            **env,
+        },
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        asker = unique("asker")
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while True:  # wait until the agent has registered
+            status, out, _ = python_relay(["peers", "--agent", asker, "--json"], tmp_path, env)
+            if status == 0 and worker in {p["agent"] for p in json.loads(out)["peers"]}:
+                break
+            assert agent.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "agent.log"
+            ).read_text()
+            time.sleep(0.1)
+        status, _, err = python_relay(["register", "--agent", asker], tmp_path, env)
+        assert status == 0, err
+        status, out, err = python_relay(
+            ["send", worker, "shout this", "--kind", "request", "--agent", asker, "--json"],
+            tmp_path,
+            env,
+        )
+        assert status == 0, err
+        request_id = json.loads(out)["id"]
+        while True:
+            status, out, _ = python_relay(["pull", "--agent", asker, "--json"], tmp_path, env)
+            replies = [m for m in json.loads(out)["messages"] if m.get("parentId") == request_id]
+            if replies:
+                break
+            assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
+            time.sleep(0.1)
+        assert replies[0]["body"] == {"text": "SHOUT THIS"}
+        assert "shout this" not in (tmp_path / "agent.log").read_text().lower()
+    finally:
+        agent.terminate()
+        try:
+            agent.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait(timeout=10)
+        log.close()
