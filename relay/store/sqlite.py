@@ -102,6 +102,9 @@ STATEMENTS = {
     "is_registered": ["SELECT 1 FROM peers WHERE agent = ?"],
 }
 
+# Statements that return a whole table by design (the peers list is small).
+LISTINGS = ("SELECT agent, last_seen FROM peers ORDER BY agent",)
+
 
 def _query_statement(side: str, kind: Optional[str], status: Optional[str],
                      other: Optional[str]) -> Tuple[str, List[str]]:
@@ -418,7 +421,7 @@ class SQLiteStore:
         return self._at_once(lambda: self.db.execute(sql, (agent,)).fetchone() is not None)
 
     def peers(self) -> Deferred:
-        sql = "SELECT agent, last_seen FROM peers ORDER BY agent"
+        sql = LISTINGS[0]
         return self._at_once(lambda: [tuple(row) for row in self.db.execute(sql)])
 
     def sweep_leases(self, now: float) -> Deferred:

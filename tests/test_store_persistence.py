@@ -1,0 +1,145 @@
+"""Restart tests for the persistent backends: close, reopen on the same directory, compare."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+import pytest_twisted
+
+from relay.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.testing import START, new_message
+from tests.conftest import open_backend
+
+LEASE = 60
+
+
+@pytest.fixture(params=("sqlite", "jsonl"))
+def persistent(request) -> str:
+    return request.param
+
+
+async def everything(store, agents=("alpha", "beta", "gamma")) -> Dict[str, Any]:
+    """Every stored message (all fields, lease ids included) and the peers."""
+    messages = {}
+    for agent in agents:
+        for m in await store.recent(agent, 200):
+            messages[m.id] = (m.seq, m.envelope(with_lease=True), m.created, m.recovery)
+    return {"messages": messages, "peers": await store.peers()}
+
+
+async def populate(store) -> Dict[str, str]:
+    """A store with every kind of state; returns the lease ids still live."""
+    await store.register("beta", START)
+    await store.register("alpha", START + 1)
+    await store.register("gamma", START + 2)
+    for i in range(8):
+        m = new_message("alpha", "beta", START + i, id=f"m{i}", body={"n": i, "text": "hé"},
+                        kind="request" if i % 2 else "message", rootId=f"r{i}")
+        assert await store.add(m) is True
+    assert await store.add(new_message("beta", "alpha", START, id="back", kind="reply",
+                                       parentId="m1")) is True
+    for i in range(2):
+        assert await store.add(new_message("alpha", "gamma", START, id=f"g{i}")) is True
+    # m0 done; m1 retried (queued, attempts 1); m2 failed (attempts 1 > maxAttempts 0)
+    leased = {m.id: m.lease_id for m in await store.pull("beta", 3, LEASE, START)}
+    assert sorted(leased) == ["m0", "m1", "m2"]
+    await store.ack("m0", "beta", leased["m0"], "completed", None, START, 3)
+    await store.ack("m1", "beta", leased["m1"], "retry", "busy", START, 3)
+    await store.ack("m2", "beta", leased["m2"], "retry", "e2", START, 0)
+    # a v1.0 cursor past every queued message; then m1 leased and expired -> recovery mark
+    _, cursor = await store.get_since("beta", None, 50, START)
+    assert [m.id for m in await store.pull("beta", 1, LEASE, START)] == ["m1"]
+    assert await store.sweep_leases(START + LEASE + 1) == {"beta"}
+    assert (await store.find("m1")).recovery is True
+    # live leases, valid for long after the restart
+    live = {m.id: m.lease_id for m in await store.pull("gamma", 2, LEASE * 10, START + LEASE)}
+    return {"cursor": cursor, **live}
+
+
+@pytest_twisted.ensureDeferred
+async def test_restart_keeps_everything(persistent, tmp_path):
+    store = open_backend(persistent, tmp_path)
+    await populate(store)
+    before = await everything(store)
+    await store.close()
+
+    store = open_backend(persistent, tmp_path)
+    try:
+        after = await everything(store)
+        assert after == before
+        statuses = {k: v[1]["status"] for k, v in after["messages"].items()}
+        assert statuses["m0"] == DONE and statuses["m2"] == FAILED
+        assert statuses["m1"] == QUEUED and after["messages"]["m1"][1]["attempts"] == 1
+        assert after["messages"]["m1"][3] is True, "the recovery mark survives"
+        assert after["messages"]["m2"][1]["error"] == "e2"
+        assert {k for k, s in statuses.items() if s == LEASED} == {"g0", "g1"}
+        assert after["messages"]["g0"][1]["leaseId"]
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_path):
+    store = open_backend(persistent, tmp_path)
+    state = await populate(store)
+    await store.close()
+
+    store = open_backend(persistent, tmp_path)
+    try:
+        now = START + LEASE + 3
+        # dedup survives
+        assert await store.add(new_message("alpha", "beta", now, id="m0")) is False
+        # a live lease survives with its id and deadline
+        result = await store.ack("g0", "gamma", state["g0"], "completed", None, now, 3)
+        assert result["status"] == DONE
+        # the recovery delivery happens once, after the restart
+        messages, _ = await store.get_since("beta", state["cursor"], 50, now)
+        assert [m.id for m in messages] == ["m1"]
+        messages, _ = await store.get_since("beta", state["cursor"], 50, now)
+        assert messages == []
+        # order continues: a new message sorts after every old one
+        fresh = new_message("alpha", "beta", now, id="new")
+        assert await store.add(fresh) is True
+        seqs = [m.seq for m in await store.recent("beta", 200)]
+        assert seqs == sorted(seqs, reverse=True) and seqs[0] == fresh.seq
+        assert await store.is_registered("gamma") is True
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_seq_never_goes_back_after_expiry(persistent, tmp_path):
+    store = open_backend(persistent, tmp_path)
+    for i in range(3):
+        await store.add(new_message("alpha", "beta", START, id=f"old{i}"))
+    last = (await store.find("old2")).seq
+    assert await store.sweep_expired(START + 1) == 3
+    await store.close()
+
+    store = open_backend(persistent, tmp_path)
+    try:
+        assert await store.find("old0") is None
+        m = new_message("alpha", "beta", START + 2, id="young")
+        await store.add(m)
+        assert m.seq > last
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_state_changed_after_restart_survives_another(persistent, tmp_path):
+    store = open_backend(persistent, tmp_path)
+    await store.add(new_message("alpha", "beta", START, id="a"))
+    await store.close()
+    for step in range(3):
+        store = open_backend(persistent, tmp_path)
+        (m,) = await store.pull("beta", 1, LEASE, START + step * LEASE * 2)
+        await store.ack("a", "beta", m.lease_id, "retry", f"e{step}", START, 5)
+        await store.close()
+    store = open_backend(persistent, tmp_path)
+    try:
+        found = await store.find("a")
+        assert (found.status, found.attempts, found.error) == (QUEUED, 3, "e2")
+    finally:
+        await store.close()

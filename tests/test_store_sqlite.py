@@ -1,0 +1,242 @@
+"""SQLite-specific behaviour: query plans, schema versions, opening errors, jsonl import."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from typing import List
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.logger import capturedLogs
+
+from relay.errors import ConfigError, RelayError
+from relay.protocol import DONE, LEASED, QUEUED
+from relay.store import sqlite as backend
+from relay.testing import START, make_config, new_message
+from tests.conftest import open_backend
+
+LEASE = 60
+
+
+def open_sqlite(path, **broker):
+    return backend.open_store(make_config(storage="sqlite", dataDir=str(path), **broker), reactor)
+
+
+def scans(db: sqlite3.Connection, sql: str) -> List[str]:
+    """The query-plan steps of ``sql`` that visit a whole table or sort outside an index."""
+    plan = db.execute("EXPLAIN QUERY PLAN " + sql, [None] * sql.count("?")).fetchall()
+    details = [row[-1] for row in plan]
+    return [d for d in details if d.startswith("SCAN") or "TEMP B-TREE" in d]
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_statement_scans_a_table(tmp_path):
+    """Every statement the store runs is an index search (checked on its real SQL)."""
+    store = open_sqlite(tmp_path)
+    try:
+        executed: List[str] = []
+        for i in range(30):
+            await store.add(new_message("alpha", f"agent{i % 3}", START + i, id=f"x{i}"))
+        store.db.set_trace_callback(executed.append)
+        await store.register("beta", START)
+        await store.is_registered("beta")
+        await store.peers()
+        await store.add(new_message("alpha", "beta", START, id="a"))
+        await store.add(new_message("alpha", "beta", START, id="a"))
+        await store.add(new_message("alpha", "beta", START, id="b", kind="request"))
+        await store.find("a")
+        (m,) = await store.pull("beta", 1, LEASE, START)
+        with pytest.raises(RelayError):
+            await store.ack("a", "beta", "wrong", "completed", None, START, 3)
+        await store.ack("a", "beta", m.lease_id, "retry", None, START, 3)
+        _, cursor = await store.get_since("beta", None, 50, START)
+        await store.pull("beta", 1, LEASE, START)
+        await store.sweep_leases(START + LEASE)
+        await store.get_since("beta", cursor, 50, START + LEASE)
+        await store.status(["a", "b", "zz"], "alpha")
+        await store.recent("beta", 10)
+        for sender, to in ((None, None), ("alpha", None), (None, "beta"), ("alpha", "beta"),
+                           ("gamma", None), (None, "gamma")):
+            for kind, status in ((None, None), ("request", None), (None, QUEUED)):
+                await store.query("beta", 10, kind, status, sender, to)
+        await store.sweep_expired(START + 5)
+        store.db.set_trace_callback(None)
+        statements = {s for s in executed if s.split()[0].upper() not in ("BEGIN", "COMMIT")}
+        statements -= set(backend.LISTINGS)
+        assert len(statements) > 15
+        for sql in statements:
+            assert scans(store.db, sql) == [], sql
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_declared_statements_use_indexes(tmp_path):
+    store = open_sqlite(tmp_path)
+    try:
+        for name, statements in backend.STATEMENTS.items():
+            for sql in statements:
+                assert scans(store.db, sql) == [], (name, sql)
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_new_database_has_the_schema_version_and_wal(tmp_path):
+    store = open_sqlite(tmp_path, sync="full")
+    try:
+        assert os.path.exists(tmp_path / "relay.db")
+        assert store.db.execute("SELECT version FROM version").fetchall() == [(1,)]
+        assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
+    finally:
+        await store.close()
+    store = open_sqlite(tmp_path)
+    try:
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 1
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_newer_schema_stops_the_start(tmp_path):
+    await open_sqlite(tmp_path).close()
+    db = sqlite3.connect(tmp_path / "relay.db")
+    db.execute("UPDATE version SET version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(ConfigError) as e:
+        open_sqlite(tmp_path)
+    assert e.value.key == "broker.dataDir"
+    assert str(tmp_path / "relay.db") in e.value.reason and "99" in e.value.reason
+    assert "newer" in e.value.reason
+
+
+def test_upgrade_applies_scripts_in_order_after_a_backup(tmp_path):
+    path = str(tmp_path / "relay.db")
+    db = backend.open_database(path, str(tmp_path), "normal", START)
+    db.execute("INSERT INTO peers VALUES ('alpha', 1)")
+    scripts = {
+        2: "ALTER TABLE peers ADD COLUMN note TEXT;",
+        3: "UPDATE peers SET note = 'v3';",
+    }
+    assert backend.upgrade(db, path, target=3, script=scripts.__getitem__) == 1
+    assert db.execute("SELECT version FROM version").fetchone()[0] == 3
+    assert db.execute("SELECT agent, note FROM peers").fetchall() == [("alpha", "v3")]
+    db.close()
+    backup = sqlite3.connect(path + ".v1.bak")
+    assert backup.execute("SELECT version FROM version").fetchone()[0] == 1
+    backup.close()
+
+
+def test_unopenable_database_names_the_path(tmp_path):
+    (tmp_path / "relay.db").write_bytes(b"this is not a database, just text " * 100)
+    with pytest.raises(ConfigError) as e:
+        open_sqlite(tmp_path)
+    assert e.value.key == "broker.dataDir" and str(tmp_path / "relay.db") in e.value.reason
+
+
+def test_foreign_database_is_refused(tmp_path):
+    db = sqlite3.connect(tmp_path / "relay.db")
+    db.execute("CREATE TABLE other (x)")
+    db.close()
+    with pytest.raises(ConfigError) as e:
+        open_sqlite(tmp_path)
+    assert "not a relay database" in e.value.reason
+
+
+def test_uncreatable_data_dir_names_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError) as e:
+        open_sqlite(blocker / "data")
+    assert e.value.key == "broker.dataDir" and str(blocker / "data") in e.value.reason
+
+
+def reference_lines() -> List[str]:
+    """A reference broker messages.jsonl: v1.0 lines, a rewrite, a v1.1 line, junk."""
+    def env(i, **extra):
+        e = {"id": f"r{i}", "from": "alpha", "to": "beta", "ts": "2024-04-05T19:14:38.000Z",
+             "type": "message", "body": {"text": f"ref {i}"}, "replyTo": None, "ack": False}
+        e.update(extra)
+        return e
+
+    return [
+        json.dumps({"seq": 1, "message": env(1)}),
+        json.dumps({"seq": 2, "message": env(2)}),
+        "{not json",
+        json.dumps({"seq": 3, "message": env(3, kind="request", status="leased", attempts=1,
+                                             leaseUntil=int(START * 1000) + 5000)}),
+        json.dumps({"seq": 2, "message": env(2, status="done", kind="message")}),
+        json.dumps({"seq": 4, "message": env(4, status="failed", attempts=4, error="boom")}),
+    ]
+
+
+@pytest_twisted.ensureDeferred
+async def test_imports_a_reference_jsonl_once(tmp_path):
+    (tmp_path / "messages.jsonl").write_text("\n".join(reference_lines()) + "\n")
+    with capturedLogs() as events:
+        store = open_sqlite(tmp_path)
+    try:
+        imported = [e for e in events if "imported" in e.get("log_format", "")]
+        assert len(imported) == 1 and imported[0]["count"] == 4
+        assert "ref 1" not in repr(events)
+        r1, r2, r3, r4 = [await store.find(f"r{i}") for i in range(1, 5)]
+        assert (r1.status, r1.seq, r1.body) == (QUEUED, 1, {"text": "ref 1"})
+        assert r1.created == 1712344478.0 and r1.ts == "2024-04-05T19:14:38.000Z"
+        assert r2.status == DONE
+        assert (r3.status, r3.kind, r3.attempts, r3.lease_until) == (
+            LEASED, "request", 1, int(START * 1000) + 5000)
+        assert (r4.status, r4.error) == ("failed", "boom")
+        assert await store.sweep_expired(START + 10**7) == 4
+        fresh = new_message("alpha", "beta", START, id="new")
+        await store.add(fresh)
+        assert fresh.seq == 5
+    finally:
+        await store.close()
+    with capturedLogs() as events:
+        store = open_sqlite(tmp_path)
+    try:
+        assert not [e for e in events if "imported" in e.get("log_format", "")]
+        assert await store.find("r1") is None, "an emptied database does not re-import"
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_imports_the_jsonl_backends_own_log(tmp_path):
+    jsonl = open_backend("jsonl", tmp_path)
+    await jsonl.register("beta", START)
+    await jsonl.add(new_message("alpha", "beta", START, id="j1"))
+    await jsonl.add(new_message("alpha", "beta", START, id="j2"))
+    (leased,) = await jsonl.pull("beta", 1, LEASE, START)
+    await jsonl.close()
+    store = open_sqlite(tmp_path)
+    try:
+        assert await store.is_registered("beta") is True
+        j1 = await store.find("j1")
+        assert (j1.status, j1.lease_id) == (LEASED, leased.lease_id)
+        assert (await store.find("j2")).status == QUEUED
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_results_wait_for_one_shared_commit(tmp_path):
+    store = open_sqlite(tmp_path)
+    try:
+        other = sqlite3.connect(tmp_path / "relay.db")
+        before = store.commits.commits
+        ds = [store.add(new_message("alpha", "beta", START, id=f"g{i}")) for i in range(20)]
+        assert not any(d.called for d in ds), "no 201 before the commit"
+        assert other.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
+        for d in ds:
+            assert await d is True
+        assert store.commits.commits == before + 1
+        assert other.execute("SELECT count(*) FROM messages").fetchone()[0] == 20
+        other.close()
+    finally:
+        await store.close()
