@@ -948,7 +948,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = Target(args.url, args.secret or "ceiling")
     if args.scenario in ("send", "ceiling"):
         doc = scenario_send(target, args.concurrency, args.duration, args.warmup,
-                            name=args.scenario)
+                            name=args.scenario, do_register=args.scenario == "send")
     elif args.scenario == "pull-ack":
         doc = scenario_pull_ack(target, args.workers, args.duration, args.warmup,
                                 args.messages, args.limit or 10, args.fill_concurrency)

@@ -81,7 +81,7 @@ class Server:
         return self.proc.pid
 
     def start(self, timeout: float = 30.0) -> Server:
-        """Spawn the process and wait until ``GET /`` answers 200."""
+        """Spawn the process and wait until ``GET /`` answers (any status below 500)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO_DIR, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -95,7 +95,7 @@ class Server:
                 conn = Conn(target, timeout=2.0)
                 status, _ = conn.request("GET", "/")
                 conn.close()
-                if status == 200:
+                if status < 500:
                     self._sampler = threading.Thread(target=self._sample, daemon=True)
                     self._sampler.start()
                     return self
