@@ -53,8 +53,27 @@ def iso_timestamp(seconds: float) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
 
 
+class _NotJSON(ValueError):
+    """A number JSON cannot carry (``NaN``, ``Infinity`` or one that overflows)."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotJSON(name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NotJSON(text)
+    return value
+
+
 def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
-    """Decode a request body as JSON; an empty body is ``{}`` when ``empty_ok``."""
+    """Decode a request body as strict JSON; an empty body is ``{}`` when ``empty_ok``.
+
+    ``NaN``, ``Infinity`` and numbers that overflow a double are refused:
+    stored, they would be served back as text no JSON parser accepts.
+    """
     if not raw.strip():
         if empty_ok:
             return {}
@@ -64,7 +83,7 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError):
         raise bad_request("request body is not valid JSON") from None
 

@@ -284,11 +284,25 @@ async def test_broker_managed_fields_are_ignored_on_send():
 
 @pytest.mark.parametrize("raw", [b"{", b"not json", b'{"to": "beta",}', b"\xff\xfe{}",
                                  b'{"to": "beta", "body": {"t": "\xc3"}}',
-                                 b'{"to": "beta", "body": {"t": "\\ud800"}}'])
+                                 b'{"to": "beta", "body": {"t": "\\ud800"}}',
+                                 b'{"to": "beta", "body": {"x": NaN}}',
+                                 b'{"to": "beta", "body": {"x": -Infinity}}',
+                                 b'{"to": "beta", "body": {"x": 1e400}}',
+                                 b'{"to": "beta", "body": {"x": 1' + b"0" * 5000 + b'}}'])
 @pytest_twisted.ensureDeferred
 async def test_invalid_json_or_utf8_is_400(raw):
     b = await two_agents()
     assert_error(await b.post("alpha", "/messages", raw=raw), 400, "bad_request")
+    assert (await b.poll("beta"))[0] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_stored_body_is_served_back_as_strict_json():
+    b = await two_agents()
+    raw = b'{"to": "beta", "body": {"big": 1e308, "neg": -0.0, "int": 123456789012345678901}}'
+    assert (await b.post("alpha", "/messages", raw=raw)).code == 201
+    reply = await b.get("beta", "/messages")
+    json.loads(reply.raw, parse_constant=lambda name: pytest.fail(f"non-JSON {name}"))
 
 
 def _sized_envelope(size: int) -> bytes:
