@@ -79,6 +79,32 @@ def parse_object(raw: bytes) -> Dict[str, Any]:
     return value
 
 
+def check_body_size(request) -> None:
+    """400 ``bad_request`` when the request body is over 1 MiB (spec §1).
+
+    :class:`relay.http.RelayRequest` counts without keeping; under any other
+    ``twisted.web`` request (a plain Site, ``StubTreq``) the buffered body is measured.
+    """
+    too_large = getattr(request, "body_too_large", None)
+    if too_large is None:
+        content = request.content
+        too_large = content is not None and content.seek(0, 2) > protocol.MAX_BODY_BYTES
+    if too_large:
+        raise errors.bad_request(f"request body exceeds {protocol.MAX_BODY_BYTES} bytes")
+
+
+def raw_body(request) -> bytes:
+    """The request body as received (the size was checked by :func:`check_body_size`)."""
+    reader = getattr(request, "raw_body", None)
+    if reader is not None:
+        return reader()
+    content = request.content
+    if content is None:
+        return b""
+    content.seek(0)
+    return content.read()
+
+
 def _query_arg(request, name: bytes) -> Optional[str]:
     values = request.args.get(name)
     if not values:
@@ -148,8 +174,7 @@ class RelayAPI:
 
     def authenticate(self, request) -> str:
         """The agent that signed ``request``; RelayError on any §3 failure."""
-        if request.body_too_large:
-            raise errors.bad_request(f"request body exceeds {protocol.MAX_BODY_BYTES} bytes")
+        check_body_size(request)
         self.rate_limiter.hit(_peer_host(request))
         headers = request.requestHeaders
         return self.auth.authenticate(
@@ -158,7 +183,7 @@ class RelayAPI:
             _header(headers, b"x-relay-agent"),
             _header(headers, b"x-relay-timestamp"),
             _header(headers, b"x-relay-signature"),
-            request.raw_body(),
+            raw_body(request),
         )
 
     @app.handle_errors(RelayError)
@@ -195,8 +220,7 @@ class RelayAPI:
 
     @app.route("/", methods=["GET"])
     def root(self, request) -> bytes:
-        if request.body_too_large:
-            raise errors.bad_request(f"request body exceeds {protocol.MAX_BODY_BYTES} bytes")
+        check_body_size(request)
         set_json_headers(request, 200)
         request.setHeader(b"content-length", b"%d" % len(self.info))
         return self.info
@@ -205,7 +229,7 @@ class RelayAPI:
     @authenticated
     @inlineCallbacks
     def register(self, request, agent: str):
-        body = parse_object(request.raw_body())
+        body = parse_object(raw_body(request))
         protocol.check_body_agent(body, agent)
         now = int(self.clock.seconds())
         yield self.store.register(agent, now)
@@ -232,7 +256,7 @@ class RelayAPI:
     @authenticated
     @inlineCallbacks
     def send(self, request, agent: str):
-        envelope = protocol.normalize_envelope(parse_json(request.raw_body()), agent)
+        envelope = protocol.normalize_envelope(parse_json(raw_body(request)), agent)
         self.check_acl(agent, envelope["to"])
         registered = yield self.store.is_registered(envelope["to"])
         if not registered:
@@ -280,7 +304,7 @@ class RelayAPI:
         if target.to != agent:
             raise errors.forbidden("only the recipient may acknowledge this message")
         envelope = protocol.ack_receipt(
-            {"id": target.id, "from": target.sender}, agent, parse_json(request.raw_body())
+            {"id": target.id, "from": target.sender}, agent, parse_json(raw_body(request))
         )
         self.check_acl(agent, envelope["to"])
         message = Message.from_envelope(envelope, self.clock.seconds())
@@ -293,7 +317,7 @@ class RelayAPI:
     @app.route("/v1/pull", methods=["POST"])
     @authenticated
     def pull(self, request, agent: str) -> Deferred:
-        body = parse_object(request.raw_body())
+        body = parse_object(raw_body(request))
         protocol.check_body_agent(body, agent)
         limit = protocol.clamp_limit(body.get("limit"))
         lease_seconds = protocol.parse_lease_seconds(body, self.config.lease_seconds)
@@ -323,7 +347,7 @@ class RelayAPI:
     @inlineCallbacks
     def ack(self, request, agent: str):
         message_id, lease_id, outcome, error = protocol.parse_ack_outcome(
-            parse_object(request.raw_body())
+            parse_object(raw_body(request))
         )
         result = yield self.store.ack(
             message_id,
@@ -342,7 +366,7 @@ class RelayAPI:
     @authenticated
     @inlineCallbacks
     def status(self, request, agent: str):
-        ids = protocol.parse_status_ids(parse_object(request.raw_body()))
+        ids = protocol.parse_status_ids(parse_object(raw_body(request)))
         yield self.release_expired_leases()
         entries = yield self.store.status(ids, agent)
         return write_json(request, 200, {"messages": entries})
@@ -351,7 +375,7 @@ class RelayAPI:
     @authenticated
     @inlineCallbacks
     def recent(self, request, agent: str):
-        body = parse_object(request.raw_body())
+        body = parse_object(raw_body(request))
         protocol.check_body_agent(body, agent)
         yield self.release_expired_leases()
         messages = yield self.store.recent(agent, protocol.clamp_limit(body.get("limit")))
@@ -363,7 +387,7 @@ class RelayAPI:
     @authenticated
     @inlineCallbacks
     def query(self, request, agent: str):
-        body = parse_object(request.raw_body())
+        body = parse_object(raw_body(request))
         protocol.check_body_agent(body, agent)
         filters = protocol.parse_query_filters(body)
         yield self.release_expired_leases()

@@ -618,3 +618,22 @@ async def test_head_on_root_is_not_an_error():
     b = Broker()
     reply = await b.send("HEAD", "/")
     assert reply.code == 200
+
+
+# -- the API under a plain twisted.web Site (relay.testing's StubTreq client) ---------
+
+
+@pytest_twisted.ensureDeferred
+async def test_api_works_under_a_plain_site_body_limit_included():
+    from relay.testing import make_api
+
+    _, client, _ = make_api()
+    for agent in ("alpha", "beta"):
+        assert (await client.post(agent, "/register", {}))[0] == 200
+    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "body": {"n": 1}})
+    assert code == 201 and body["duplicate"] is False
+    code, body, _ = await client.get("beta", "/messages?since=&limit=50")
+    assert code == 200 and [m["body"] for m in body["messages"]] == [{"n": 1}]
+    code, body, _ = await client.post("alpha", "/messages",
+                                      raw=_sized_envelope(MAX_BODY_BYTES + 1))
+    assert (code, body["error"]["code"]) == (400, "bad_request")
