@@ -4,7 +4,11 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench clean
+PYPY ?= pypy3
+PYPY_VENV ?= .venv-pypy
+PYPY_STAMP = $(PYPY_VENV)/.installed-stamp
+
+.PHONY: run test test-pypy lint bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +25,16 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+$(PYPY_STAMP): setup.cfg pyproject.toml
+	$(PYPY) -m venv $(PYPY_VENV)
+	$(PYPY_VENV)/bin/pip install -q --upgrade pip
+	$(PYPY_VENV)/bin/pip install -q -e '.[test]'
+	touch $(PYPY_STAMP)
+
+## test-pypy: the whole test suite on PyPy (needs pypy3: apt-get install pypy3)
+test-pypy: $(PYPY_STAMP)
+	$(PYPY_VENV)/bin/python -m pytest -q
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -29,4 +43,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/run_suite.py --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info data
+	rm -rf $(VENV) $(PYPY_VENV) build *.egg-info data
