@@ -1,0 +1,318 @@
+"""jsonl-specific behaviour: damaged lines, the reference format, compaction, fsync grouping."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List
+
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.task import Clock
+from twisted.logger import capturedLogs
+
+from relay.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.store import jsonl as backend
+from relay.store.grouped import GroupCommit
+from relay.testing import START, make_config, new_message
+
+LEASE = 60
+MARKER = "body-marker-7f3a"
+
+
+def open_jsonl(path, **broker) -> backend.JsonlStore:
+    return backend.open_store(make_config(storage="jsonl", dataDir=str(path), **broker), reactor)
+
+
+def lines(path) -> List[bytes]:
+    return (path / "messages.jsonl").read_bytes().splitlines()
+
+
+async def snapshot(store) -> Dict[str, Any]:
+    state = store.state
+    return {
+        "messages": {
+            m.id: (m.seq, m.envelope(with_lease=True), m.created, m.recovery)
+            for m in state.by_seq.values()
+        },
+        "peers": await store.peers(),
+        "next_seq": state.next_seq,
+    }
+
+
+async def fill(store, count: int, to: str = "beta") -> None:
+    for i in range(count):
+        await store.add(new_message("alpha", to, START + i, id=f"{to}{i}",
+                                    body={"text": MARKER}))
+
+
+@pytest_twisted.ensureDeferred
+async def test_torn_last_line_is_skipped_and_the_log_stays_usable(tmp_path):
+    store = open_jsonl(tmp_path)
+    await fill(store, 3)
+    await store.close()
+    path = tmp_path / "messages.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 25])  # a crash in the middle of the last write
+
+    with capturedLogs() as events:
+        store = open_jsonl(tmp_path)
+    try:
+        assert sorted(store.state.by_id) == ["beta0", "beta1"]
+        skipped = [e for e in events if e.get("line") == 3]
+        assert len(skipped) == 1 and MARKER not in repr(events)
+        await fill(store, 1, to="gamma")
+    finally:
+        await store.close()
+    store = open_jsonl(tmp_path)
+    try:
+        assert sorted(store.state.by_id) == ["beta0", "beta1", "gamma0"]
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_corrupt_lines_are_skipped_counted_and_logged_by_number(tmp_path):
+    good = [
+        {"seq": 1, "message": {"id": "a", "from": "alpha", "to": "beta", "ts":
+                               "2024-04-05T19:14:38.000Z", "body": {"text": MARKER}}},
+        {"seq": 2, "message": {"id": "b", "from": "alpha", "to": "beta", "ts":
+                               "2024-04-05T19:14:39.000Z"}},
+    ]
+    bad = [
+        '{"seq": 3, "message": {"id": "c", "text": "' + MARKER + '"',  # not JSON
+        json.dumps({"seq": 4, "message": {"id": "d", "from": "alpha"}}),  # no "to"
+        json.dumps({"op": "state", "id": "a", "status": "bogus", "attempts": 0}),
+        json.dumps([1, 2]),
+        "\xff\xfe garbage " + MARKER,
+    ]
+    text = "\n".join([json.dumps(good[0]), *bad, json.dumps(good[1])]) + "\n"
+    (tmp_path / "messages.jsonl").write_text(text, encoding="utf-8", errors="surrogateescape")
+    with capturedLogs() as events:
+        loaded = backend.read_log(str(tmp_path / "messages.jsonl"), START)
+    assert [m.id for m in loaded.messages] == ["a", "b"]
+    assert loaded.skipped == 5 and loaded.records == 2
+    assert sorted(e["line"] for e in events if "line" in e) == [2, 3, 4, 5, 6]
+    assert MARKER not in repr(events)
+
+
+@pytest_twisted.ensureDeferred
+async def test_reads_the_reference_brokers_file(tmp_path):
+    def env(i, **extra):
+        e = {"id": f"r{i}", "from": "alpha", "to": "beta", "ts": "2024-04-05T19:14:38.000Z",
+             "type": "message", "body": {"n": i}, "replyTo": None, "ack": i == 1}
+        e.update(extra)
+        return e
+
+    records = [
+        {"seq": 1, "message": env(1)},
+        {"seq": 2, "message": env(2)},
+        {"seq": 3, "message": env(3, kind="request", rootId="r3", status="leased",
+                                 attempts=2, leaseUntil=int(START * 1000) + 9000,
+                                 leaseId="L3")},
+        # the reference rewrites its file: a later snapshot of an id replaces the earlier
+        {"seq": 2, "message": env(2, status="done")},
+    ]
+    (tmp_path / "messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    store = open_jsonl(tmp_path)
+    try:
+        r1, r2, r3 = (store.state.by_id[f"r{i}"] for i in (1, 2, 3))
+        assert (r1.status, r1.attempts, r1.kind, r1.ack, r1.lease_until) == (
+            QUEUED, 0, "message", True, None)
+        assert r1.created == 1712344478.0
+        assert r2.status == DONE
+        assert (r3.status, r3.attempts, r3.lease_id, r3.root_id) == (LEASED, 2, "L3", "r3")
+        assert store.state.next_seq == 4
+        result = await store.ack("r3", "beta", "L3", "completed", None, START, 3)
+        assert result["status"] == DONE
+        (m,) = await store.pull("beta", 5, LEASE, START)
+        assert m.id == "r1"
+    finally:
+        await store.close()
+
+
+async def churn(store, rounds: int) -> None:
+    """Messages that come and go: many records, few live messages."""
+    for r in range(rounds):
+        await store.register("delta", START + r)
+        await store.add(new_message("alpha", "delta", START, id=f"c{r}", body={"text": MARKER}))
+        (m,) = await store.pull("delta", 1, LEASE, START)
+        outcome = "completed" if r % 3 else "retry"
+        await store.ack(m.id, "delta", m.lease_id, outcome, None, START, 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_compaction_keeps_everything(tmp_path):
+    store = open_jsonl(tmp_path)
+    try:
+        await store.register("gamma", START)
+        await fill(store, 5)
+        assert await store.sweep_expired(START + 1) == 1  # removes beta0 (created START)
+        await store.pull("beta", 2, LEASE, START)
+        await store.sweep_leases(START + LEASE)  # beta1, beta2 get recovery marks
+        leased = await store.pull("beta", 1, LEASE * 100, START + LEASE)  # beta1 again
+        await churn(store, 50)
+        before = await snapshot(store)
+        assert len(lines(tmp_path)) > 150
+
+        await store.compact()
+        assert store.compactions == 1
+        live = len(before["messages"]) + len(before["peers"])
+        assert len(lines(tmp_path)) == live + 1  # + the next-seq record
+        assert not os.path.exists(tmp_path / "messages.jsonl.compact")
+        assert await snapshot(store) == before
+        await store.add(new_message("alpha", "beta", START, id="after"))
+    finally:
+        await store.close()
+    store = open_jsonl(tmp_path)
+    try:
+        after = await snapshot(store)
+        assert after["messages"].pop("after")[0] == before["next_seq"]
+        after["next_seq"] -= 1
+        assert after == before
+        assert "beta0" not in store.state.by_id
+        assert store.state.by_id["beta2"].recovery is True
+        result = await store.ack(leased[0].id, "beta", leased[0].lease_id, "completed", None,
+                                 START + LEASE, 3)
+        assert result["status"] == DONE
+        assert store.state.by_id["c0"].status == FAILED
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_writes_during_compaction_reach_the_new_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(backend, "COMPACT_CHUNK", 7)
+    store = open_jsonl(tmp_path)
+    try:
+        await fill(store, 60)
+        await churn(store, 20)
+        done = store.compact()
+        compaction = store.compaction
+        # requests keep coming while the chunks are written, one per reactor turn
+        for i in range(10):
+            await store.add(new_message("alpha", "gamma", START, id=f"during{i}"))
+            (m,) = await store.pull("beta", 1, LEASE, START)
+            await store.ack(m.id, "beta", m.lease_id, "completed", None, START, 3)
+        await store.sweep_expired(START + 2)
+        await done
+        assert compaction.tail_records > 20, "the writes overlapped the compaction"
+        before = await snapshot(store)
+    finally:
+        await store.close()
+    store = open_jsonl(tmp_path)
+    try:
+        assert await snapshot(store) == before
+        assert store.state.by_id["during9"].status == QUEUED
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_crash_during_compaction_loses_nothing(tmp_path):
+    store = open_jsonl(tmp_path)
+    await fill(store, 30)
+    await churn(store, 10)
+    compaction = store._start_compaction()
+    compaction.call.cancel()
+    compaction.step()  # part of the new file is written, then the process dies
+    compaction.file.flush()
+    await store.add(new_message("alpha", "beta", START, id="late"))
+    before = await snapshot(store)
+    assert os.path.exists(tmp_path / "messages.jsonl.compact")
+
+    reopened = open_jsonl(tmp_path)  # the crashed process's files are simply abandoned
+    try:
+        assert await snapshot(reopened) == before
+        assert not os.path.exists(tmp_path / "messages.jsonl.compact")
+    finally:
+        await reopened.close()
+        compaction.file.close()
+        store.file.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_rewrite_per_operation(tmp_path):
+    store = open_jsonl(tmp_path)
+    try:
+        inode = os.stat(tmp_path / "messages.jsonl").st_ino
+        size = 0
+        for r in range(40):
+            await churn_one(store, r)
+            now_size = os.stat(tmp_path / "messages.jsonl").st_size
+            assert now_size > size, "every operation appends"
+            size = now_size
+        assert os.stat(tmp_path / "messages.jsonl").st_ino == inode
+        assert store.compactions == 0, "below compact_min_records nothing is rewritten"
+
+        store.compact_min_records = 100
+        for r in range(40, 640):
+            await churn_one(store, r)
+        await drain(store)
+        # compaction is amortised: at most one per compact_min_records appended records
+        assert 1 <= store.compactions <= (600 * 4) // 100
+        assert len(lines(tmp_path)) == store.records <= 2 * store.state.live_records() + 3
+    finally:
+        await store.close()
+
+
+async def churn_one(store, r: int) -> None:
+    await store.add(new_message("alpha", "beta", START, id=f"n{r}"))
+    (m,) = await store.pull("beta", 1, LEASE, START)
+    await store.ack(m.id, "beta", m.lease_id, "completed", None, START, 3)
+
+
+async def drain(store) -> None:
+    if store.compaction is not None:
+        await store.compact()
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_fsync_per_turn_under_sync_full(tmp_path, monkeypatch):
+    store = open_jsonl(tmp_path, sync="full")
+    synced: List[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    try:
+        ds = [store.add(new_message("alpha", "beta", START, id=f"f{i}")) for i in range(25)]
+        assert not any(d.called for d in ds)
+        for d in ds:
+            assert await d is True
+        assert synced == [store.file.fileno()]
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_sync_normal_writes_before_the_result_without_fsync(tmp_path, monkeypatch):
+    store = open_jsonl(tmp_path)
+    synced: List[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    try:
+        d = store.add(new_message("alpha", "beta", START, id="w"))
+        assert len(lines(tmp_path)) == 0
+        await d
+        assert len(lines(tmp_path)) == 1 and synced == []
+    finally:
+        await store.close()
+
+
+def test_group_commit_failure_fails_every_held_result():
+    clock = Clock()
+
+    def commit():
+        raise OSError(28, "No space left on device")
+
+    commits = GroupCommit(clock, commit, "test")
+
+    def write(n):
+        commits.touch()
+        return n
+
+    ds = [commits.run(write, n) for n in range(3)]
+    assert not any(d.called for d in ds)
+    clock.advance(0)
+    for d in ds:
+        assert d.result.check(OSError)
+        d.addErrback(lambda f: None)
+    assert commits.run(lambda: 5).result == 5, "reads on a committed state answer at once"
