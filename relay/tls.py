@@ -14,6 +14,7 @@ refuses any other client during the handshake. Other endpoint strings go to
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from cryptography import x509
@@ -49,32 +50,22 @@ _SSL_PARAMETERS = (
 _DEFAULT_BACKLOG = 50
 
 
+@dataclass(frozen=True)
 class TLSListener:
-    """The checked settings of one ``ssl:`` endpoint string."""
+    """The settings of one ``ssl:`` endpoint string; file paths as given."""
 
-    def __init__(
-        self,
-        port: int,
-        private_key: str,
-        cert_key: str,
-        interface: str = "",
-        backlog: int = _DEFAULT_BACKLOG,
-        sslmethod: Optional[str] = None,
-        extra_cert_chain: Optional[str] = None,
-        dh_parameters: Optional[str] = None,
-    ) -> None:
-        self.port = port
-        self.private_key = private_key
-        self.cert_key = cert_key
-        self.interface = interface
-        self.backlog = backlog
-        self.sslmethod = sslmethod
-        self.extra_cert_chain = extra_cert_chain
-        self.dh_parameters = dh_parameters
+    port: int
+    private_key: str
+    cert_key: str
+    interface: str = ""
+    backlog: int = _DEFAULT_BACKLOG
+    sslmethod: Optional[str] = None
+    extra_cert_chain: Optional[str] = None
+    dh_parameters: Optional[str] = None
 
 
 def _is_ssl(description: str) -> bool:
-    return split_endpoint(description)[0].strip().lower() == "ssl"
+    return split_endpoint(description)[0] == "ssl"
 
 
 def parse_ssl_endpoint(description: str) -> TLSListener:
