@@ -117,6 +117,8 @@ def clamp_limit(value: Any, default: int = DEFAULT_LIMIT) -> int:
     """
     if value is None or isinstance(value, bool):
         return default
+    if isinstance(value, int):
+        return max(1, min(MAX_LIMIT, value))
     if isinstance(value, str):
         try:
             number = float(value.strip())
