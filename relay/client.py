@@ -6,12 +6,19 @@ or fails with :class:`relay.errors.RelayError`. Transient failures (5xx, 408,
 backoff measured on the injected ``clock``; a retried send keeps its message id,
 so the broker's ``duplicate: true`` answer is an ordinary success.
 
+https always verifies the broker's certificate, against the system trust store
+or a given CA file, and presents a client certificate when one is configured. A
+TLS failure (an untrusted or misnamed certificate, a refused or missing client
+certificate) is never retried: it fails at once with code ``tls_error``.
+
 Message bodies are never logged: only methods, paths, statuses and attempts.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import uuid
 from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from urllib.parse import quote, urlsplit
@@ -23,6 +30,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.web.client import RequestTransmissionFailed, ResponseFailed
+from twisted.web.iweb import IPolicyForHTTPS
+from zope.interface import implementer
 
 from relay.errors import RelayError
 from relay.signing import auth_headers
@@ -35,6 +44,9 @@ RETRYABLE_STATUSES = frozenset({408, 429})
 # How much longer than the requested wait a long-poll request may take.
 LONG_POLL_GRACE_SECONDS = 10.0
 
+ENV_CA_FILE = "DSH_RELAY_CA_FILE"
+ENV_CLIENT_CERT = "DSH_RELAY_CLIENT_CERT"
+ENV_CLIENT_KEY = "DSH_RELAY_CLIENT_KEY"
 
 
 class _TimedOut(Exception):
@@ -116,27 +128,260 @@ def long_poll_limit(info: Optional[Dict[str, Any]]) -> Optional[float]:
 DEFAULT_LONG_POLL_SECONDS = 20.0
 
 
-def make_http_client(reactor: Any, ca_file: Optional[str] = None) -> Any:
-    """A treq HTTPClient; for https with ``ca_file``, trusting only that CA bundle."""
-    from treq.client import HTTPClient
-    from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+# -- TLS ------------------------------------------------------------------------
 
-    pool = HTTPConnectionPool(reactor, persistent=True)
-    if ca_file is None:
-        return HTTPClient(Agent(reactor, pool=pool))
+_PEM_CERTIFICATE = re.compile(
+    rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL
+)
+_PEM_PRIVATE_KEY = re.compile(
+    rb"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----\r?\n.*?-----END \1PRIVATE KEY-----", re.DOTALL
+)
+# TLS alerts from a broker that refused this client's certificate (or its absence).
+_CLIENT_CERTIFICATE_ALERTS = (
+    "certificate required",
+    "unknown ca",
+    "bad certificate",
+    "certificate unknown",
+    "certificate expired",
+    "certificate revoked",
+    "unsupported certificate",
+    "access denied",
+)
+
+
+def _read_pem(path: str, code: str, what: str) -> bytes:
+    """The bytes of ``path``; a RelayError naming the file when it cannot be read."""
+    try:
+        with open(os.path.expanduser(path), "rb") as handle:
+            return handle.read()
+    except OSError as error:
+        reason = error.strerror or error.__class__.__name__
+        raise RelayError(0, code, f"cannot read {what} {path}: {reason}") from None
+
+
+def _load_certificates(data: bytes, path: str, code: str, what: str) -> List[Any]:
+    """Every PEM certificate in ``data`` as a ``cryptography`` certificate."""
+    from cryptography import x509
+
+    blocks = _PEM_CERTIFICATE.findall(data)
+    if not blocks:
+        raise RelayError(0, code, f"no PEM certificate found in {what} {path}")
+    try:
+        return [x509.load_pem_x509_certificate(block) for block in blocks]
+    except ValueError as error:
+        raise RelayError(0, code, f"malformed certificate in {what} {path}: {error}") from None
+
+
+def load_trust_root(ca_file: str) -> Any:
+    """A trust root holding every certificate of the PEM bundle ``ca_file``.
+
+    An unreadable file, or one without a well-formed PEM certificate, is a
+    ``RelayError(0, "bad_ca_file", ...)`` naming the path.
+    """
+    from OpenSSL import crypto
     from twisted.internet.ssl import Certificate, trustRootFromCertificates
 
-    with open(ca_file, "rb") as handle:
-        pem = handle.read()
-    certificates = []
-    marker = b"-----END CERTIFICATE-----"
-    for chunk in pem.split(marker):
-        if b"-----BEGIN CERTIFICATE-----" in chunk:
-            certificates.append(Certificate.loadPEM(chunk + marker))
-    if not certificates:
-        raise RelayError(0, "bad_ca_file", f"no PEM certificate found in {ca_file}")
-    policy = BrowserLikePolicyForHTTPS(trustRoot=trustRootFromCertificates(certificates))
+    data = _read_pem(ca_file, "bad_ca_file", "CA file")
+    certificates = _load_certificates(data, ca_file, "bad_ca_file", "CA file")
+    return trustRootFromCertificates(
+        [Certificate(crypto.X509.from_cryptography(c)) for c in certificates]
+    )
+
+
+def load_client_certificate(
+    cert_file: str, key_file: Optional[str] = None
+) -> Tuple[Any, List[Any]]:
+    """This client's certificate and key, and the intermediates to send after it.
+
+    ``cert_file`` holds the PEM certificate, then any intermediate certificates;
+    the unencrypted PEM key is in ``key_file``, or in ``cert_file`` itself when
+    ``key_file`` is ``None``. Returns a Twisted ``PrivateCertificate`` and a list
+    of pyOpenSSL ``X509`` intermediates. Every problem is a
+    ``RelayError(0, "bad_client_cert", ...)`` naming the path.
+    """
+    from cryptography.hazmat.primitives import serialization
+    from OpenSSL import crypto
+    from twisted.internet.ssl import Certificate, KeyPair, PrivateCertificate
+
+    code = "bad_client_cert"
+    cert_data = _read_pem(cert_file, code, "client certificate")
+    chain = _load_certificates(cert_data, cert_file, code, "client certificate")
+    key_path = cert_file if key_file is None else key_file
+    key_data = cert_data if key_file is None else _read_pem(key_file, code, "client key")
+    block = _PEM_PRIVATE_KEY.search(key_data)
+    if block is None:
+        hint = "" if key_file is not None else "; give the key with --client-key"
+        raise RelayError(0, code, f"no PEM private key found in {key_path}{hint}")
+    try:
+        key = serialization.load_pem_private_key(block.group(0), password=None)
+    except TypeError:
+        raise RelayError(
+            0, code, f"the private key in {key_path} is encrypted; the client needs it unencrypted"
+        ) from None
+    except (ValueError, serialization.UnsupportedAlgorithm) as error:
+        raise RelayError(0, code, f"malformed private key in {key_path}: {error}") from None
+
+    def spki(public_key: Any) -> bytes:
+        return public_key.public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+
+    if spki(chain[0].public_key()) != spki(key.public_key()):
+        raise RelayError(
+            0, code, f"the client certificate {cert_file} does not match the key in {key_path}"
+        )
+    certificate = PrivateCertificate.fromCertificateAndKeyPair(
+        Certificate(crypto.X509.from_cryptography(chain[0])),
+        KeyPair(crypto.PKey.from_cryptography_key(key)),
+    )
+    return certificate, [crypto.X509.from_cryptography(c) for c in chain[1:]]
+
+
+@implementer(IPolicyForHTTPS)
+class ClientTLSPolicy:
+    """How https connections to the broker verify it, and prove who this client is.
+
+    The broker's certificate must chain to ``trust_root`` (a CA bundle, or the
+    system trust store) and name the host of the URL; there is no mode without
+    verification. ``client_certificate`` is presented when the broker asks.
+    """
+
+    def __init__(
+        self,
+        trust_root: Any,
+        client_certificate: Any = None,
+        extra_chain: Sequence[Any] = (),
+    ) -> None:
+        self.trust_root = trust_root
+        self.client_certificate = client_certificate
+        self.extra_chain = list(extra_chain)
+
+    def creatorForNetloc(self, hostname: bytes, port: int) -> Any:
+        """The connection creator for ``hostname:port``: verify it, maybe present ours."""
+        from twisted.internet.ssl import optionsForClientTLS
+
+        extra = {"extraCertChain": self.extra_chain} if self.extra_chain else None
+        return optionsForClientTLS(
+            hostname.decode("ascii"),
+            trustRoot=self.trust_root,
+            clientCertificate=self.client_certificate,
+            extraCertificateOptions=extra,
+        )
+
+
+def client_tls_policy(
+    ca_file: Optional[str] = None,
+    client_cert: Optional[str] = None,
+    client_key: Optional[str] = None,
+) -> ClientTLSPolicy:
+    """The https policy: trust ``ca_file`` (else the system store), present ``client_cert``.
+
+    Reads and checks every file now, so a bad path fails before any connection
+    with a RelayError naming it (``bad_ca_file`` or ``bad_client_cert``).
+    """
+    from twisted.internet.ssl import platformTrust
+
+    if client_key is not None and client_cert is None:
+        raise RelayError(
+            0, "bad_client_cert", f"a client key ({client_key}) needs a client certificate"
+        )
+    trust_root = load_trust_root(ca_file) if ca_file is not None else platformTrust()
+    certificate: Any = None
+    chain: List[Any] = []
+    if client_cert is not None:
+        certificate, chain = load_client_certificate(client_cert, client_key)
+    return ClientTLSPolicy(trust_root, certificate, chain)
+
+
+def make_http_client(
+    reactor: Any,
+    ca_file: Optional[str] = None,
+    client_cert: Optional[str] = None,
+    client_key: Optional[str] = None,
+) -> Any:
+    """A treq HTTPClient whose https connections always verify the broker.
+
+    :param ca_file: a PEM CA bundle to trust instead of the system trust store.
+    :param client_cert: a PEM client certificate (optionally followed by its
+        intermediates, and holding the key when ``client_key`` is not given).
+    :param client_key: the PEM private key of ``client_cert``.
+    :raises RelayError: ``bad_ca_file`` / ``bad_client_cert`` naming the path.
+    """
+    from treq.client import HTTPClient
+    from twisted.web.client import Agent, HTTPConnectionPool
+
+    policy = client_tls_policy(ca_file, client_cert, client_key)
+    pool = HTTPConnectionPool(reactor, persistent=True)
     return HTTPClient(Agent(reactor, contextFactory=policy, pool=pool))
+
+
+def tls_failure(failure: BaseException) -> Optional[BaseException]:
+    """The TLS error (OpenSSL's or a host name mismatch) inside a connection failure."""
+    from OpenSSL import SSL
+    from service_identity import VerificationError
+
+    pending: List[BaseException] = [failure]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, (SSL.Error, VerificationError)):
+            return current
+        for reason in getattr(current, "reasons", None) or []:
+            value = getattr(reason, "value", None)
+            if isinstance(value, BaseException):
+                pending.append(value)
+    return None
+
+
+def _openssl_reasons(error: BaseException) -> str:
+    """OpenSSL's reason strings, e.g. ``certificate verify failed``."""
+    reasons = []
+    for entry in (error.args[0] if error.args and isinstance(error.args[0], list) else []):
+        if isinstance(entry, tuple) and entry and entry[-1]:
+            reasons.append(str(entry[-1]))
+    return "; ".join(reasons) or str(error) or error.__class__.__name__
+
+
+def describe_tls_failure(
+    error: BaseException,
+    broker_url: str,
+    ca_file: Optional[str] = None,
+    client_cert: Optional[str] = None,
+) -> str:
+    """What went wrong in the TLS handshake with ``broker_url``, and what to do about it."""
+    from service_identity import VerificationError
+
+    where = f"TLS handshake with {broker_url} failed"
+    if isinstance(error, VerificationError):
+        host = urlsplit(broker_url).hostname
+        return (
+            f"{where}: the broker's certificate is not valid for {host!r} ({error}); "
+            "connect with a name or address listed in its subjectAltName, or reissue it"
+        )
+    reason = _openssl_reasons(error)
+    if "certificate verify failed" in reason:
+        if ca_file is not None:
+            return (
+                f"{where}: the broker's certificate does not verify against the CA file "
+                f"{ca_file} ({reason}); --ca-file must hold the CA that signed it"
+            )
+        return (
+            f"{where}: the broker's certificate does not verify against the system trust "
+            f"store ({reason}); pass --ca-file (or set {ENV_CA_FILE}) with the CA that signed it"
+        )
+    if any(alert in reason for alert in _CLIENT_CERTIFICATE_ALERTS):
+        if client_cert is None:
+            return (
+                f"{where}: the broker requires a client certificate and none was given "
+                f"({reason}); pass --client-cert and --client-key (or set {ENV_CLIENT_CERT})"
+            )
+        return (
+            f"{where}: the broker refused the client certificate {client_cert} ({reason}); "
+            "it must be signed by the CA in the broker's tlsClientCA"
+        )
+    hint = "check that the URL is the broker's https port"
+    if client_cert is None:
+        hint += "; if the broker requires client certificates, pass --client-cert"
+    return f"{where} ({reason}); {hint}"
 
 
 class RelayClient:
@@ -149,7 +394,10 @@ class RelayClient:
     :param http: a treq-like client (``request(method, url, headers=, data=)``);
         by default a treq HTTPClient on ``reactor``. Tests pass ``StubTreq``.
     :param reactor: the reactor for the default HTTP client (defaults to ``clock``).
-    :param ca_file: a PEM CA bundle to trust for https instead of the system roots.
+    :param ca_file: a PEM CA bundle to trust for https instead of the system store.
+    :param client_cert: a PEM client certificate presented when the broker asks
+        for one (https); it may hold the key too.
+    :param client_key: the PEM private key of ``client_cert``.
     :param cursor: the initial ``GET /messages`` cursor (a message id).
     :param retry_delays: backoff delays in seconds; one retry per entry.
     :param timeout: seconds before an unanswered request counts as failed.
@@ -167,6 +415,8 @@ class RelayClient:
         http: Any = None,
         reactor: Any = None,
         ca_file: Optional[str] = None,
+        client_cert: Optional[str] = None,
+        client_key: Optional[str] = None,
         cursor: Optional[str] = None,
         retry_delays: Iterable[float] = RETRY_DELAYS_SECONDS,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
@@ -178,8 +428,12 @@ class RelayClient:
         self.agent = agent
         self._secret = secret
         self._clock = clock
+        self.ca_file = ca_file
+        self.client_cert = client_cert
         if http is None:
-            http = make_http_client(reactor if reactor is not None else clock, ca_file)
+            http = make_http_client(
+                reactor if reactor is not None else clock, ca_file, client_cert, client_key
+            )
         self._http = http
         self.cursor = cursor
         self.retry_delays = tuple(retry_delays)
@@ -267,7 +521,19 @@ class RelayClient:
                 status, raw = await self._attempt(
                     method, path, raw_body, signed, timeout or self.timeout
                 )
-            except _TRANSIENT_FAILURES as failure:
+            except Exception as failure:
+                tls_error = tls_failure(failure)
+                if tls_error is not None:
+                    # A certificate problem does not go away by itself: no retry.
+                    raise RelayError(
+                        0,
+                        "tls_error",
+                        describe_tls_failure(
+                            tls_error, self.broker_url, self.ca_file, self.client_cert
+                        ),
+                    ) from None
+                if not isinstance(failure, _TRANSIENT_FAILURES):
+                    raise
                 error = RelayError(0, "connection_error", _describe(failure, self.broker_url))
             else:
                 if 200 <= status < 300:
