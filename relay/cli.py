@@ -2,8 +2,9 @@
 
 Settings come from flags (before or after the subcommand), then the
 environment (``DSH_RELAY_BROKER_URL``, ``DSH_RELAY_AGENT``, ``DSH_RELAY_SECRET``,
-``DSH_RELAY_SECRET_FILE``, ``DSH_RELAY_CA_FILE``), then ``~/.dsh-relay.json``
-(``brokerUrl``, ``agent``, ``secret``, ``secretFile``, ``caFile``).
+``DSH_RELAY_SECRET_FILE``, ``DSH_RELAY_CA_FILE``, ``DSH_RELAY_CLIENT_CERT``,
+``DSH_RELAY_CLIENT_KEY``), then ``~/.dsh-relay.json`` (``brokerUrl``, ``agent``,
+``secret``, ``secretFile``, ``caFile``, ``clientCert``, ``clientKey``).
 
 Exit status: 0 on success, 1 on a broker or network error, 2 on a usage error.
 """
@@ -24,7 +25,14 @@ from twisted.internet import defer
 from twisted.internet.task import deferLater
 
 from relay.agent import read_json, write_json_atomic
-from relay.client import DEFAULT_BROKER_URL, RETRY_DELAYS_SECONDS, RelayClient
+from relay.client import (
+    DEFAULT_BROKER_URL,
+    ENV_CA_FILE,
+    ENV_CLIENT_CERT,
+    ENV_CLIENT_KEY,
+    RETRY_DELAYS_SECONDS,
+    RelayClient,
+)
 from relay.errors import RelayError
 
 SETTINGS_FILE = ".dsh-relay.json"
@@ -39,7 +47,6 @@ ENV_BROKER = "DSH_RELAY_BROKER_URL"
 ENV_AGENT = "DSH_RELAY_AGENT"
 ENV_SECRET = "DSH_RELAY_SECRET"
 ENV_SECRET_FILE = "DSH_RELAY_SECRET_FILE"
-ENV_CA_FILE = "DSH_RELAY_CA_FILE"
 
 
 class UsageError(Exception):
@@ -57,6 +64,21 @@ class Settings:
     agent: Optional[str]
     secret: Optional[str]
     ca_file: Optional[str] = None
+    client_cert: Optional[str] = None
+    client_key: Optional[str] = None
+
+
+# Settings taken level by level: flag key, environment variable, settings-file key.
+_SETTING_SOURCES: Tuple[Tuple[str, str, str], ...] = (
+    ("broker", ENV_BROKER, "brokerUrl"),
+    ("agent", ENV_AGENT, "agent"),
+    ("secret", ENV_SECRET, "secret"),
+    ("secret_file", ENV_SECRET_FILE, "secretFile"),
+    ("ca_file", ENV_CA_FILE, "caFile"),
+    ("client_cert", ENV_CLIENT_CERT, "clientCert"),
+    ("client_key", ENV_CLIENT_KEY, "clientKey"),
+)
+FLAG_KEYS: Tuple[str, ...] = tuple(flag for flag, _, _ in _SETTING_SOURCES)
 
 
 def _read_secret_file(path: str) -> str:
@@ -74,8 +96,10 @@ def resolve_settings(
 ) -> Settings:
     """Settings from flags, then environment, then ``~/.dsh-relay.json``, then defaults.
 
-    ``flags`` may hold ``broker``, ``agent``, ``secret``, ``secret_file`` and
-    ``ca_file``. At each level a secret beats a secret file.
+    ``flags`` may hold the keys of :data:`FLAG_KEYS` (``broker``, ``agent``,
+    ``secret``, ``secret_file``, ``ca_file``, ``client_cert``, ``client_key``).
+    At each level a secret beats a secret file. A client key without a client
+    certificate is a usage error.
     """
     path = home / SETTINGS_FILE
     stored: Dict[str, Any] = {}
@@ -92,24 +116,9 @@ def resolve_settings(
         return value if isinstance(value, str) and value else None
 
     levels: List[Dict[str, Optional[str]]] = [
-        {
-            key: text(flags.get(key))
-            for key in ("broker", "agent", "secret", "secret_file", "ca_file")
-        },
-        {
-            "broker": text(env.get(ENV_BROKER)),
-            "agent": text(env.get(ENV_AGENT)),
-            "secret": text(env.get(ENV_SECRET)),
-            "secret_file": text(env.get(ENV_SECRET_FILE)),
-            "ca_file": text(env.get(ENV_CA_FILE)),
-        },
-        {
-            "broker": text(stored.get("brokerUrl")),
-            "agent": text(stored.get("agent")),
-            "secret": text(stored.get("secret")),
-            "secret_file": text(stored.get("secretFile")),
-            "ca_file": text(stored.get("caFile")),
-        },
+        {key: text(flags.get(key)) for key in FLAG_KEYS},
+        {key: text(env.get(variable)) for key, variable, _ in _SETTING_SOURCES},
+        {key: text(stored.get(name)) for key, _, name in _SETTING_SOURCES},
     ]
 
     def first(key: str) -> Optional[str]:
@@ -126,11 +135,19 @@ def resolve_settings(
         if level["secret_file"]:
             secret = _read_secret_file(level["secret_file"] or "")
             break
+    client_cert, client_key = first("client_cert"), first("client_key")
+    if client_key and not client_cert:
+        raise UsageError(
+            f"a client key ({client_key}) was given without a client certificate: "
+            f"pass --client-cert or set {ENV_CLIENT_CERT}"
+        )
     return Settings(
         broker_url=first("broker") or DEFAULT_BROKER_URL,
         agent=first("agent"),
         secret=secret,
         ca_file=first("ca_file"),
+        client_cert=client_cert,
+        client_key=client_key,
     )
 
 
@@ -191,7 +208,15 @@ def _global_flags() -> argparse.ArgumentParser:
     group.add_argument("--agent", metavar="NAME", help="this agent's name")
     group.add_argument("--secret", metavar="SECRET", help="the HMAC secret")
     group.add_argument("--secret-file", metavar="PATH", help="a file holding the HMAC secret")
-    group.add_argument("--ca-file", metavar="PATH", help="PEM CA bundle to trust for https")
+    group.add_argument(
+        "--ca-file", metavar="PATH", help="PEM CA bundle to trust for https (default: system)"
+    )
+    group.add_argument(
+        "--client-cert",
+        metavar="PATH",
+        help="PEM client certificate for https brokers that ask for one (may hold the key)",
+    )
+    group.add_argument("--client-key", metavar="PATH", help="PEM private key of --client-cert")
     group.add_argument(
         "--retries",
         type=_retries,
@@ -288,10 +313,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str], home: Path) -> Invocation
     """Parse ``argv``; raise :class:`UsageError` on a usage problem."""
     parser = build_parser()
     args = parser.parse_args(list(argv))
-    flags = {
-        key: getattr(args, key, None)
-        for key in ("broker", "agent", "secret", "secret_file", "ca_file")
-    }
+    flags = {key: getattr(args, key, None) for key in FLAG_KEYS}
     settings = resolve_settings(flags, env, home)
     command = args.command
     usage = sub_usage(parser, command)
@@ -870,6 +892,8 @@ async def run(
             reactor=reactor,
             http=http,
             ca_file=settings.ca_file,
+            client_cert=settings.client_cert,
+            client_key=settings.client_key,
             retry_delays=RETRY_DELAYS_SECONDS[:retries],
         )
 
