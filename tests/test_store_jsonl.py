@@ -297,11 +297,14 @@ async def test_sync_normal_writes_before_the_result_without_fsync(tmp_path, monk
         await store.close()
 
 
-def test_group_commit_failure_fails_every_held_result():
+def test_group_commit_failure_fails_the_held_results_and_retries():
     clock = Clock()
+    attempts: List[int] = []
 
     def commit():
-        raise OSError(28, "No space left on device")
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise OSError(28, "No space left on device")
 
     commits = GroupCommit(clock, commit, "test")
 
@@ -315,4 +318,8 @@ def test_group_commit_failure_fails_every_held_result():
     for d in ds:
         assert d.result.check(OSError)
         d.addErrback(lambda f: None)
+    later = commits.run(lambda: "read")
+    assert not later.called, "nothing is revealed until the retried commit succeeds"
+    clock.advance(1)
+    assert later.result == "read" and len(attempts) == 2
     assert commits.run(lambda: 5).result == 5, "reads on a committed state answer at once"

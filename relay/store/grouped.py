@@ -20,13 +20,16 @@ from twisted.python.failure import Failure
 
 log = Logger(namespace="relay.store")
 
+RETRY_SECONDS = 1.0
+
 
 class GroupCommit:
     """Holds operation results until the commit that covers them has run.
 
     ``commit`` makes every pending change durable, or raises (having undone
     or kept what it could; see the backend) — then every held result fails
-    with that error instead.
+    with that error instead, and the commit is tried again after
+    ``RETRY_SECONDS``; results of later operations wait for that retry.
     """
 
     def __init__(self, clock: IReactorTime, commit: Callable[[], None], name: str) -> None:
@@ -75,6 +78,8 @@ class GroupCommit:
                 self.commits += 1
             except Exception:
                 error = Failure()
+                self.pending = True
+                self._call = self.clock.callLater(RETRY_SECONDS, self.flush)
                 log.error(
                     "{store}: commit failed ({kind}); {count} requests fail",
                     store=self.name,
@@ -88,3 +93,10 @@ class GroupCommit:
                 d.errback(failure)
             else:
                 d.callback(result)
+
+    def close(self) -> None:
+        """Commit what is pending one last time; no retry is scheduled after this."""
+        self.flush()
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None

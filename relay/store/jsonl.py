@@ -27,7 +27,10 @@ corrupt one — is skipped, counted and logged by its line number only.
 Durability follows ``broker.sync``: the records of one reactor turn are
 written with one ``write`` before any of that turn's Deferreds fire (so a
 killed process loses nothing acknowledged); ``full`` also fsyncs that write.
-``off`` behaves like ``normal`` here.
+``off`` behaves like ``normal`` here. A failed write (a full disk) fails
+that turn's requests and is retried with the next write, so a request that
+got an error and is sent again is stored (or reported as a duplicate) only
+once its record is written.
 
 Compaction: when the file holds more than twice as many records as there are
 live messages and peers (and at least ``compact_min_records``), a new file
@@ -309,7 +312,7 @@ class Compaction:
         self.file.write(_encode({"op": "next", "seq": state.next_seq}))
         for agent, seen in sorted(state.peer_seen.items()):
             self.file.write(_encode({"op": "peer", "agent": agent, "lastSeen": seen}))
-        self.done: Deferred = Deferred()
+        self.waiters: List[Deferred] = []
         self.call = None
 
     def step(self) -> bool:
@@ -330,6 +333,15 @@ class Compaction:
         """Records that reached the old file after the snapshot started."""
         self.tail.append(data)
         self.tail_records += records
+
+    def notify(self, error: Optional[Exception] = None) -> None:
+        """Tell the callers of :meth:`JsonlStore.compact` how it ended."""
+        waiters, self.waiters = self.waiters, []
+        for d in waiters:
+            if error is None:
+                d.callback(None)
+            else:
+                d.errback(error)
 
     def sync(self) -> None:
         self.file.flush()
@@ -370,6 +382,7 @@ class JsonlStore:
         self.compact_min_records = COMPACT_MIN_RECORDS
         self.compactions = 0
         self.compaction: Optional[Compaction] = None
+        self._compact_after = 0  # after a failed compaction: wait for this many records
         self._buffer: List[bytes] = []
         self._torn = False
         self._closed = False
@@ -412,7 +425,10 @@ class JsonlStore:
 
     def _should_compact(self) -> bool:
         live = self.state.live_records()
-        return self.records >= self.compact_min_records and self.records > 2 * live
+        return (
+            self.records >= max(self.compact_min_records, self._compact_after)
+            and self.records > 2 * live
+        )
 
     # -- compaction ------------------------------------------------------------------
 
@@ -422,12 +438,7 @@ class JsonlStore:
         if compaction is None:
             return fail(RuntimeError("compaction could not start"))
         d: Deferred = Deferred()
-
-        def relay(result):
-            d.callback(result)
-            return None
-
-        compaction.done.addBoth(relay)
+        compaction.waiters.append(d)
         return d
 
     def _start_compaction(self) -> Optional[Compaction]:
@@ -438,7 +449,7 @@ class JsonlStore:
         except OSError as e:
             log.error("cannot start compacting {path}: {reason}", path=self.path,
                       reason=e.strerror)
-            self.records = max(self.records, self.compact_min_records) * 2
+            self._compact_after = self.records * 2
             return None
         log.info("compacting {path}: {records} records, {live} live",
                  path=self.path, records=self.records, live=self.state.live_records())
@@ -488,7 +499,7 @@ class JsonlStore:
         self.compactions += 1
         log.info("compacted {path}: {before} records -> {after}",
                  path=self.path, before=before, after=self.records)
-        compaction.done.callback(None)
+        compaction.notify()
 
     def _compaction_failed(self, error: Exception) -> None:
         compaction, self.compaction = self.compaction, None
@@ -499,8 +510,8 @@ class JsonlStore:
         compaction.abandon()
         log.error("compacting {path} failed: {kind}; the old file stays in use",
                   path=self.path, kind=type(error).__name__)
-        self.records = max(self.records, self.compact_min_records) * 2
-        compaction.done.errback(error)
+        self._compact_after = self.records * 2
+        compaction.notify(error)
 
     # -- IMessageStore -------------------------------------------------------------------
 
@@ -549,13 +560,14 @@ class JsonlStore:
         """Write what is pending, drop an unfinished compaction, close the file."""
         if self._buffer:
             self.commits.touch()
-        self.commits.flush()
+        self.commits.close()
         self._closed = True
         compaction, self.compaction = self.compaction, None
         if compaction is not None:
             if compaction.call is not None and compaction.call.active():
                 compaction.call.cancel()
             compaction.abandon()
+            compaction.notify(RuntimeError("the store was closed during compaction"))
         self.file.close()
         return succeed(None)
 

@@ -438,7 +438,7 @@ class SQLiteStore:
                 return total
 
     def close(self) -> Deferred:
-        self.commits.flush()
+        self.commits.close()
         self.db.close()
         return succeed(None)
 
