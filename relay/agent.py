@@ -35,6 +35,8 @@ HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
 POLL_INTERVAL_SECONDS = 2.0
 SHUTDOWN_GRACE_SECONDS = 30.0
 RETRY_DELAY_SECONDS = 5.0
+# Handshake failures that waiting will not fix: the runtime stops on these.
+FATAL_HANDSHAKE_CODES = frozenset({"protocol_mismatch", "tls_error"})
 EXEC_TIMEOUT_SECONDS = 300.0
 MAX_ERROR_TEXT = 500
 
@@ -180,7 +182,8 @@ class AgentService(Service):
     :param on_reply: called with each ``kind: "reply"`` envelope (answers to
         this agent's own requests). Neither is run as a request.
     :param on_fatal: called with a RelayError the runtime cannot recover from
-        (a protocol mismatch); the runtime stops working first.
+        (a protocol mismatch, or a TLS failure such as an untrusted broker
+        certificate at the first handshake); the runtime stops working first.
     """
 
     log = Logger()
@@ -289,18 +292,22 @@ class AgentService(Service):
                 await self._pause(self.client.handshake())
                 break
             except RelayError as failure:
-                if failure.code == "protocol_mismatch":
+                if failure.code in FATAL_HANDSHAKE_CODES:
                     self.log.critical(
-                        "agent {agent}: {message}", agent=self.client.agent, message=failure.message
+                        "agent {agent}: {code}: {message}",
+                        agent=self.client.agent,
+                        code=failure.code,
+                        message=failure.message,
                     )
                     self._stopping = True
                     if self.on_fatal is not None:
                         self.on_fatal(failure)
                     return
                 self.log.warn(
-                    "agent {agent}: handshake failed ({code}); retrying",
+                    "agent {agent}: handshake failed ({code}: {message}); retrying",
                     agent=self.client.agent,
                     code=failure.code,
+                    message=failure.message,
                 )
                 await self._sleep(self.poll_interval)
         if self._stopping:
@@ -340,9 +347,10 @@ class AgentService(Service):
                 )
             except RelayError as failure:
                 self.log.warn(
-                    "agent {agent}: pull failed ({code})",
+                    "agent {agent}: pull failed ({code}: {message})",
                     agent=self.client.agent,
                     code=failure.code,
+                    message=failure.message,
                 )
                 await self._sleep(self.poll_interval)
                 continue

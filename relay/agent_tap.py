@@ -4,9 +4,11 @@
     twistd -n relay-agent --agent NAME --exec "COMMAND"
 
 Connection settings are resolved as for the ``relay`` command (flags, then
-environment, then ``~/.dsh-relay.json``). A ``--handler`` callable may carry
-``on_receipt`` / ``on_reply`` attributes, which receive v1.0 receipts and
-replies to this agent's own requests.
+environment, then ``~/.dsh-relay.json``), the https ones included: ``--ca-file``,
+``--client-cert`` and ``--client-key``, whose files are checked before the
+start. A ``--handler`` callable may carry ``on_receipt`` / ``on_reply``
+attributes, which receive v1.0 receipts and replies to this agent's own
+requests.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from relay.agent import (
     ReceiptStore,
     receipts_path,
 )
-from relay.cli import Settings, UsageError, resolve_settings
+from relay.cli import FLAG_KEYS, Settings, UsageError, resolve_settings
+from relay.client import client_tls_policy
+from relay.errors import RelayError
 
 
 def _positive(kind: Any) -> Any:
@@ -65,6 +69,18 @@ class Options(usage.Options):
         ["secret", None, None, "HMAC secret (or DSH_RELAY_SECRET)."],
         ["secret-file", None, None, "File holding the HMAC secret (or DSH_RELAY_SECRET_FILE)."],
         ["ca-file", None, None, "PEM CA bundle to trust for https (or DSH_RELAY_CA_FILE)."],
+        [
+            "client-cert",
+            None,
+            None,
+            "PEM client certificate for https, may hold the key (or DSH_RELAY_CLIENT_CERT).",
+        ],
+        [
+            "client-key",
+            None,
+            None,
+            "PEM private key of --client-cert (or DSH_RELAY_CLIENT_KEY).",
+        ],
         ["handler", None, None, "Python handler as module:callable."],
         ["exec", None, None, "Shell command run per request: request on stdin, reply on stdout."],
         [
@@ -104,17 +120,17 @@ class Options(usage.Options):
     handler: Any = None
 
     def postOptions(self) -> None:
-        flags = {
-            "broker": self["broker"],
-            "agent": self["agent"],
-            "secret": self["secret"],
-            "secret_file": self["secret-file"],
-            "ca_file": self["ca-file"],
-        }
+        flags = {key: self[key.replace("_", "-")] for key in FLAG_KEYS}
         try:
             self.settings = resolve_settings(flags, os.environ, Path.home())
         except UsageError as error:
             raise usage.UsageError(str(error)) from None
+        settings = self.settings
+        if settings.ca_file is not None or settings.client_cert is not None:
+            try:
+                client_tls_policy(settings.ca_file, settings.client_cert, settings.client_key)
+            except RelayError as error:
+                raise usage.UsageError(f"{error.code}: {error.message}") from None
         if not self.settings.agent:
             raise usage.UsageError("no agent name: pass --agent NAME or set DSH_RELAY_AGENT")
         if not self.settings.secret:
@@ -143,6 +159,8 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
         clock=reactor,
         reactor=reactor,
         ca_file=settings.ca_file,
+        client_cert=settings.client_cert,
+        client_key=settings.client_key,
     )
     if options["exec"] is not None:
         handler: Any = ExecHandler(
