@@ -335,7 +335,8 @@ def tls_failure(failure: BaseException) -> Optional[BaseException]:
 def _openssl_reasons(error: BaseException) -> str:
     """OpenSSL's reason strings, e.g. ``certificate verify failed``."""
     reasons = []
-    for entry in (error.args[0] if error.args and isinstance(error.args[0], list) else []):
+    details = error.args[0] if error.args and isinstance(error.args[0], list) else []
+    for entry in details:
         if isinstance(entry, tuple) and entry and entry[-1]:
             reasons.append(str(entry[-1]))
     return "; ".join(reasons) or str(error) or error.__class__.__name__
