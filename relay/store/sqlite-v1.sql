@@ -33,17 +33,17 @@ CREATE TABLE messages
   recovery INTEGER NOT NULL DEFAULT 0 -- 1: due for the v1.0 recovery delivery
 );
 
--- poll and pull: the queued messages of one agent in order (also status filters).
-CREATE INDEX messages_inbox_status ON messages (recipient, status, seq);
--- recent and query: the newest messages to / from one agent.
-CREATE INDEX messages_inbox ON messages (recipient, seq);
+-- The indexes a new message enters are kept few: each one costs a page write per commit.
+-- poll and pull: the queued messages of one agent in order; recent and query
+-- read the newest of each status and merge them.
+CREATE INDEX messages_inbox ON messages (recipient, status, seq);
+-- query: the newest messages from one agent.
 CREATE INDEX messages_outbox ON messages (sender, seq);
 -- the lease sweep: only leased rows are in this index.
 CREATE INDEX messages_leases ON messages (lease_until) WHERE status = 'leased';
 -- the v1.0 recovery deliveries: only marked rows are in this index.
 CREATE INDEX messages_recovery ON messages (recipient, seq) WHERE recovery = 1;
--- the TTL sweep.
-CREATE INDEX messages_created ON messages (created);
+-- The TTL sweep removes the oldest messages in seq order (the primary key).
 
 CREATE TABLE peers
 (

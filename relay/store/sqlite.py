@@ -48,6 +48,7 @@ from relay import delivery, errors
 from relay.config import Config
 from relay.delivery import Message
 from relay.errors import ConfigError
+from relay.protocol import STATUSES
 from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore
 
@@ -95,8 +96,8 @@ STATEMENTS = {
         _SAVE_STATE,
     ],
     "sweep_expired": [
-        "DELETE FROM messages WHERE seq IN "
-        "(SELECT seq FROM messages WHERE created < ? ORDER BY created LIMIT ?)"
+        "SELECT seq, created FROM messages WHERE seq > 0 ORDER BY seq LIMIT ?",
+        "DELETE FROM messages WHERE seq <= ?",
     ],
     "register": ["INSERT OR REPLACE INTO peers (agent, last_seen) VALUES (?, ?)"],
     "is_registered": ["SELECT 1 FROM peers WHERE agent = ?"],
@@ -124,16 +125,12 @@ def _query_statement(side: str, kind: Optional[str], status: Optional[str],
     return sql, names
 
 
-def _recent_statement() -> str:
-    return f"{_SELECT} WHERE recipient = ? ORDER BY seq DESC LIMIT ?"
-
-
-STATEMENTS["recent"] = [_recent_statement()]
+STATEMENTS["recent"] = [_query_statement("recipient", None, "queued", None)[0]]
 STATEMENTS["query"] = [
     _query_statement(side, kind, status, other)[0]
     for side in ("recipient", "sender")
     for kind in (None, "request")
-    for status in (None, "queued")
+    for status in (("queued",) if side == "recipient" else (None, "queued"))
     for other in (None, "x")
 ]
 
@@ -195,6 +192,12 @@ def _message(row: Sequence[Any]) -> Message:
         created=row[17],
         recovery=bool(row[18]),
     )
+
+
+def _newest(parts: List[List[Message]], limit: int) -> List[Message]:
+    """The ``limit`` highest-seq messages of lists each sorted newest first."""
+    merged = heapq.merge(*parts, key=lambda m: m.seq, reverse=True)
+    return [m for _, m in zip(range(limit), merged)]
 
 
 def _state_row(message: Message) -> Tuple[Any, ...]:
@@ -339,10 +342,18 @@ class SQLiteStore:
         return out
 
     def _recent(self, agent: str, limit: int) -> List[Message]:
-        return self._select(_recent_statement(), agent, limit)
+        return self._query_side("recipient", agent, limit, None, None, None)
 
     def _query_side(self, side: str, agent: str, limit: int, kind: Optional[str],
                     status: Optional[str], other: Optional[str]) -> List[Message]:
+        """The newest ``limit`` messages to (or from) ``agent`` that match the filters.
+
+        The inbox index is by status: without a status filter, the newest of
+        each status are read and merged.
+        """
+        if side == "recipient" and status is None:
+            parts = [self._query_side(side, agent, limit, kind, s, other) for s in STATUSES]
+            return _newest(parts, limit)
         sql, names = _query_statement(side, kind, status, other)
         values = {"other": other, "kind": kind, "status": status}
         return self._select(sql, agent, *[values[n] for n in names], limit)
@@ -368,12 +379,19 @@ class SQLiteStore:
             return self._query_side("sender", agent, limit, kind, status, recipient)
         inbox = self._query_side("recipient", agent, limit, kind, status, None)
         outbox = self._query_side("sender", agent, limit, kind, status, None)
-        merged = heapq.merge(inbox, outbox, key=lambda m: m.seq, reverse=True)
-        return [m for _, m in zip(range(limit), merged)]
+        return _newest([inbox, outbox], limit)
 
     def _expire_batch(self, cutoff: float, batch: int) -> int:
+        """Remove the oldest messages (in seq order) stored before ``cutoff``, up to ``batch``."""
+        last = None
+        for seq, created in self.db.execute(STATEMENTS["sweep_expired"][0], (batch,)):
+            if created >= cutoff:
+                break
+            last = seq
+        if last is None:
+            return 0
         self._begin()
-        return self.db.execute(STATEMENTS["sweep_expired"][0], (cutoff, batch)).rowcount
+        return self.db.execute(STATEMENTS["sweep_expired"][1], (last,)).rowcount
 
     def _register(self, agent: str, now: float) -> None:
         self._begin()
