@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -384,6 +385,39 @@ def _window(start_at: float, warmup: float, duration: float) -> Tuple[float, flo
     return start_at + warmup, start_at + warmup + duration
 
 
+class WindowProbe:
+    """Samples a counter (e.g. the broker's CPU seconds) at the window's start and end.
+
+    Runs in the parent on two timer threads while the workers run, so the ratio
+    ``(end - start) / (window length)`` covers exactly the measured window.
+    """
+
+    def __init__(self, probe: Optional[Callable[[], float]], lo: float, hi: float) -> None:
+        self.values: Dict[str, float] = {}
+        self.lo, self.hi = lo, hi
+        self.timers: List[threading.Timer] = []
+        if probe is None:
+            return
+        for key, at in (("lo", lo), ("hi", hi)):
+            timer = threading.Timer(max(0.0, at - time.time()), self._take, (probe, key))
+            timer.daemon = True
+            timer.start()
+            self.timers.append(timer)
+
+    def _take(self, probe: Callable[[], float], key: str) -> None:
+        self.values[key] = probe()
+        self.values[key + "At"] = time.time()
+
+    def busy(self) -> Optional[float]:
+        """Counter increase per second of the window (None without both samples)."""
+        for timer in self.timers:
+            timer.join(timeout=5)
+        v = self.values
+        if "lo" not in v or "hi" not in v or v["hiAt"] <= v["loAt"]:
+            return None
+        return round((v["hi"] - v["lo"]) / (v["hiAt"] - v["loAt"]), 2)
+
+
 def _start_time(lead: float = 0.6) -> float:
     return time.time() + lead
 
@@ -412,6 +446,7 @@ def _send_worker(target: Target, agent: str, to: Sequence[str], start_at: float,
     n = 0
     ok = 0
     _sleep_until(start_at)
+    cpu0 = time.process_time()
     while (count <= 0 or n < count) and (end_at <= 0 or time.time() < end_at):
         env = {"id": str(uuid.uuid4()), "to": to[n % len(to)], "body": {"text": text}}
         body = json.dumps(env, separators=(",", ":")).encode()
@@ -426,9 +461,10 @@ def _send_worker(target: Target, agent: str, to: Sequence[str], start_at: float,
                 lats.append(t1 - t0)
         else:
             _count(errors, status)
+    cpu = time.process_time() - cpu0
     conn.close()
     return {"done": done, "lats": lats, "errors": errors, "sent": n, "ok": ok,
-            "finished": time.time()}
+            "finished": time.time(), "cpu": cpu}
 
 
 def _pull_ack_worker(target: Target, agent: str, start_at: float, end_at: float,
@@ -637,7 +673,8 @@ def prefill(target: Target, to: Sequence[str], count: int, concurrency: int = 8,
 
 def scenario_send(target: Target, concurrency: int = 8, duration: float = 10.0,
                   warmup: float = 2.0, pad: int = BODY_BYTES, name: str = "send",
-                  do_register: bool = True) -> JsonDict:
+                  do_register: bool = True,
+                  cpu: Optional[Callable[[], float]] = None) -> JsonDict:
     """``send``: C closed-loop senders POSTing ~200-byte messages to one sink agent."""
     prefix = run_id()
     senders = [f"send-{prefix}-{i}" for i in range(concurrency)]
@@ -646,6 +683,7 @@ def scenario_send(target: Target, concurrency: int = 8, duration: float = 10.0,
         register(target, [sink, *senders])
     start = _start_time()
     lo, hi = _window(start, warmup, duration)
+    probe = WindowProbe(cpu, lo, hi)
     results = run_workers(
         _send_worker,
         [(target, s, [sink], start, hi, 0, pad, True) for s in senders],
@@ -663,12 +701,16 @@ def scenario_send(target: Target, concurrency: int = 8, duration: float = 10.0,
         "seconds": duration, "requests": count, "rate": round(count / duration, 1),
         "unit": "req/s", "latencyMs": percentiles(lats), "errors": _merge_errors(results),
         "stored": sum(r["ok"] for r in results),
+        "loadgenCpuUsPerRequest": round(
+            sum(r["cpu"] for r in results) / max(sum(r["sent"] for r in results), 1) * 1e6, 1),
+        "serverCpuBusy": probe.busy(),
     }
 
 
 def scenario_pull_ack(target: Target, workers: int = 4, duration: float = 10.0,
                       warmup: float = 1.0, messages: int = 30000, limit: int = 10,
-                      fill_concurrency: int = 8) -> JsonDict:
+                      fill_concurrency: int = 8,
+                      cpu: Optional[Callable[[], float]] = None) -> JsonDict:
     """``pull-ack``: W workers of one agent lease batches of ``limit`` and ack each.
 
     The agent's queue is prefilled with ``messages`` first; the rate counts acks in the
@@ -680,6 +722,7 @@ def scenario_pull_ack(target: Target, workers: int = 4, duration: float = 10.0,
     fill = prefill(target, [agent], messages, fill_concurrency)
     start = _start_time()
     lo, hi = _window(start, warmup, duration)
+    probe = WindowProbe(cpu, lo, hi)
     results = run_workers(
         _pull_ack_worker,
         [(target, agent, start, hi, limit) for _ in range(workers)],
@@ -698,6 +741,7 @@ def scenario_pull_ack(target: Target, workers: int = 4, duration: float = 10.0,
         "seconds": round(span, 2), "messages": count, "rate": round(count / span, 1),
         "unit": "msg/s", "drained": drained, "prefill": fill,
         "requestsPerMessage": round((pulls + total_acked) / max(total_acked, 1), 3),
+        "serverCpuBusy": None if drained else probe.busy(),
         "errors": _merge_errors(results),
         "note": "window cut short: prefill more (--messages)" if span < 1.0 else "",
     }

@@ -33,13 +33,13 @@ JsonDict = Dict[str, Any]
 PROFILES: Dict[str, JsonDict] = {
     "quick": {
         "duration": 3.0, "warmup": 1.0, "concurrency": 8, "workers": 4,
-        "pullMessages": 16000, "pollMessages": 4000, "pollWorkers": 2,
+        "pullMessages": 24000, "pollMessages": 4000, "pollWorkers": 2,
         "e2eDuration": 5.0, "rate": 200.0,
         "depthLevels": [0, 1000, 10000], "depthDuration": 3.0, "depthPullMessages": 8000,
     },
     "full": {
         "duration": 10.0, "warmup": 2.0, "concurrency": 8, "workers": 4,
-        "pullMessages": 50000, "pollMessages": 10000, "pollWorkers": 2,
+        "pullMessages": 70000, "pollMessages": 10000, "pollWorkers": 2,
         "e2eDuration": 15.0, "rate": 200.0,
         "depthLevels": [0, 1000, 10000, 100000], "depthDuration": 5.0,
         "depthPullMessages": 15000,
@@ -66,12 +66,13 @@ def run_scenarios(prof: JsonDict, scenarios: Sequence[str], fresh: Callable[[str
         depth_fresh = (lambda name=name: fresh(name)) if managed else None
         with (contextlib.nullcontext((None, None)) if managed and name == "depth"
               else fresh(name)) as (tgt, rss):
+            cpu = (lambda: rss()["cpuSeconds"]) if rss is not None else None
             if name == "send":
                 doc = loadgen.scenario_send(tgt, prof["concurrency"], prof["duration"],
-                                            prof["warmup"])
+                                            prof["warmup"], cpu=cpu)
             elif name == "pull-ack":
                 doc = loadgen.scenario_pull_ack(tgt, prof["workers"], prof["duration"],
-                                                prof["warmup"], prof["pullMessages"])
+                                                prof["warmup"], prof["pullMessages"], cpu=cpu)
             elif name == "poll":
                 doc = loadgen.scenario_poll(tgt, prof["pollWorkers"], prof["duration"],
                                             prof["warmup"], prof["pollMessages"])
@@ -158,7 +159,8 @@ def measure_ceilings(python: str, workdir: str, prof: JsonDict,
         try:
             doc = loadgen.scenario_send(server.target, prof["concurrency"], prof["duration"],
                                         prof["warmup"], name=f"ceiling-{kind}",
-                                        do_register=False)
+                                        do_register=False,
+                                        cpu=lambda pid=server.pid: servers.cpu_seconds(pid))
             doc["rss"] = server.rss()
         finally:
             server.stop()
@@ -176,6 +178,10 @@ def _ratio(value: Optional[float], ceiling: Optional[float]) -> str:
     if not ceiling:
         return f"{value:,.0f}"
     return f"{value:,.0f} ({value / ceiling:.0%})"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _ms(value: Optional[float]) -> str:
@@ -198,9 +204,12 @@ def summary_rows(result: JsonDict) -> List[List[str]]:
         rows.append([name, *cells])
 
     add("send req/s (of klein)", lambda r: _ratio(r["send"]["rate"], ceil))
+    add("send: broker CPU busy", lambda r: _pct(r["send"]["serverCpuBusy"]))
+    add("send: loadgen CPU us/req", lambda r: str(r["send"]["loadgenCpuUsPerRequest"]))
     add("send latency p50/p99 ms", lambda r: "{} / {}".format(
         _ms(r["send"]["latencyMs"]["p50"]), _ms(r["send"]["latencyMs"]["p99"])))
     add("pull-ack msg/s (of klein)", lambda r: _ratio(r["pull-ack"]["rate"], ceil))
+    add("pull-ack: broker CPU busy", lambda r: _pct(r["pull-ack"]["serverCpuBusy"]))
     add("poll msg/s (of klein)", lambda r: _ratio(r["poll"]["rate"], ceil))
     add("poll req/s (of klein)", lambda r: _ratio(r["poll"]["requestRate"], ceil))
     add("e2e mode", lambda r: r["e2e-latency"]["mode"])
@@ -344,7 +353,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for kind, doc in result["ceilings"].items():
         runs = ", ".join(f"{r:,.0f}" for r in doc.get("runs", []))
         print(f"ceiling {kind:<5} {doc['rate']:>9,.0f} req/s  (p50 {doc['latencyMs']['p50']} ms;"
-              f" best of runs at start and end: {runs})")
+              f" best of runs at start and end: {runs}; server CPU busy "
+              f"{_pct(doc['serverCpuBusy'])}; loadgen CPU {doc['loadgenCpuUsPerRequest']} us/req)")
     for storage, why in result["skipped"].items():
         print(f"skipped backend {storage}: {why.splitlines()[-1] if why else 'did not start'}")
     if result["backends"]:

@@ -53,6 +53,16 @@ def read_status(pid: int) -> Dict[str, float]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (0.0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Server:
     """One child process with its log file, readiness check and RSS sampler."""
 
@@ -119,7 +129,8 @@ class Server:
         cur = status.get("VmRSS", 0.0)
         self.peak_rss = max(self.peak_rss, cur)
         return {"rssMB": round(cur, 1), "peakMB": round(max(status.get("VmHWM", 0.0),
-                                                            self.peak_rss), 1)}
+                                                            self.peak_rss), 1),
+                "cpuSeconds": round(cpu_seconds(self.pid), 2)}
 
     def log_tail(self, lines: int = 25) -> str:
         """The last lines of the server's log (stdout, stderr and twistd log)."""
