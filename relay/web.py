@@ -19,7 +19,9 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.resource import Resource
 from werkzeug.exceptions import MethodNotAllowed, NotFound
+from werkzeug.routing import RequestRedirect
 
 from relay import __version__, errors, protocol
 from relay.auth import Authenticator, RateLimiter
@@ -167,8 +169,8 @@ class RelayAPI:
         )
 
     def resource(self):
-        """The Klein resource serving this API."""
-        return self.app.resource()
+        """The resource serving this API: Klein's, behind a check of the URL's encoding."""
+        return _UTF8URLs(self.app.resource())
 
     # -- plumbing ------------------------------------------------------------
 
@@ -191,8 +193,10 @@ class RelayAPI:
         error = failure.value
         return write_json(request, error.status, error.to_body())
 
-    @app.handle_errors(NotFound, MethodNotAllowed)
+    @app.handle_errors(NotFound, MethodNotAllowed, RequestRedirect)
     def no_route(self, request, failure: Failure) -> bytes:
+        """401 for an unsigned request, else 404; a redirect werkzeug would answer (a
+        ``//`` in the path) is no route either: the signature covers the path as sent."""
         try:
             self.authenticate(request)
         except RelayError as error:
@@ -426,6 +430,29 @@ class RelayAPI:
         targets = entry.allowed_targets if entry is not None else None
         if targets is not None and recipient not in targets:
             raise errors.forbidden(f"agent {sender!r} is not allowed to send to {recipient!r}")
+
+
+class _UTF8URLs(Resource):
+    """Answers a URL that is not UTF-8 once percent-decoded with the §6 ``400``.
+
+    Klein refuses such a URL itself, but with a plain-text body and a logged
+    traceback; every other request goes to the Klein resource unchanged.
+    """
+
+    isLeaf = True
+
+    def __init__(self, klein_resource) -> None:
+        super().__init__()
+        self.klein_resource = klein_resource
+
+    def render(self, request):
+        try:
+            request.getRequestHostname().decode("utf-8")
+            b"/".join(request.prepath + request.postpath).decode("utf-8")
+        except UnicodeDecodeError:
+            error = errors.bad_request("the request URL is not valid UTF-8")
+            return write_json(request, 400, error.to_body())
+        return self.klein_resource.render(request)
 
 
 def _header(headers, name: bytes) -> Optional[bytes]:
