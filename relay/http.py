@@ -21,15 +21,24 @@ from relay.protocol import MAX_BODY_BYTES
 REQUEST_READ_SECONDS = 30.0
 IDLE_SECONDS = 60.0
 
-_TIMEOUT_BODY = (
-    b'{"error":{"code":"request_timeout","message":"request not received in time"}}'
+
+def closing_response(status: bytes, code: bytes, message: bytes) -> bytes:
+    """A whole HTTP response carrying the §6 error body, for a connection about to close."""
+    body = b'{"error":{"code":"%s","message":"%s"}}' % (code, message)
+    return (
+        b"HTTP/1.1 " + status + b"\r\n"
+        b"content-type: application/json; charset=utf-8\r\n"
+        b"cache-control: no-store\r\n"
+        b"connection: close\r\n"
+        b"content-length: " + str(len(body)).encode("ascii") + b"\r\n\r\n" + body
+    )
+
+
+TIMEOUT_RESPONSE = closing_response(
+    b"408 Request Timeout", b"request_timeout", b"request not received in time"
 )
-TIMEOUT_RESPONSE = (
-    b"HTTP/1.1 408 Request Timeout\r\n"
-    b"content-type: application/json; charset=utf-8\r\n"
-    b"cache-control: no-store\r\n"
-    b"connection: close\r\n"
-    b"content-length: " + str(len(_TIMEOUT_BODY)).encode("ascii") + b"\r\n\r\n" + _TIMEOUT_BODY
+BAD_REQUEST_RESPONSE = closing_response(
+    b"400 Bad Request", b"bad_request", b"malformed HTTP request"
 )
 
 
@@ -86,6 +95,16 @@ class RelayChannel(http.HTTPChannel):
             if self._read_deadline.active():
                 self._read_deadline.cancel()
             self._read_deadline = None
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        """Twisted's answer to a malformed request (request line, headers, framing):
+        the same ``400`` with the §6 body instead of an empty one."""
+        self.transport.write(BAD_REQUEST_RESPONSE)
+        self.loseConnection()
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request or header line over ``MAX_LENGTH``: the §6 ``400``, not a bare close."""
+        self._respondToBadRequestAndDisconnect()
 
     def _read_too_slow(self) -> None:
         self._read_deadline = None
