@@ -25,6 +25,7 @@ MAX_LIMIT = 200
 MAX_STATUS_IDS = 200
 MAX_LEASE_SECONDS = 86400
 MAX_WAIT_SECONDS = 20
+MAX_JSON_DEPTH = 100
 
 MESSAGE_TYPES = ("message", "ack")
 MESSAGE_KINDS = ("message", "request", "reply")
@@ -68,11 +69,32 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _too_deep(value: Any, raw: bytes) -> bool:
+    """True when ``value`` nests arrays and objects deeper than ``MAX_JSON_DEPTH``.
+
+    Iterative, and skipped when ``raw`` holds too few brackets to be that deep.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
 def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
     """Decode a request body as strict JSON; an empty body is ``{}`` when ``empty_ok``.
 
     ``NaN``, ``Infinity`` and numbers that overflow a double are refused:
-    stored, they would be served back as text no JSON parser accepts.
+    stored, they would be served back as text no JSON parser accepts. So is
+    nesting deeper than ``MAX_JSON_DEPTH``: near the interpreter's recursion
+    limit a body can parse yet fail to encode when served, and block its
+    recipient's queue with 503s.
     """
     if not raw.strip():
         if empty_ok:
@@ -83,9 +105,12 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError):
         raise bad_request("request body is not valid JSON") from None
+    if isinstance(value, (dict, list)) and _too_deep(value, raw):
+        raise bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 def parse_json_object(raw: bytes, *, empty_ok: bool = True) -> Dict[str, Any]:
