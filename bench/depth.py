@@ -38,7 +38,7 @@ def run_backend(fresh: Any, levels: Sequence[int], args: argparse.Namespace,
     return loadgen.scenario_depth(
         target, levels, args.concurrency, args.workers, args.duration, args.pull_messages,
         fill_concurrency=args.fill_concurrency, rss=rss, include_e2e=args.e2e, log=say,
-        fresh=fresh)
+        fresh=fresh, repeat=args.repeat)
 
 
 def table_rows(results: Dict[str, JsonDict]) -> List[List[str]]:
@@ -77,6 +77,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--pull-messages", type=int, default=20000,
                    help="messages queued for the pull-ack workers at each level")
     p.add_argument("--fill-concurrency", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=2,
+                   help="pull-ack and send runs per level, best kept (others' load only "
+                        "lowers a rate)")
     p.add_argument("--e2e", action="store_true", help="also measure e2e-latency per level")
     p.add_argument("--python", default=servers.default_python())
     p.add_argument("--broker-url")
