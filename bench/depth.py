@@ -124,7 +124,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         servers.cleanup(workdir)
 
-    doc = {"scenario": "storage-depth", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    doc = {"scenario": "storage-depth", "date": time.strftime("%Y-%m-%d %H:%M:%S",
+                                                          time.localtime(started)),
            "cores": os.cpu_count(), "brokerPython": python, "levels": levels,
            "results": results, "skipped": skipped, "busyNote": busy,
            "elapsedSeconds": round(time.time() - started, 1)}

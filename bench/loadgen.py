@@ -578,8 +578,12 @@ def _latency_sender(target: Target, agent: str, to: str, rate: float, start_at: 
 
 def _latency_receiver(target: Target, agent: str, wait: int, interval: float,
                       start_at: float, deadline: float, total: Any,
-                      use_pull: bool) -> JsonDict:
-    """Receive with long-poll pulls (``wait`` > 0), interval pulls, or v1.0 polling."""
+                      use_pull: bool, send_end: float) -> JsonDict:
+    """Receive with long-poll pulls (``wait`` > 0), interval pulls, or v1.0 polling.
+
+    After the sender's schedule ends (``send_end``) long-polls wait at most one second,
+    so the last, empty wait does not hold the scenario for the full ``wait``.
+    """
     conn = Conn(target)
     conn.connect()
     errors: Dict[str, int] = {}
@@ -592,6 +596,8 @@ def _latency_receiver(target: Target, agent: str, wait: int, interval: float,
     if wait > 0:
         pull_doc["waitSeconds"] = wait
     pull_body = json.dumps(pull_doc).encode()
+    tail_body = json.dumps({**pull_doc, "waitSeconds": min(wait, 1)} if wait else pull_doc
+                           ).encode()
     _sleep_until(start_at)
     while time.time() < deadline:
         with total.get_lock():
@@ -599,7 +605,8 @@ def _latency_receiver(target: Target, agent: str, wait: int, interval: float,
         if 0 <= expected <= len(seen):
             break
         if use_pull:
-            status, payload = conn.request("POST", "/v1/pull", pull_body, agent)
+            body = pull_body if time.time() < send_end else tail_body
+            status, payload = conn.request("POST", "/v1/pull", body, agent)
         else:
             path = "/messages?limit=200" + (f"&since={cursor}" if cursor else "")
             status, payload = conn.request("GET", path, b"", agent)
@@ -809,7 +816,8 @@ def scenario_e2e(target: Target, rate: float = 200.0, duration: float = 10.0,
     total = ctx.Value("l", -1)
     deadline = end + wait + 5.0
     sender_args = (target, sender, receiver, rate, start, end, BODY_BYTES, total)
-    receiver_args = (target, receiver, wait, poll_interval, start, deadline, total, use_pull)
+    receiver_args = (target, receiver, wait, poll_interval, start, deadline, total, use_pull,
+                     end)
     queue = ctx.Queue()
     procs = [
         ctx.Process(target=_worker_main, args=(0, _latency_sender, sender_args, queue)),

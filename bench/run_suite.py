@@ -1,7 +1,7 @@
 """Run the whole benchmark suite and print a summary with ratios to the Klein ceiling.
 
-    .venv/bin/python bench/run_suite.py --quick          # about 3 minutes
-    .venv/bin/python bench/run_suite.py                  # full run, about 10 minutes
+    .venv/bin/python bench/run_suite.py --quick          # about 4 minutes (two backends)
+    .venv/bin/python bench/run_suite.py                  # full run, about 13 minutes
     .venv/bin/python bench/run_suite.py --backends memory,sqlite,jsonl
     .venv/bin/python bench/run_suite.py --python .venv-pypy/bin/python
     .venv/bin/python bench/run_suite.py --broker-url http://127.0.0.1:19121 --secret S
