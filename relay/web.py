@@ -123,6 +123,9 @@ def authenticated(route: Callable) -> Callable:
     @functools.wraps(route)
     def wrapper(self: RelayAPI, request, *args, **kwargs):
         agent = self.authenticate(request)
+        if not kwargs and b"%" in request.path:
+            # Paths match as sent (spec §1): "/v1/%70ull" is not "/v1/pull".
+            raise _no_route(request)
         return route(self, request, agent, *args, **kwargs)
 
     return wrapper
@@ -201,11 +204,7 @@ class RelayAPI:
             self.authenticate(request)
         except RelayError as error:
             return write_json(request, error.status, error.to_body())
-        method = request.method.decode("latin-1")
-        path = request.path.decode("utf-8", "replace")
-        return write_json(
-            request, 404, errors.not_found(f"no route {method} {path}").to_body()
-        )
+        return write_json(request, 404, _no_route(request).to_body())
 
     @app.handle_errors(Exception)
     def unexpected(self, request, failure: Failure) -> bytes:
@@ -224,6 +223,8 @@ class RelayAPI:
 
     @app.route("/", methods=["GET"])
     def root(self, request) -> bytes:
+        if request.path != b"/":
+            return self.no_route(request, None)
         check_body_size(request)
         set_json_headers(request, 200)
         request.setHeader(b"content-length", b"%d" % len(self.info))
@@ -453,6 +454,12 @@ class _UTF8URLs(Resource):
             error = errors.bad_request("the request URL is not valid UTF-8")
             return write_json(request, 400, error.to_body())
         return self.klein_resource.render(request)
+
+
+def _no_route(request) -> RelayError:
+    method = request.method.decode("latin-1")
+    path = request.path.decode("utf-8", "replace")
+    return errors.not_found(f"no route {method} {path}")
 
 
 def _header(headers, name: bytes) -> Optional[bytes]:

@@ -602,7 +602,8 @@ async def test_per_agent_secrets_and_unknown_agent():
     [("GET", "/nope"), ("POST", "/nope"), ("GET", "/v1/nope"), ("DELETE", "/messages"),
      ("PUT", "/register"), ("GET", "/register"), ("POST", "/peers"), ("GET", "/v1/pull"),
      ("GET", "/messages/m1/ack"), ("POST", "/"), ("DELETE", "/"), ("GET", "/messages/"),
-     ("POST", "/messages/m1"), ("PATCH", "/v1/ack"), ("GET", "/v1/status")],
+     ("POST", "/messages/m1"), ("PATCH", "/v1/ack"), ("GET", "/v1/status"),
+     ("GET", "/%2F"), ("POST", "/v1/%70ull"), ("POST", "/%72egister")],
 )
 @pytest_twisted.ensureDeferred
 async def test_unknown_route_or_wrong_method_is_404_not_found(method, path):
@@ -611,6 +612,12 @@ async def test_unknown_route_or_wrong_method_is_404_not_found(method, path):
     reply = await b.request("alpha", method, path, raw=raw)
     assert_error(reply, 404, "not_found")
     assert method in reply.json["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_encoded_root_needs_authentication():
+    b = Broker()
+    assert_error(await b.send("GET", "/%2F"), 401, "unauthenticated")
 
 
 @pytest_twisted.ensureDeferred
