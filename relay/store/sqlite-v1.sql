@@ -8,11 +8,12 @@ CREATE TABLE version
 );
 
 -- One row per stored message: the spec §2 envelope, the §5.1 delivery state
--- and the broker's bookkeeping. seq is the delivery order; AUTOINCREMENT keeps
--- it monotonic even after the newest messages expired.
+-- and the broker's bookkeeping. seq is the delivery order, assigned by the
+-- store (not AUTOINCREMENT, whose bookkeeping row costs a page write per
+-- commit); meta.last_seq keeps it monotonic after the newest messages expired.
 CREATE TABLE messages
 (
-  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  seq INTEGER PRIMARY KEY,
   id TEXT NOT NULL UNIQUE,            -- client-chosen; dedup and ack lookups
   sender TEXT NOT NULL,               -- envelope "from"
   recipient TEXT NOT NULL,            -- envelope "to"
@@ -49,4 +50,11 @@ CREATE TABLE peers
 (
   agent TEXT PRIMARY KEY,
   last_seen INTEGER NOT NULL          -- epoch seconds of the last registration
+) WITHOUT ROWID;
+
+-- Small counters of the store: last_seq, the highest seq ever removed.
+CREATE TABLE meta
+(
+  key TEXT PRIMARY KEY,
+  value INTEGER NOT NULL
 ) WITHOUT ROWID;
