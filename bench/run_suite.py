@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -45,6 +46,18 @@ PROFILES: Dict[str, JsonDict] = {
         "depthPullMessages": 15000,
     },
 }
+
+
+PYPY_WARMUP_SECONDS = 8.0
+
+
+def is_pypy(python: str) -> bool:
+    """True when ``python`` is a PyPy interpreter."""
+    out = subprocess.run(
+        [python, "-c", "import platform; print(platform.python_implementation())"],
+        capture_output=True, text=True, timeout=60,
+    ).stdout
+    return out.strip() == "PyPy"
 
 
 def say(line: str) -> None:
@@ -290,6 +303,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", help="write the full JSON result here")
     p.add_argument("--repeat", type=int, default=None,
                    help="runs per throughput figure, best kept (default: 1 quick, 2 full)")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="seconds of load before each measured window (default: the "
+                        "profile's; at least 8 on PyPy, whose JIT needs traffic to warm)")
     p.add_argument("--profile", metavar="DIR",
                    help="run each started broker under cProfile, saving DIR/<backend>-"
                         "<scenario>.pstats (figures are then slower; for finding hot spots)")
@@ -303,6 +319,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prof["depthLevels"] = [int(x) for x in args.levels.split(",") if x.strip()]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     python = os.path.abspath(args.python) if os.sep in args.python else args.python
+    if args.warmup is not None:
+        prof["warmup"] = args.warmup
+    elif is_pypy(python):
+        prof["warmup"] = max(prof["warmup"], PYPY_WARMUP_SECONDS)
     workdir = servers.workspace()
     busy = servers.busy_note()
     if busy:
