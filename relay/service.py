@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional, Set
 
 from twisted.application.internet import StreamServerEndpointService, TimerService
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -121,6 +123,15 @@ class RelayService(MultiService):
 
         d.addCallback(removed)
         return d
+
+    def privilegedStartService(self) -> None:
+        """Listen on every endpoint; one that cannot listen stops the start with one line."""
+        try:
+            super().privilegedStartService()
+        except CannotListenError as e:
+            reason = getattr(e.socketError, "strerror", None) or str(e.socketError)
+            sys.stderr.write(f"relay: cannot listen on {e.interface or '*'}:{e.port}: {reason}\n")
+            raise SystemExit(1) from None
 
     def startService(self) -> None:
         if self.secret_created:

@@ -49,3 +49,21 @@ def test_config_error_stops_the_start_with_one_line(tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == ["relay: config error: broker.leaseSeconds: must be from 1 to 86400, not 0"]
+
+
+def test_a_port_in_use_stops_the_start_with_one_line(broker, tmp_path):
+    conf = tmp_path / "second.yaml"
+    conf.write_text(
+        f"broker:\n  secret: s\n  storage: memory\n"
+        f"  listen: ['tcp:{broker.port}:interface=127.0.0.1']\n"
+    )
+    result = subprocess.run(
+        [TWISTD, "-n", "--pidfile=", "relay", "--config", str(conf)],
+        capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr + result.stdout
+    # By then twistd has taken over stderr: the line reaches its log.
+    output = result.stderr + result.stdout
+    assert output.count("relay: cannot listen on") == 1
+    assert f"relay: cannot listen on 127.0.0.1:{broker.port}: Address already in use" in output
