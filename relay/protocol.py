@@ -48,10 +48,20 @@ def is_valid_agent_name(name: str) -> bool:
     return bool(AGENT_NAME.match(name))
 
 
+_second_prefix: Tuple[int, str] = (-1, "")
+
+
 def iso_timestamp(seconds: float) -> str:
     """An ISO-8601 UTC timestamp with milliseconds, as JavaScript's ``toISOString``."""
-    dt = datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc)
-    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+    global _second_prefix
+    whole, micros = divmod(round(seconds * 1_000_000), 1_000_000)
+    fraction = micros // 1000
+    cached, prefix = _second_prefix
+    if cached != whole:
+        dt = datetime.datetime.fromtimestamp(whole, tz=datetime.timezone.utc)
+        prefix = dt.strftime("%Y-%m-%dT%H:%M:%S.")
+        _second_prefix = (whole, prefix)
+    return f"{prefix}{fraction:03d}Z"
 
 
 class _NotJSON(ValueError):
