@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import ipaddress
 from collections import OrderedDict
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -131,14 +131,18 @@ class Lockout:
         del self._locked[agent]
         return False
 
-    def failed(self, agent: str) -> None:
-        """Count a failure; the ``after``-th consecutive one locks the agent."""
+    def failed(self, agent: str) -> bool:
+        """Count a failure; the ``after``-th consecutive one locks the agent.
+
+        Returns True when this failure locked the agent.
+        """
         count = self._failures.get(agent, 0) + 1
         if count >= self.after:
             self._failures.pop(agent, None)
             self._locked.put(agent, self.clock.seconds() + self.seconds)
-        else:
-            self._failures.put(agent, count)
+            return True
+        self._failures.put(agent, count)
+        return False
 
     def succeeded(self, agent: str) -> None:
         """A valid request resets the agent's failure count."""
@@ -161,8 +165,10 @@ class Authenticator:
         lock_after_failures: int = 5,
         lock_seconds: float = 300.0,
         max_tracked: int = MAX_TRACKED,
+        on_lock: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.clock = clock
+        self.on_lock = on_lock
         self.per_agent = any(a.secret for a in agents.values())
         self._keys: Dict[str, hmac.HMAC] = {}
         if self.per_agent:
@@ -174,15 +180,22 @@ class Authenticator:
         self.lockout = Lockout(clock, lock_after_failures, lock_seconds, max_tracked)
 
     @classmethod
-    def from_config(cls, config: Config, clock: IReactorTime) -> Authenticator:
-        """An authenticator for the broker's settings."""
+    def from_config(cls, config: Config, clock: IReactorTime,
+                    on_lock: Optional[Callable[[str], None]] = None) -> Authenticator:
+        """An authenticator for the broker's settings; ``on_lock(agent)`` hears of new locks."""
         return cls(
             clock,
             config.secret,
             config.agents,
             config.lock_after_failures,
             config.lock_minutes * 60.0,
+            on_lock=on_lock,
         )
+
+    def _failed(self, agent: str, error: errors.RelayError) -> errors.RelayError:
+        if self.lockout.failed(agent) and self.on_lock is not None:
+            self.on_lock(agent)
+        return error
 
     def _key_for(self, agent: str) -> Optional[hmac.HMAC]:
         if self._shared is not None:
@@ -213,16 +226,13 @@ class Authenticator:
         if self.lockout.is_locked(agent):
             raise errors.locked()
         if not _is_integer(timestamp_header):
-            self.lockout.failed(agent)
-            raise errors.unauthenticated("invalid timestamp")
+            raise self._failed(agent, errors.unauthenticated("invalid timestamp"))
         if abs(self.clock.seconds() - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
-            self.lockout.failed(agent)
-            raise errors.unauthenticated("timestamp skew")
+            raise self._failed(agent, errors.unauthenticated("timestamp skew"))
         mac = key.copy()
         mac.update(signing_string(method, path, timestamp_header, raw_body))
         if not hmac.compare_digest(mac.hexdigest().encode("ascii"), signature_header.lower()):
-            self.lockout.failed(agent)
-            raise errors.unauthenticated("invalid signature")
+            raise self._failed(agent, errors.unauthenticated("invalid signature"))
         self.lockout.succeeded(agent)
         return agent
 

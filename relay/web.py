@@ -148,7 +148,9 @@ class RelayAPI:
         self.store = store
         self.config = config
         self.clock = clock
-        self.auth = auth if auth is not None else Authenticator.from_config(config, clock)
+        self.auth = (
+            auth if auth is not None else Authenticator.from_config(config, clock, _log_lock)
+        )
         self.rate_limiter = (
             rate_limiter
             if rate_limiter is not None
@@ -460,6 +462,10 @@ def _no_route(request) -> RelayError:
     method = request.method.decode("latin-1")
     path = request.path.decode("utf-8", "replace")
     return errors.not_found(f"no route {method} {path}")
+
+
+def _log_lock(agent: str) -> None:
+    log.warn("agent {agent} is locked after repeated authentication failures", agent=agent)
 
 
 def _header(headers, name: bytes) -> Optional[bytes]:

@@ -102,3 +102,13 @@ async def test_503_body_carries_no_content():
     assert marker not in reply.raw.decode()
     incident = reply.json["error"]["message"].rsplit(" ", 1)[-1].rstrip(")")
     assert incident in rendered(events), "the response names the logged incident"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_lockout_is_logged_once_by_agent_name():
+    b = Broker()
+    with capturedLogs() as events:
+        for _ in range(7):
+            await b.post("mallory", "/register", {}, secret="wrong")
+    locks = [formatEvent(e) for e in events if "locked" in formatEvent(e)]
+    assert locks == ["agent mallory is locked after repeated authentication failures"]
