@@ -12,13 +12,15 @@ connections close after ``IDLE_SECONDS``.
 from __future__ import annotations
 
 from io import BytesIO
-from typing import Optional
+from typing import Optional, Set
 
+from twisted.internet.task import LoopingCall
 from twisted.web import http, server
 
 from relay.protocol import MAX_BODY_BYTES
 
 REQUEST_READ_SECONDS = 30.0
+REAP_SECONDS = 0.5
 IDLE_SECONDS = 60.0
 
 
@@ -72,29 +74,29 @@ class RelayRequest(server.Request):
 
 
 class RelayChannel(http.HTTPChannel):
-    """An HTTP channel that gives each request a deadline to arrive whole."""
+    """An HTTP channel that gives each request a deadline to arrive whole.
+
+    The channel notes when a request's first byte arrived; the site's reaper
+    (:meth:`RelaySite.reap`) answers ``408`` to the ones reading too long. A
+    timestamp per request is cheaper than a timer per request.
+    """
 
     request_read_seconds = REQUEST_READ_SECONDS
-    _read_deadline = None
+    reading_since: Optional[float] = None
 
     def dataReceived(self, data: bytes) -> None:
-        if self._read_deadline is None and not self._handlingRequest:
-            self._read_deadline = self.callLater(self.request_read_seconds, self._read_too_slow)
+        if self.reading_since is None and not self._handlingRequest:
+            self.reading_since = self.site.reactor.seconds()
         super().dataReceived(data)
 
     def allContentReceived(self) -> None:
-        self._cancel_read_deadline()
+        self.reading_since = None
         super().allContentReceived()
 
     def connectionLost(self, reason) -> None:
-        self._cancel_read_deadline()
+        self.reading_since = None
+        self.site.forget(self)
         super().connectionLost(reason)
-
-    def _cancel_read_deadline(self) -> None:
-        if self._read_deadline is not None:
-            if self._read_deadline.active():
-                self._read_deadline.cancel()
-            self._read_deadline = None
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         """Twisted's answer to a malformed request (request line, headers, framing):
@@ -106,8 +108,9 @@ class RelayChannel(http.HTTPChannel):
         """A request or header line over ``MAX_LENGTH``: the §6 ``400``, not a bare close."""
         self._respondToBadRequestAndDisconnect()
 
-    def _read_too_slow(self) -> None:
-        self._read_deadline = None
+    def read_too_slow(self) -> None:
+        """Answer ``408`` and close: the request did not arrive in time."""
+        self.reading_since = None
         self.transport.write(TIMEOUT_RESPONSE)
         self.transport.loseConnection()
 
@@ -124,11 +127,37 @@ class RelaySite(server.Site):
         super().__init__(resource, timeout=timeout, reactor=reactor)
         self.request_read_seconds = request_read_seconds
         self.access_log = access_log
+        self.channels: Set[RelayChannel] = set()
+        self._reaper = LoopingCall(self.reap)
+        self._reaper.clock = self.reactor
 
     def buildProtocol(self, addr):
         channel = super().buildProtocol(addr)
         channel.request_read_seconds = self.request_read_seconds
+        self.channels.add(channel)
         return channel
+
+    def forget(self, channel: RelayChannel) -> None:
+        """A connection closed."""
+        self.channels.discard(channel)
+
+    def reap(self) -> None:
+        """Time out every request that has been arriving for too long."""
+        now = self.reactor.seconds()
+        for channel in list(self.channels):
+            since = channel.reading_since
+            if since is not None and now - since >= channel.request_read_seconds:
+                channel.read_too_slow()
+
+    def startFactory(self) -> None:
+        super().startFactory()
+        if not self._reaper.running:
+            self._reaper.start(REAP_SECONDS, now=False)
+
+    def stopFactory(self) -> None:
+        if self._reaper.running:
+            self._reaper.stop()
+        super().stopFactory()
 
     def log(self, request: http.Request) -> None:
         if self.access_log:

@@ -259,23 +259,33 @@ class RelayAPI:
             },
         )
 
+    # The hot routes (send, pull, ack) chain callbacks rather than use
+    # inlineCallbacks: a generator per request is measurable at this rate.
+
     @app.route("/messages", methods=["POST"])
     @authenticated
-    @inlineCallbacks
-    def send(self, request, agent: str):
+    def send(self, request, agent: str) -> Deferred:
         envelope = protocol.normalize_envelope(parse_json(raw_body(request)), agent)
         self.check_acl(agent, envelope["to"])
-        registered = yield self.store.is_registered(envelope["to"])
+        d = self.store.is_registered(envelope["to"])
+        d.addCallback(self._add_if_registered, request, envelope)
+        return d
+
+    def _add_if_registered(self, registered: bool, request, envelope) -> Deferred:
         if not registered:
             raise errors.no_such_agent(f"recipient {envelope['to']!r} has never registered")
         message = Message.from_envelope(envelope, self.clock.seconds())
-        added = yield self.store.add(message)
+        d = self.store.add(message)
+        d.addCallback(self._added, request, message)
+        return d
+
+    def _added(self, added: bool, request, message: Message) -> bytes:
         if added:
             self.waiters.wake(message.to)
         return write_json(
             request,
             201 if added else 200,
-            {"accepted": True, "id": envelope["id"], "duplicate": not added},
+            {"accepted": True, "id": message.id, "duplicate": not added},
         )
 
     @app.route("/messages", methods=["GET"])
@@ -351,12 +361,11 @@ class RelayAPI:
 
     @app.route("/v1/ack", methods=["POST"])
     @authenticated
-    @inlineCallbacks
-    def ack(self, request, agent: str):
+    def ack(self, request, agent: str) -> Deferred:
         message_id, lease_id, outcome, error = protocol.parse_ack_outcome(
             parse_object(raw_body(request))
         )
-        result = yield self.store.ack(
+        d = self.store.ack(
             message_id,
             agent,
             lease_id,
@@ -365,6 +374,10 @@ class RelayAPI:
             self.clock.seconds(),
             self.config.max_attempts,
         )
+        d.addCallback(self._settled, request, agent)
+        return d
+
+    def _settled(self, result: Dict[str, Any], request, agent: str) -> bytes:
         if result["status"] == protocol.QUEUED:
             self.waiters.wake(agent)
         return write_json(request, 200, result)
