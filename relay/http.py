@@ -95,7 +95,9 @@ class RelayChannel(http.HTTPChannel):
 
     def connectionLost(self, reason) -> None:
         self.reading_since = None
-        self.site.forget(self)
+        forget = getattr(self.site, "forget", None)  # absent under a plain Site
+        if forget is not None:
+            forget(self)
         super().connectionLost(reason)
 
     def _respondToBadRequestAndDisconnect(self) -> None:
