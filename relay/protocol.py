@@ -97,6 +97,10 @@ def _too_deep(value: Any, raw: bytes) -> bool:
     return False
 
 
+# One shared decoder: json.loads with options builds a new one per call.
+_STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
     """Decode a request body as strict JSON; an empty body is ``{}`` when ``empty_ok``.
 
@@ -115,7 +119,7 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = _STRICT_DECODER.decode(text)
     except (ValueError, RecursionError):
         raise bad_request("request body is not valid JSON") from None
     if isinstance(value, (dict, list)) and _too_deep(value, raw):
