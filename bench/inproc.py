@@ -1,0 +1,103 @@
+"""Per-request CPU cost of the broker without sockets: a steadier figure than the suite.
+
+Feeds signed ``POST /messages`` requests straight into an HTTP channel over an
+in-memory transport, for the bare Klein ceiling app and for the relay on each
+backend, and prints microseconds per request. No network, no second process,
+so the numbers move far less from run to run than the load-generator figures
+on a shared machine; they do not include socket I/O. On sqlite every request
+gets its own commit (the suite's concurrent clients share commits).
+
+    .venv/bin/python bench/inproc.py [--requests 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ceiling  # noqa: E402
+from twisted.internet.address import IPv4Address  # noqa: E402
+from twisted.internet.task import Clock  # noqa: E402
+from twisted.internet.testing import StringTransport  # noqa: E402
+
+from relay.auth import sign  # noqa: E402
+from relay.http import RelaySite  # noqa: E402
+from relay.store.plugins import find_store_factory  # noqa: E402
+from relay.testing import SECRET, START, make_config  # noqa: E402
+from relay.web import RelayAPI  # noqa: E402
+
+PEER = IPv4Address("TCP", "127.0.0.1", 40000)
+HOST = IPv4Address("TCP", "127.0.0.1", 19121)
+
+
+def signed_sends(count: int, timestamp: int) -> List[bytes]:
+    """``count`` raw HTTP requests sending a ~200-byte body from alpha to beta."""
+    out = []
+    for _ in range(count):
+        body = json.dumps({"id": uuid.uuid4().hex, "to": "beta",
+                           "body": {"text": "x" * 150}}).encode()
+        signature = sign(SECRET, "POST", "/messages", timestamp, body).encode()
+        out.append(
+            b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nX-Relay-Agent: alpha\r\n"
+            b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (timestamp, signature, len(body), body)
+        )
+    return out
+
+
+def per_request_us(site: Any, clock: Clock, requests: List[bytes]) -> float:
+    """Serve every request on one keep-alive channel; microseconds per request."""
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    started = time.perf_counter()
+    for raw in requests:
+        channel.dataReceived(raw)
+        clock.advance(0)
+        transport.clear()
+    return (time.perf_counter() - started) / len(requests) * 1e6
+
+
+def relay_site(backend: str, clock: Clock, data_dir: str) -> Any:
+    """The relay's site on ``backend`` with the recipient registered."""
+    config = make_config(storage=backend, dataDir=data_dir, rateLimitLoopback=10**9)
+    store = find_store_factory(backend).open(config, clock)
+    store.register("beta", clock.seconds())
+    clock.advance(0)
+    return RelaySite(RelayAPI(store, config, clock).resource(), reactor=clock)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print the per-request cost of the Klein ceiling and of each backend."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--backends", default="memory,sqlite,jsonl")
+    args = parser.parse_args(argv)
+    clock = Clock()
+    clock.advance(START)
+    klein = ceiling.klein_site()
+    klein.reactor = clock
+    base = per_request_us(klein, clock, signed_sends(args.requests, int(START)))
+    print(f"{'klein ceiling':14s} {base:7.1f} us/request")
+    for backend in [b for b in args.backends.split(",") if b]:
+        clock = Clock()
+        clock.advance(START)
+        with tempfile.TemporaryDirectory() as data_dir:
+            site = relay_site(backend, clock, data_dir)
+            cost = per_request_us(site, clock, signed_sends(args.requests, int(START)))
+        print(f"{backend:14s} {cost:7.1f} us/request  ({base / cost:.0%} of the ceiling's rate)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
