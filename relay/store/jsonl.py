@@ -58,6 +58,7 @@ from relay.config import Config
 from relay.delivery import Message
 from relay.errors import ConfigError
 from relay.protocol import MESSAGE_KINDS, MESSAGE_TYPES, STATUSES, iso_timestamp
+from relay.store import make_data_dir
 from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore
 from relay.store.memory import MemoryState
@@ -574,11 +575,7 @@ class JsonlStore:
 
 def open_store(config: Config, clock: IReactorTime) -> JsonlStore:
     """Replay ``dataDir/messages.jsonl`` and open it for appending (the factory entry point)."""
-    data_dir = config.data_dir
-    try:
-        os.makedirs(data_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError("broker.dataDir", f"cannot create {data_dir}: {e.strerror}") from None
+    data_dir = make_data_dir(config.data_dir)
     path = os.path.join(data_dir, LOG_NAME)
     try:
         if os.path.exists(path + COMPACT_SUFFIX):

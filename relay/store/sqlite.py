@@ -60,6 +60,7 @@ from relay.config import Config
 from relay.delivery import Message
 from relay.errors import ConfigError
 from relay.protocol import STATUSES
+from relay.store import make_data_dir
 from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore
 
@@ -673,11 +674,7 @@ def open_database(path: str, data_dir: str, sync: str, now: float) -> sqlite3.Co
 
 def open_store(config: Config, clock: IReactorTime) -> SQLiteStore:
     """Open ``dataDir/relay.db`` (the IStoreFactory entry point); ConfigError if impossible."""
-    data_dir = config.data_dir
-    try:
-        os.makedirs(data_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError("broker.dataDir", f"cannot create {data_dir}: {e.strerror}") from None
+    data_dir = make_data_dir(config.data_dir)
     path = os.path.join(data_dir, DB_NAME)
     try:
         db = open_database(path, data_dir, config.sync, clock.seconds())
