@@ -1,13 +1,17 @@
 """Per-request CPU cost of the broker without sockets: a steadier figure than the suite.
 
-Feeds signed ``POST /messages`` requests straight into an HTTP channel over an
-in-memory transport, for the bare Klein ceiling app and for the relay on each
-backend, and prints microseconds per request. No network, no second process,
-so the numbers move far less from run to run than the load-generator figures
-on a shared machine; they do not include socket I/O. On sqlite every request
-gets its own commit (the suite's concurrent clients share commits).
+Feeds signed requests straight into an HTTP channel over an in-memory
+transport, for the bare Klein ceiling app and for the relay on each backend,
+and prints microseconds per request. No network, no second process, so the
+numbers move far less from run to run than the load-generator figures on a
+shared machine; they do not include socket I/O. On sqlite every request gets
+its own commit (the suite's concurrent clients share commits).
 
-    .venv/bin/python bench/inproc.py [--requests 20000]
+Scenarios: ``send`` (``POST /messages``, ~200-byte bodies) and ``pull-ack``
+(``POST /v1/pull`` of 10, then ``POST /v1/ack`` of each; the figure is per
+request, eleven requests per batch, and the ceiling serves the same count).
+
+    .venv/bin/python bench/inproc.py [--requests 20000] [--scenario send|pull-ack]
 """
 
 from __future__ import annotations
@@ -54,17 +58,69 @@ def signed_sends(count: int, timestamp: int) -> List[bytes]:
     return out
 
 
-def per_request_us(site: Any, clock: Clock, requests: List[bytes]) -> float:
-    """Serve every request on one keep-alive channel; microseconds per request."""
+def signed(path: str, value: Any, timestamp: int, agent: str = "alpha") -> bytes:
+    """One raw signed HTTP ``POST`` of the JSON ``value`` to ``path``."""
+    body = json.dumps(value).encode()
+    signature = sign(SECRET, "POST", path, timestamp, body).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nX-Relay-Agent: %s\r\n"
+        b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\n"
+        b"Content-Length: %d\r\n\r\n%s"
+        % (path.encode(), agent.encode(), timestamp, signature, len(body), body)
+    )
+
+
+def connect(site: Any) -> Any:
+    """A keep-alive channel of ``site`` over an in-memory transport."""
     channel = site.buildProtocol(PEER)
     transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
     channel.makeConnection(transport)
+    return channel, transport
+
+
+def per_request_us(site: Any, clock: Clock, requests: List[bytes]) -> float:
+    """Serve every request on one keep-alive channel; microseconds per request."""
+    channel, transport = connect(site)
     started = time.perf_counter()
     for raw in requests:
         channel.dataReceived(raw)
         clock.advance(0)
         transport.clear()
     return (time.perf_counter() - started) / len(requests) * 1e6
+
+
+def pull_ack_us(site: Any, clock: Clock, batches: int, timestamp: int) -> float:
+    """Pull batches of 10 as beta and ack each message; microseconds per request.
+
+    The acks are signed as the pull answers arrive, outside the timed part.
+    """
+    channel, transport = connect(site)
+    elapsed = 0.0
+    requests = 0
+    pull = signed("/v1/pull", {"agent": "beta", "limit": 10}, timestamp, "beta")
+    for _ in range(batches):
+        started = time.perf_counter()
+        channel.dataReceived(pull)
+        clock.advance(0)
+        elapsed += time.perf_counter() - started
+        answer = json.loads(transport.value().split(b"\r\n\r\n", 1)[1])
+        transport.clear()
+        acks = [
+            signed("/v1/ack", {"messageId": m["id"], "leaseId": m["leaseId"],
+                               "outcome": "completed"}, timestamp, "beta")
+            for m in answer["messages"]
+        ]
+        started = time.perf_counter()
+        for raw in acks:
+            channel.dataReceived(raw)
+            clock.advance(0)
+            if not transport.value().startswith(b"HTTP/1.1 200 "):
+                raise SystemExit(f"ack refused: {transport.value()[:200]!r}")
+            transport.clear()
+        elapsed += time.perf_counter() - started
+        requests += 1 + len(acks)
+    return elapsed / requests * 1e6
 
 
 def relay_site(backend: str, clock: Clock, data_dir: str) -> Any:
@@ -82,6 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--backends", default="memory,sqlite,jsonl")
+    parser.add_argument("--scenario", choices=["send", "pull-ack"], default="send")
     args = parser.parse_args(argv)
     clock = Clock()
     clock.advance(START)
@@ -94,7 +151,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         clock.advance(START)
         with tempfile.TemporaryDirectory() as data_dir:
             site = relay_site(backend, clock, data_dir)
-            cost = per_request_us(site, clock, signed_sends(args.requests, int(START)))
+            sends = signed_sends(args.requests, int(START))
+            if args.scenario == "send":
+                cost = per_request_us(site, clock, sends)
+            else:
+                batches = args.requests // 11
+                per_request_us(site, clock, sends[: batches * 10])
+                cost = pull_ack_us(site, clock, batches, int(START))
         print(f"{backend:14s} {cost:7.1f} us/request  ({base / cost:.0%} of the ceiling's rate)")
     return 0
 

@@ -10,6 +10,7 @@ what changed.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Dict, Optional
 
@@ -27,7 +28,8 @@ class Message:
         "to",
         "ts",
         "type",
-        "body",
+        "_body",
+        "_body_json",
         "reply_to",
         "ack",
         "kind",
@@ -63,6 +65,7 @@ class Message:
         lease_id: Optional[str] = None,
         error: Optional[str] = None,
         recovery: bool = False,
+        body_json: Optional[str] = None,
     ) -> None:
         self.seq = seq
         self.id = id
@@ -71,7 +74,10 @@ class Message:
         self.created = created
         self.ts = ts if ts is not None else iso_timestamp(created)
         self.type = type
-        self.body = {} if body is None else body
+        # A stored body may arrive as JSON text (``body_json``); it is decoded only
+        # when read, so settling an ack never parses the body.
+        self._body = {} if body is None and body_json is None else body
+        self._body_json = body_json
         self.reply_to = reply_to
         self.ack = ack
         self.kind = kind
@@ -83,6 +89,24 @@ class Message:
         self.lease_id = lease_id
         self.error = error
         self.recovery = recovery
+
+    @property
+    def body(self) -> Any:
+        """The message body (spec §2), decoded from its stored JSON on first use."""
+        if self._body is None:
+            self._body = json.loads(self._body_json)
+        return self._body
+
+    @body.setter
+    def body(self, value: Any) -> None:
+        self._body = value
+        self._body_json = None
+
+    def body_json(self) -> str:
+        """The body as compact JSON text."""
+        if self._body_json is None:
+            return json.dumps(self._body, separators=(",", ":"))
+        return self._body_json
 
     @classmethod
     def from_envelope(cls, envelope: Dict[str, Any], created: float) -> Message:

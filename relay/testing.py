@@ -368,12 +368,12 @@ class StoreContract:
     @pytest_twisted.ensureDeferred
     async def test_peers(self, store):
         assert await store.peers() == []
-        assert await store.is_registered("beta") is False
+        assert store.is_registered("beta") is False
         await store.register("beta", START)
         await store.register("alpha", START + 5)
         await store.register("beta", START + 10)
         assert await store.peers() == [("alpha", int(START) + 5), ("beta", int(START) + 10)]
-        assert await store.is_registered("beta") is True
+        assert store.is_registered("beta") is True
 
     # -- message TTL ---------------------------------------------------------------
 

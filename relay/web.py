@@ -267,12 +267,7 @@ class RelayAPI:
     def send(self, request, agent: str) -> Deferred:
         envelope = protocol.normalize_envelope(parse_json(raw_body(request)), agent)
         self.check_acl(agent, envelope["to"])
-        d = self.store.is_registered(envelope["to"])
-        d.addCallback(self._add_if_registered, request, envelope)
-        return d
-
-    def _add_if_registered(self, registered: bool, request, envelope) -> Deferred:
-        if not registered:
+        if not self.store.is_registered(envelope["to"]):
             raise errors.no_such_agent(f"recipient {envelope['to']!r} has never registered")
         message = Message.from_envelope(envelope, self.clock.seconds())
         d = self.store.add(message)
@@ -344,8 +339,9 @@ class RelayAPI:
             return self.store.pull(agent, limit, lease_seconds, self.clock.seconds())
 
         def leased(messages):
-            for message in messages:
-                self.waiters.wake_at(agent, message.lease_until / 1000.0)
+            # One pull leases its batch with one deadline.
+            for lease_until in {m.lease_until for m in messages}:
+                self.waiters.wake_at(agent, lease_until / 1000.0)
             return write_json(
                 request,
                 200,
@@ -464,7 +460,8 @@ class _UTF8URLs(Resource):
     def render(self, request):
         try:
             request.getRequestHostname().decode("utf-8")
-            b"/".join(request.prepath + request.postpath).decode("utf-8")
+            if not (request.uri.isascii() and b"%" not in request.uri):
+                b"/".join(request.prepath + request.postpath).decode("utf-8")
         except UnicodeDecodeError:
             error = errors.bad_request("the request URL is not valid UTF-8")
             return write_json(request, 400, error.to_body())

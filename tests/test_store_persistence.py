@@ -103,7 +103,7 @@ async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_pat
         assert await store.add(fresh) is True
         seqs = [m.seq for m in await store.recent("beta", 200)]
         assert seqs == sorted(seqs, reverse=True) and seqs[0] == fresh.seq
-        assert await store.is_registered("gamma") is True
+        assert store.is_registered("gamma") is True
     finally:
         await store.close()
 

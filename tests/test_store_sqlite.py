@@ -42,7 +42,7 @@ async def test_no_statement_scans_a_table(tmp_path):
             await store.add(new_message("alpha", f"agent{i % 3}", START + i, id=f"x{i}"))
         store.db.set_trace_callback(executed.append)
         await store.register("beta", START)
-        await store.is_registered("beta")
+        store.is_registered("beta")
         await store.peers()
         await store.add(new_message("alpha", "beta", START, id="a"))
         await store.add(new_message("alpha", "beta", START, id="a"))
@@ -216,7 +216,7 @@ async def test_imports_the_jsonl_backends_own_log(tmp_path):
     await jsonl.close()
     store = open_sqlite(tmp_path)
     try:
-        assert await store.is_registered("beta") is True
+        assert store.is_registered("beta") is True
         j1 = await store.find("j1")
         assert (j1.status, j1.lease_id) == (LEASED, leased.lease_id)
         assert (await store.find("j2")).status == QUEUED

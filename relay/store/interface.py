@@ -72,7 +72,9 @@ class IMessageStore(Interface):
         """Record a heartbeat of ``agent`` at ``now``; fires with None."""
 
     def is_registered(agent):
-        """Fires with True when ``agent`` has ever registered."""
+        """True when ``agent`` has ever registered (answered at once, not a Deferred:
+        every backend keeps the registered names in memory, and a send asks on every
+        request)."""
 
     def peers():
         """Fires with ``[(agent, last_seen_seconds)]`` sorted by agent name."""

@@ -545,8 +545,8 @@ class JsonlStore:
     def register(self, agent: str, now: float) -> Deferred:
         return self.commits.run(self.state.register, agent, now)
 
-    def is_registered(self, agent: str) -> Deferred:
-        return succeed(agent in self.state.peer_seen)
+    def is_registered(self, agent: str) -> bool:
+        return agent in self.state.peer_seen
 
     def peers(self) -> Deferred:
         return succeed(self.state.peers())

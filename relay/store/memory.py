@@ -285,8 +285,8 @@ class MemoryStore:
     def register(self, agent: str, now: float) -> Deferred:
         return _call(self.state.register, agent, now)
 
-    def is_registered(self, agent: str) -> Deferred:
-        return succeed(agent in self.state.peer_seen)
+    def is_registered(self, agent: str) -> bool:
+        return agent in self.state.peer_seen
 
     def peers(self) -> Deferred:
         return _call(self.state.peers)

@@ -43,7 +43,6 @@ transaction that creates the schema, so the import happens exactly once.
 from __future__ import annotations
 
 import heapq
-import json
 import os
 import sqlite3
 from importlib import resources
@@ -169,7 +168,7 @@ def _row(message: Message) -> Tuple[Any, ...]:
         message.to,
         message.ts,
         message.type,
-        json.dumps(message.body, separators=(",", ":")),
+        message.body_json(),
         message.reply_to,
         int(message.ack),
         message.kind,
@@ -193,7 +192,7 @@ def _message(row: Sequence[Any]) -> Message:
         to=row[3],
         ts=row[4],
         type=row[5],
-        body=json.loads(row[6]),
+        body_json=row[6],
         reply_to=row[7],
         ack=bool(row[8]),
         kind=row[9],
@@ -332,9 +331,12 @@ class SQLiteStore:
                 self.db.execute("ROLLBACK")
             raise
 
-    def _save(self, messages: Iterable[Message]) -> None:
+    def _save(self, messages: Sequence[Message]) -> None:
         self._begin()
-        self.db.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
+        if len(messages) == 1:
+            self.db.execute(_SAVE_STATE, _state_row(messages[0]))
+        else:
+            self.db.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
 
     def _select(self, sql: str, *args: Any) -> List[Message]:
         return [_message(row) for row in self.db.execute(sql, args)]
@@ -529,8 +531,8 @@ class SQLiteStore:
     def register(self, agent: str, now: float) -> Deferred:
         return self.commits.run(self._register, agent, now)
 
-    def is_registered(self, agent: str) -> Deferred:
-        return succeed(agent in self.registered)
+    def is_registered(self, agent: str) -> bool:
+        return agent in self.registered
 
     def peers(self) -> Deferred:
         sql = LISTINGS[0]

@@ -1,0 +1,25 @@
+"""The delivery record: a stored body is decoded only when it is read."""
+
+from relay.delivery import Message
+
+
+def test_stored_body_is_decoded_on_first_read_and_kept_verbatim_until_then():
+    message = Message(id="m1", sender="alpha", to="beta", created=0.0,
+                      body_json='{"text":"héllo","n":[1,2]}')
+    assert message._body is None
+    assert message.body_json() == '{"text":"héllo","n":[1,2]}'
+    assert message.body == {"text": "héllo", "n": [1, 2]}
+    assert message.envelope()["body"] == {"text": "héllo", "n": [1, 2]}
+
+
+def test_setting_the_body_replaces_the_stored_text():
+    message = Message(id="m1", sender="alpha", to="beta", created=0.0, body_json='{"a":1}')
+    message.body = {"b": 2}
+    assert message.body == {"b": 2}
+    assert message.body_json() == '{"b":2}'
+
+
+def test_a_message_without_a_body_has_an_empty_one():
+    message = Message(id="m1", sender="alpha", to="beta", created=0.0)
+    assert message.body == {}
+    assert message.body_json() == "{}"
