@@ -13,7 +13,9 @@ requests.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -145,6 +147,13 @@ class Options(usage.Options):
             raise usage.UsageError("--heartbeat must be well under the broker's 90 s TTL")
 
 
+def _exit_failed() -> None:
+    """End the process with status 1, after twistd has shut down cleanly."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
     """The agent runtime described by ``options``."""
     if reactor is None:
@@ -172,6 +181,8 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
     receipts = ReceiptStore(receipts_path(client.agent, home), reactor)
 
     def fatal(error: Exception) -> None:
+        # twistd itself exits 0 once the reactor stops; a supervisor must see a failure.
+        atexit.register(_exit_failed)
         if reactor.running:
             reactor.stop()
 

@@ -637,3 +637,48 @@ def test_relay_agent_process_answers_requests(broker: BrokerProcess, tmp_path: P
             agent.kill()
             agent.wait(timeout=10)
         log.close()
+
+
+def test_relay_agent_process_exits_nonzero_on_a_fatal_handshake(tmp_path: Path) -> None:
+    """A broker speaking another protocol stops the agent with status 1, so a
+    supervisor (systemd ``Restart=on-failure``) sees the failure."""
+    import http.server
+    import threading
+
+    class OtherProtocol(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            body = b'{"protocol":"9.0","broker":"elsewhere"}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), OtherProtocol)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    twistd = Path(sys.executable).with_name("twistd")
+    try:
+        done = subprocess.run(
+            [str(twistd), "-n", "--pidfile=", "relay-agent", "--agent", "worker",
+             "--exec", "cat", "--receipts-dir", str(tmp_path)],
+            cwd=str(tmp_path),
+            env={
+                "PATH": os.environ.get("PATH", ""),
+                "PYTHONPATH": str(REPO),
+                "HOME": str(tmp_path),
+                "DSH_RELAY_BROKER_URL": f"http://127.0.0.1:{server.server_port}",
+                "DSH_RELAY_SECRET": "s3cret",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=START_TIMEOUT_SECONDS * 2,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    output = done.stdout.decode("utf-8", "replace")
+    assert done.returncode == 1, output
+    assert "protocol_mismatch" in output
