@@ -227,7 +227,8 @@ class Authenticator:
             raise errors.locked()
         if not _is_integer(timestamp_header):
             raise self._failed(agent, errors.unauthenticated("invalid timestamp"))
-        if abs(self.clock.seconds() - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
+        # Whole seconds on both sides: a fractional clock would make the window lopsided.
+        if abs(int(self.clock.seconds()) - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
             raise self._failed(agent, errors.unauthenticated("timestamp skew"))
         mac = key.copy()
         mac.update(signing_string(method, path, timestamp_header, raw_body))

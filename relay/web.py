@@ -123,8 +123,10 @@ def authenticated(route: Callable) -> Callable:
     @functools.wraps(route)
     def wrapper(self: RelayAPI, request, *args, **kwargs):
         agent = self.authenticate(request)
-        if not kwargs and b"%" in request.path:
-            # Paths match as sent (spec §1): "/v1/%70ull" is not "/v1/pull".
+        path = request.path
+        if (not kwargs and b"%" in path) or path.startswith(b"//"):
+            # Paths match as sent (spec §1): "/v1/%70ull" is not "/v1/pull", and
+            # "//peers" is not "/peers" (Klein would drop the empty first segment).
             raise _no_route(request)
         return route(self, request, agent, *args, **kwargs)
 

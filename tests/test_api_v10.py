@@ -603,7 +603,9 @@ async def test_per_agent_secrets_and_unknown_agent():
      ("PUT", "/register"), ("GET", "/register"), ("POST", "/peers"), ("GET", "/v1/pull"),
      ("GET", "/messages/m1/ack"), ("POST", "/"), ("DELETE", "/"), ("GET", "/messages/"),
      ("POST", "/messages/m1"), ("PATCH", "/v1/ack"), ("GET", "/v1/status"),
-     ("GET", "/%2F"), ("POST", "/v1/%70ull"), ("POST", "/%72egister")],
+     ("GET", "/%2F"), ("POST", "/v1/%70ull"), ("POST", "/%72egister"), ("GET", "//peers"),
+     ("POST", "//messages"), ("POST", "//v1/pull"), ("POST", "//messages/m1/ack"),
+     ("GET", "//")],
 )
 @pytest_twisted.ensureDeferred
 async def test_unknown_route_or_wrong_method_is_404_not_found(method, path):

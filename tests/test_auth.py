@@ -117,6 +117,18 @@ def test_skew_boundary_is_300_seconds(offset, ok):
         assert (e.status, e.code) == (401, "unauthenticated")
 
 
+@pytest.mark.parametrize(("offset", "ok"), [(-300, True), (300, True), (-301, False),
+                                            (301, False)])
+def test_skew_boundary_holds_between_whole_seconds(offset, ok):
+    """The clock is read in whole seconds, as the timestamps are: at NOW + 0.9 s a
+    timestamp 300 s old is still inside the window."""
+    auth = make_auth(clock_at(NOW + 0.9))
+    if ok:
+        assert check(auth, timestamp=NOW + offset) == "alpha"
+    else:
+        assert refused(check, auth, timestamp=NOW + offset).code == "unauthenticated"
+
+
 def test_skew_uses_the_clock():
     clock = clock_at()
     auth = make_auth(clock)
