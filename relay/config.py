@@ -50,11 +50,11 @@ class Config:
     secret_file: Optional[str] = None
     rate_limit_loopback: int = 600
     rate_limit_remote: int = 120
-    message_ttl_days: int = 7
+    message_ttl_days: float = 7
     persist: bool = True
     storage: str = "sqlite"
     data_dir: str = "data"
-    lease_seconds: int = 600
+    lease_seconds: float = 600
     max_attempts: int = 3
     sync: str = "normal"
     sweep_seconds: float = 5.0
@@ -63,7 +63,7 @@ class Config:
     allow_insecure_remote: bool = False
     tls_client_ca: Optional[str] = None
     lock_after_failures: int = 5
-    lock_minutes: int = 5
+    lock_minutes: float = 5
     agents: Mapping[str, AgentConfig] = field(default_factory=dict)
     ignored_keys: Tuple[str, ...] = ()
 
@@ -151,6 +151,17 @@ def _int(section: Mapping[str, Any], key: str, prefix: str, default: int, lo: in
     if not lo <= value <= hi:
         raise ConfigError(f"{prefix}.{key}", f"must be from {lo} to {hi}, not {value}")
     return value
+
+
+def _number(section: Mapping[str, Any], key: str, prefix: str, default: float, lo: float,
+            hi: float) -> float:
+    """A duration or other quantity that may be fractional (``lockMinutes: 0.5``)."""
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{prefix}.{key}", f"must be a number, not {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{prefix}.{key}", f"must be a number from {lo:g} to {hi:g}, not {value}")
+    return float(value)
 
 
 def _bool(section: Mapping[str, Any], key: str, prefix: str, default: bool) -> bool:
@@ -358,16 +369,6 @@ def parse_config(
     sync = _str(broker, "sync", "broker", "normal").lower()
     if sync not in SYNC_LEVELS:
         raise ConfigError("broker.sync", f"must be one of {', '.join(SYNC_LEVELS)}")
-    sweep = broker.get("sweepSeconds", 5)
-    if isinstance(sweep, bool) or not isinstance(sweep, (int, float)) or not 0.05 <= sweep <= 3600:
-        raise ConfigError("broker.sweepSeconds", "must be a number from 0.05 to 3600")
-    read_seconds = broker.get("requestReadSeconds", 30)
-    if (
-        isinstance(read_seconds, bool)
-        or not isinstance(read_seconds, (int, float))
-        or not 1 <= read_seconds <= 3600
-    ):
-        raise ConfigError("broker.requestReadSeconds", "must be a number from 1 to 3600")
     tls_client_ca = _str(broker, "tlsClientCA", "broker", None)
     if tls_client_ca is not None:
         tls_client_ca = _resolve(base_dir, tls_client_ca)
@@ -381,20 +382,20 @@ def parse_config(
         secret_file=secret_file,
         rate_limit_loopback=_int(broker, "rateLimitLoopback", "broker", 600, 1, big),
         rate_limit_remote=_int(broker, "rateLimitRemote", "broker", 120, 1, big),
-        message_ttl_days=_int(broker, "messageTtlDays", "broker", 7, 0, 36500),
+        message_ttl_days=_number(broker, "messageTtlDays", "broker", 7, 0, 36500),
         persist=_bool(broker, "persist", "broker", True),
         storage=storage,
         data_dir=_resolve(base_dir, _str(broker, "dataDir", "broker", "./data")),
-        lease_seconds=_int(broker, "leaseSeconds", "broker", 600, 1, MAX_LEASE_SECONDS),
+        lease_seconds=_number(broker, "leaseSeconds", "broker", 600, 0.1, MAX_LEASE_SECONDS),
         max_attempts=_int(broker, "maxAttempts", "broker", 3, 0, 1000),
         sync=sync,
-        sweep_seconds=float(sweep),
-        request_read_seconds=float(read_seconds),
+        sweep_seconds=_number(broker, "sweepSeconds", "broker", 5, 0.05, 3600),
+        request_read_seconds=_number(broker, "requestReadSeconds", "broker", 30, 1, 3600),
         access_log=_bool(broker, "accessLog", "broker", False),
         allow_insecure_remote=allow_insecure,
         tls_client_ca=tls_client_ca,
         lock_after_failures=_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
-        lock_minutes=_int(security, "lockMinutes", "security", 5, 1, 525600),
+        lock_minutes=_number(security, "lockMinutes", "security", 5, 0.01, 525600),
         agents=agents,
         ignored_keys=tuple(skipped + skipped_agents),
     )

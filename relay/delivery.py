@@ -200,11 +200,11 @@ def lease_expired(message: Message, now: float) -> bool:
     )
 
 
-def lease(message: Message, lease_seconds: int, now: float) -> None:
+def lease(message: Message, lease_seconds: float, now: float) -> None:
     """queued -> leased under a fresh lease id."""
     message.status = LEASED
     message.lease_id = new_lease_id()
-    message.lease_until = now_ms(now) + lease_seconds * 1000
+    message.lease_until = now_ms(now) + int(lease_seconds * 1000)
     message.recovery = False
 
 

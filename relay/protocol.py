@@ -172,7 +172,7 @@ def clamp_limit(value: Any, default: int = DEFAULT_LIMIT) -> int:
     return max(1, min(MAX_LIMIT, int(number // 1)))
 
 
-def parse_lease_seconds(body: Dict[str, Any], default: int) -> int:
+def parse_lease_seconds(body: Dict[str, Any], default: float) -> float:
     """``leaseSeconds`` from a pull body: an integer 1..86400, else 400."""
     value = body.get("leaseSeconds", _MISSING)
     if value is _MISSING or value is None:

@@ -21,7 +21,17 @@ from relay.web import RelayAPI
 log = Logger(namespace="relay.service")
 
 EXPIRY_SWEEP_SECONDS = 60.0
+MIN_EXPIRY_SWEEP_SECONDS = 0.5
 PEER_SWEEP_SECONDS = 15.0
+
+
+def expiry_sweep_seconds(ttl_seconds: Optional[float]) -> float:
+    """How often the message TTL sweep runs: every minute, or every tenth of a
+    shorter TTL (``messageTtlDays`` may be fractional), so nothing outlives its
+    lifetime by more than that."""
+    if ttl_seconds is None:
+        return EXPIRY_SWEEP_SECONDS
+    return min(EXPIRY_SWEEP_SECONDS, max(MIN_EXPIRY_SWEEP_SECONDS, ttl_seconds / 10))
 
 
 def guarded(name: str, step: Callable[[], object]) -> Callable[[], Deferred]:
@@ -90,7 +100,9 @@ class RelayService(MultiService):
             listener._raiseSynchronously = True
             listener.setServiceParent(self)
         self._timer(config.sweep_seconds, "leases", self.sweep_leases)
-        self._timer(EXPIRY_SWEEP_SECONDS, "expiry", self.sweep_expired)
+        self._timer(
+            expiry_sweep_seconds(config.message_ttl_seconds), "expiry", self.sweep_expired
+        )
         self.peer_watch = PeerWatch(store, self.clock)
         self._timer(PEER_SWEEP_SECONDS, "peers", self.peer_watch.check)
 

@@ -95,6 +95,32 @@ def test_errors_name_the_key(text, key):
     assert error_of(text).key == key
 
 
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("broker: {secret: s, messageTtlDays: -1}", "broker.messageTtlDays"),
+        ("broker: {secret: s, messageTtlDays: .nan}", "broker.messageTtlDays"),
+        ("broker: {secret: s, messageTtlDays: .inf}", "broker.messageTtlDays"),
+        ("broker: {secret: s, leaseSeconds: '30'}", "broker.leaseSeconds"),
+        ("broker: {secret: s}\nsecurity: {lockMinutes: true}", "security.lockMinutes"),
+    ],
+)
+def test_bad_durations_name_the_key(text, key):
+    assert error_of(text).key == key
+
+
+def test_durations_may_be_fractional():
+    """The reference reads these as plain numbers; short values make lockout, lease
+    and TTL behaviour observable in seconds."""
+    config = parse(
+        "broker: {secret: s, messageTtlDays: 0.0001, leaseSeconds: 1.5}\n"
+        "security: {lockMinutes: 0.05}\n"
+    )
+    assert config.message_ttl_seconds == pytest.approx(8.64)
+    assert config.lease_seconds == 1.5
+    assert config.lock_minutes == 0.05
+
+
 def test_plaintext_remote_listen_is_refused():
     for listen in ("tcp:19121", "tcp:19121:interface=0.0.0.0", "tcp6:19121:interface=\\:\\:",
                    "tcp:19121:interface=192.0.2.7"):

@@ -23,3 +23,11 @@ def test_a_message_without_a_body_has_an_empty_one():
     message = Message(id="m1", sender="alpha", to="beta", created=0.0)
     assert message.body == {}
     assert message.body_json() == "{}"
+
+
+def test_a_fractional_lease_has_a_whole_millisecond_deadline():
+    from relay.delivery import lease
+
+    message = Message(id="m1", sender="alpha", to="beta", created=0.0)
+    lease(message, 1.5, 100.25)
+    assert message.lease_until == 101750 and isinstance(message.lease_until, int)

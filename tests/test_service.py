@@ -206,3 +206,24 @@ async def test_stop_answers_waiters_and_closes_the_store():
     assert not d.called
     await service.stopService()
     assert d.called and closed == [True]
+
+
+def test_a_short_fractional_ttl_is_swept_within_a_tenth_of_it():
+    store = MemoryStore()
+    service, clock = make_service(store, messageTtlDays=0.0001)  # 8.64 s
+    service.startService()
+    store.state.add(new_message("alpha", "beta", clock.seconds(), id="short"))
+    clock.advance(8.0)
+    assert set(store.state.by_id) == {"short"}
+    clock.advance(0.64 + 0.864 + 0.01)
+    assert set(store.state.by_id) == set()
+    service.stopService()
+
+
+def test_expiry_sweep_interval():
+    from relay.service import expiry_sweep_seconds
+
+    assert expiry_sweep_seconds(None) == 60.0
+    assert expiry_sweep_seconds(7 * 86400.0) == 60.0
+    assert expiry_sweep_seconds(100.0) == 10.0
+    assert expiry_sweep_seconds(1.0) == 0.5
