@@ -116,6 +116,7 @@ class Message:
             sender=envelope["from"],
             to=envelope["to"],
             created=created,
+            ts=envelope.get("ts"),
             type=envelope["type"],
             body=envelope["body"],
             reply_to=envelope["replyTo"],

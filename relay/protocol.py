@@ -212,10 +212,12 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
     """Validate a sent envelope (full or shorthand) and fill the §2 defaults.
 
     Returns the client-controlled fields of the stored envelope: ``id``,
-    ``from``, ``to``, ``type``, ``body``, ``replyTo``, ``ack``, ``kind``,
-    ``rootId`` and ``parentId``. The broker-managed fields (``ts``, ``status``,
-    ``attempts``, ``leaseUntil``, ``leaseId``) are ignored when sent and set by
-    the store.
+    ``from``, ``to``, ``ts``, ``type``, ``body``, ``replyTo``, ``ack``,
+    ``kind``, ``rootId`` and ``parentId``; ``ts`` is None when the broker is to
+    assign it (spec §2: ``from``, ``ts`` and ``id`` are assigned if absent). A
+    ``null`` ``from``, ``ts``, ``body`` or ``ack`` counts as absent. The
+    broker-managed fields (``status``, ``attempts``, ``leaseUntil``,
+    ``leaseId``) are ignored when sent.
     """
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")
@@ -224,8 +226,8 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
         msg_id = str(uuid.uuid4())
     elif not isinstance(msg_id, str) or not msg_id:
         raise bad_request("id must be a non-empty string")
-    sender = body.get("from", _MISSING)
-    if sender is not _MISSING and sender != agent:
+    sender = body.get("from")
+    if sender is not None and sender != agent:
         raise bad_request("envelope.from must match X-Relay-Agent header")
     to = body.get("to")
     if not isinstance(to, str) or not to:
@@ -235,13 +237,15 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
     msg_type = body.get("type", "message")
     if msg_type not in MESSAGE_TYPES:
         raise bad_request('type must be "message" or "ack"')
-    payload = body.get("body", _MISSING)
-    if payload is _MISSING:
+    payload = body.get("body")
+    if payload is None:
         payload = {}
     elif not isinstance(payload, dict):
         raise bad_request("body must be an object")
-    ack = body.get("ack", False)
-    if not isinstance(ack, bool):
+    ack = body.get("ack")
+    if ack is None:
+        ack = False
+    elif not isinstance(ack, bool):
         raise bad_request("ack must be a boolean")
     kind = body.get("kind")
     if kind is None:
@@ -252,6 +256,7 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
         "id": msg_id,
         "from": agent,
         "to": to,
+        "ts": _optional_string(body, "ts") or None,
         "type": msg_type,
         "body": payload,
         "replyTo": _optional_string(body, "replyTo"),
@@ -279,6 +284,7 @@ def ack_receipt(target: Dict[str, Any], agent: str, body: Any) -> Dict[str, Any]
         "id": str(uuid.uuid4()),
         "from": agent,
         "to": target["from"],
+        "ts": None,
         "type": "ack",
         "body": payload,
         "replyTo": target["id"],

@@ -162,11 +162,32 @@ async def test_full_envelope_is_kept_verbatim():
 
 
 @pytest_twisted.ensureDeferred
-async def test_ts_is_assigned_by_the_broker():
+async def test_ts_is_assigned_by_the_broker_when_absent():
+    b = await two_agents()
+    await b.message("alpha", "beta", id="absent")
+    await b.message("alpha", "beta", id="null", ts=None)
+    await b.message("alpha", "beta", id="empty", ts="")
+    messages, _ = await b.poll("beta")
+    assert [m["ts"] for m in messages] == ["2024-04-05T19:34:38.000Z"] * 3  # START
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_full_envelope_keeps_its_ts():
+    """Spec §2: ``from``/``ts``/``id`` are assigned by the broker *if absent*."""
     b = await two_agents()
     await b.message("alpha", "beta", ts="1999-01-01T00:00:00.000Z")
     (message,), _ = await b.poll("beta")
-    assert message["ts"] == "2024-04-05T19:34:38.000Z"  # START, not the client's value
+    assert message["ts"] == "1999-01-01T00:00:00.000Z"
+
+
+@pytest_twisted.ensureDeferred
+async def test_null_from_body_and_ack_count_as_absent():
+    b = await two_agents()
+    reply = await b.post("alpha", "/messages",
+                         {"id": "n1", "to": "beta", "from": None, "body": None, "ack": None})
+    assert reply.code == 201, reply.json
+    (message,), _ = await b.poll("beta")
+    assert (message["from"], message["body"], message["ack"]) == ("alpha", {}, False)
 
 
 @pytest_twisted.ensureDeferred
@@ -207,13 +228,13 @@ async def test_any_string_is_an_id():
         {"to": "beta", "kind": 3},
         {"to": "beta", "body": "text"},
         {"to": "beta", "body": ["x"]},
-        {"to": "beta", "body": None},
         {"to": "beta", "body": 1},
         {"to": "beta", "replyTo": 5},
         {"to": "beta", "replyTo": {"id": "x"}},
         {"to": "beta", "ack": "true"},
         {"to": "beta", "ack": 1},
-        {"to": "beta", "ack": None},
+        {"to": "beta", "ts": 1712345678},
+        {"to": "beta", "ts": {"iso": "x"}},
         {"to": "beta", "id": ""},
         {"to": "beta", "id": 5},
         {"to": "beta", "id": None},
