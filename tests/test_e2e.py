@@ -48,7 +48,9 @@ def test_config_error_stops_the_start_with_one_line(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr + result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines == ["relay: config error: broker.leaseSeconds: must be a number from 0.1 to 86400, not 0"]
+    assert lines == [
+        "relay: config error: broker.leaseSeconds: must be a number from 0.1 to 86400, not 0"
+    ]
 
 
 def test_a_port_in_use_stops_the_start_with_one_line(broker, tmp_path):
