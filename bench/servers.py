@@ -33,6 +33,14 @@ class StartError(Exception):
     """A server did not come up; the message carries the end of its log."""
 
 
+def server_env() -> Dict[str, str]:
+    """The environment of a started server: PyPy gets the nursery ``make run-pypy`` uses
+    (see the Makefile), unless ``PYPY_GC_NURSERY`` is already set."""
+    env = dict(os.environ)
+    env.setdefault("PYPY_GC_NURSERY", "4MB")
+    return env
+
+
 def free_port() -> int:
     """A currently free TCP port on 127.0.0.1."""
     with socket.socket() as sock:
@@ -94,7 +102,8 @@ class Server:
         """Spawn the process and wait until ``GET /`` answers (any status below 500)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=REPO_DIR, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=server_env())
         deadline = time.monotonic() + timeout
         target = Target(self.url, "x")
         while time.monotonic() < deadline:
