@@ -21,6 +21,9 @@ from relay.web import RelayAPI
 log = Logger(namespace="relay.service")
 
 EXPIRY_SWEEP_SECONDS = 60.0
+OPEN_FILES_WANTED = 65536
+# Reactors that are not limited to select()'s 1024 descriptors.
+_MANY_FD_REACTORS = frozenset({"EPollReactor", "PollReactor", "KQueueReactor"})
 MIN_EXPIRY_SWEEP_SECONDS = 0.5
 PEER_SWEEP_SECONDS = 15.0
 
@@ -32,6 +35,30 @@ def expiry_sweep_seconds(ttl_seconds: Optional[float]) -> float:
     if ttl_seconds is None:
         return EXPIRY_SWEEP_SECONDS
     return min(EXPIRY_SWEEP_SECONDS, max(MIN_EXPIRY_SWEEP_SECONDS, ttl_seconds / 10))
+
+
+def raise_open_files_limit(reactor, resource_module=None) -> Optional[int]:
+    """Raise the soft limit on open files toward its hard limit (at most
+    ``OPEN_FILES_WANTED``): every connection, idle or long-polling, holds one, and a
+    service manager's default soft limit is often 1024. Only for reactors that can
+    watch that many descriptors. Returns the soft limit in force, or None."""
+    if type(reactor).__name__ not in _MANY_FD_REACTORS:
+        return None
+    if resource_module is None:
+        try:
+            import resource as resource_module
+        except ImportError:  # not on this platform
+            return None
+    soft, hard = resource_module.getrlimit(resource_module.RLIMIT_NOFILE)
+    infinity = resource_module.RLIM_INFINITY
+    wanted = OPEN_FILES_WANTED if hard == infinity else min(hard, OPEN_FILES_WANTED)
+    if soft != infinity and soft < wanted:
+        try:
+            resource_module.setrlimit(resource_module.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            return soft
+        return wanted
+    return soft
 
 
 def guarded(name: str, step: Callable[[], object]) -> Callable[[], Deferred]:
@@ -87,6 +114,7 @@ class RelayService(MultiService):
         super().__init__()
         self.config = config
         self.store = store
+        self.reactor = reactor
         self.clock = clock if clock is not None else reactor
         self.secret_created = secret_created
         self.api = RelayAPI(store, config, self.clock)
@@ -138,6 +166,7 @@ class RelayService(MultiService):
 
     def privilegedStartService(self) -> None:
         """Listen on every endpoint; one that cannot listen stops the start with one line."""
+        raise_open_files_limit(self.reactor)
         try:
             super().privilegedStartService()
         except CannotListenError as e:

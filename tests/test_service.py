@@ -227,3 +227,55 @@ def test_expiry_sweep_interval():
     assert expiry_sweep_seconds(7 * 86400.0) == 60.0
     assert expiry_sweep_seconds(100.0) == 10.0
     assert expiry_sweep_seconds(1.0) == 0.5
+
+
+class _Limits:
+    """A stand-in for the ``resource`` module."""
+
+    RLIMIT_NOFILE = 7
+    RLIM_INFINITY = -1
+
+    def __init__(self, soft: int, hard: int, refuse: bool = False) -> None:
+        self.limits = (soft, hard)
+        self.refuse = refuse
+
+    def getrlimit(self, which: int):
+        assert which == self.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which: int, limits) -> None:
+        if self.refuse:
+            raise ValueError("not allowed")
+        self.limits = tuple(limits)
+
+
+class EPollReactor:
+    """Named like the reactor that can watch many descriptors."""
+
+
+class SelectReactor:
+    """Named like select()'s reactor, limited to 1024 descriptors."""
+
+
+def test_open_files_limit_is_raised_toward_the_hard_limit():
+    from relay.service import raise_open_files_limit
+
+    limits = _Limits(1024, 524288)
+    assert raise_open_files_limit(EPollReactor(), limits) == 65536
+    assert limits.limits == (65536, 524288)
+    small = _Limits(1024, 4096)
+    assert raise_open_files_limit(EPollReactor(), small) == 4096
+    unlimited = _Limits(1024, _Limits.RLIM_INFINITY)
+    assert raise_open_files_limit(EPollReactor(), unlimited) == 65536
+    high = _Limits(100000, 200000)
+    assert raise_open_files_limit(EPollReactor(), high) == 100000 and high.limits[0] == 100000
+
+
+def test_open_files_limit_is_left_alone_when_it_cannot_or_should_not_change():
+    from relay.service import raise_open_files_limit
+
+    refused = _Limits(1024, 524288, refuse=True)
+    assert raise_open_files_limit(EPollReactor(), refused) == 1024
+    select_bound = _Limits(1024, 524288)
+    assert raise_open_files_limit(SelectReactor(), select_bound) is None
+    assert select_bound.limits == (1024, 524288)
