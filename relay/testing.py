@@ -354,14 +354,20 @@ class StoreContract:
         async def ids(agent, limit=50, kind=None, status=None, sender=None, to=None):
             return [m.id for m in await store.query(agent, limit, kind, status, sender, to)]
 
-        assert await ids("beta") == ["rep", "plain", "req"]
-        assert await ids("beta", limit=1) == ["rep"]
+        # The caller's inbox only, as the reference broker searches: beta's "rep" to
+        # alpha is alpha's, not beta's.
+        assert await ids("beta") == ["plain", "req"]
+        assert await ids("beta", limit=1) == ["plain"]
         assert await ids("beta", kind="request") == [req.id]
         assert await ids("beta", status=LEASED) == ["req"]
+        assert await ids("beta", status=QUEUED) == ["plain"]
         assert await ids("beta", sender="alpha") == ["plain", "req"]
-        assert await ids("beta", to="alpha") == ["rep"]
+        assert await ids("beta", to="beta") == ["plain", "req"]
+        assert await ids("beta", to="alpha") == []
         assert await ids("beta", sender="gamma") == []
         assert await ids("alpha", kind="reply") == ["rep"]
+        assert await ids("alpha", kind="request") == []
+        assert await ids("delta", sender="gamma", to="delta") == ["foreign"]
 
     # -- peers ---------------------------------------------------------------------
 

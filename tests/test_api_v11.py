@@ -369,17 +369,20 @@ async def test_query_filters_newest_first_read_only():
         assert reply.json["count"] == len(reply.json["messages"])
         return [m["id"] for m in reply.json["messages"]]
 
-    assert await ids("beta") == ["rep", "plain", "req"]
-    assert await ids("beta", limit=1) == ["rep"]
+    # The caller's inbox, newest first (as the reference broker searches).
+    assert await ids("beta") == ["plain", "req"]
+    assert await ids("beta", limit=1) == ["plain"]
     assert await ids("beta", kind="request") == ["req"]
     assert await ids("beta", status="leased") == ["req"]
-    assert await ids("beta", status="queued") == ["rep", "plain"]
+    assert await ids("beta", status="queued") == ["plain"]
     assert await ids("beta", **{"from": "alpha"}) == ["plain", "req"]
-    assert await ids("beta", to="alpha") == ["rep"]
+    assert await ids("beta", to="beta") == ["plain", "req"]
+    assert await ids("beta", to="alpha") == [], "what beta sent is not in its inbox"
     assert await ids("beta", **{"from": "gamma"}) == []
     assert await ids("beta", **{"from": "gamma", "to": "delta"}) == []
     assert await ids("alpha", kind="reply") == ["rep"]
-    assert await ids("beta", kind="", status="") == ["rep", "plain", "req"]
+    assert await ids("alpha") == ["rep"]
+    assert await ids("beta", kind="", status="") == ["plain", "req"]
     assert (await b.status("alpha", "plain"))[0]["status"] == "queued"
 
 

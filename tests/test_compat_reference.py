@@ -185,8 +185,10 @@ async def test_python_receipt_and_v11_methods():
         ("req", "done"), ("rep", "queued")]
     recent = (await py.request("POST", "/v1/recent", {"limit": 50})).json.get("messages", [])
     assert [m["id"] for m in recent] == ["req"]
-    found = (await py.request("POST", "/v1/messages/query", {"kind": "reply"})).json
+    found = (await node.request("POST", "/v1/messages/query", {"kind": "reply"})).json
     assert [m["id"] for m in found["messages"]] == ["rep"]
+    mine = (await py.request("POST", "/v1/messages/query", {"kind": "reply"})).json
+    assert mine["messages"] == [], "a query searches the caller's inbox, as the reference does"
 
 
 @pytest_twisted.ensureDeferred

@@ -65,8 +65,9 @@ class IMessageStore(Interface):
         """Fires with the newest ``limit`` messages to ``agent``, any status."""
 
     def query(agent, limit, kind, status, sender, recipient):
-        """Fires with the newest ``limit`` messages sent or received by ``agent``
-        that match every filter that is not None."""
+        """Fires with the newest ``limit`` messages addressed to ``agent`` that
+        match every filter that is not None (a ``recipient`` other than ``agent``
+        matches nothing), as the reference broker searches."""
 
     def register(agent, now):
         """Record a heartbeat of ``agent`` at ``now``; fires with None."""

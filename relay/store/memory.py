@@ -33,7 +33,6 @@ class MemoryState:
         self.by_id: Dict[str, Message] = {}
         self.by_seq: Dict[int, Message] = {}
         self.inbox: Dict[str, Deque[int]] = {}
-        self.outbox: Dict[str, Deque[int]] = {}
         self.queued: Dict[str, List[int]] = {}
         self.recovery: Dict[str, Set[int]] = {}
         self.leases: List[Tuple[int, int, str]] = []
@@ -71,7 +70,6 @@ class MemoryState:
         self.by_id[message.id] = message
         self.by_seq[message.seq] = message
         self.inbox.setdefault(message.to, deque()).append(message.seq)
-        self.outbox.setdefault(message.sender, deque()).append(message.seq)
         if message.status == QUEUED:
             self._enqueue(message)
         elif message.status == LEASED:
@@ -176,22 +174,15 @@ class MemoryState:
         sender: Optional[str],
         recipient: Optional[str],
     ) -> List[Message]:
-        if sender is not None and recipient is not None and agent not in (sender, recipient):
-            return []
-        if sender == agent and recipient is None:
-            sources: List[Iterable[int]] = [reversed(self.outbox.get(agent, ()))]
-        elif recipient == agent and sender is None:
-            sources = [reversed(self.inbox.get(agent, ()))]
-        else:
-            sources = [reversed(self.inbox.get(agent, ())), reversed(self.outbox.get(agent, ()))]
+        if recipient is not None and recipient != agent:
+            return []  # the inbox holds only messages to ``agent``
         out = []
-        for seq in heapq.merge(*sources, reverse=True):
+        for seq in reversed(self.inbox.get(agent, ())):
             message = self.by_seq[seq]
             if (
                 (kind is None or message.kind == kind)
                 and (status is None or message.status == status)
                 and (sender is None or message.sender == sender)
-                and (recipient is None or message.to == recipient)
             ):
                 out.append(message)
                 if len(out) >= limit:
@@ -224,11 +215,10 @@ class MemoryState:
         for message in removed:
             del self.by_seq[message.seq]
             del self.by_id[message.id]
-            for index, name in ((self.inbox, message.to), (self.outbox, message.sender)):
-                seqs = index[name]
-                seqs.popleft()
-                if not seqs:
-                    del index[name]
+            seqs = self.inbox[message.to]
+            seqs.popleft()
+            if not seqs:
+                del self.inbox[message.to]
             if message.status == QUEUED:
                 self._dequeue(message)
         return removed

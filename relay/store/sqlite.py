@@ -121,14 +121,14 @@ STATEMENTS = {
 LISTINGS = ("SELECT agent, last_seen FROM peers ORDER BY agent",)
 
 
-def _query_statement(side: str, kind: Optional[str], status: Optional[str],
-                     other: Optional[str]) -> Tuple[str, List[str]]:
-    """The SELECT of one side (``recipient`` or ``sender``) of a query, and its filters."""
-    where = [f"{side} = ?"]
+def _query_statement(kind: Optional[str], status: Optional[str],
+                     sender: Optional[str]) -> Tuple[str, List[str]]:
+    """The SELECT of one agent's inbox narrowed by the filters, and the filters' names."""
+    where = ["recipient = ?"]
     names = []
-    if other is not None:
-        where.append(("sender" if side == "recipient" else "recipient") + " = ?")
-        names.append("other")
+    if sender is not None:
+        where.append("sender = ?")
+        names.append("sender")
     if kind is not None:
         where.append("kind = ?")
         names.append("kind")
@@ -139,13 +139,11 @@ def _query_statement(side: str, kind: Optional[str], status: Optional[str],
     return sql, names
 
 
-STATEMENTS["recent"] = [_query_statement("recipient", None, "queued", None)[0]]
+STATEMENTS["recent"] = [_query_statement(None, "queued", None)[0]]
 STATEMENTS["query"] = [
-    _query_statement(side, kind, status, other)[0]
-    for side in ("recipient", "sender")
+    _query_statement(kind, "queued", sender)[0]
     for kind in (None, "request")
-    for status in (("queued",) if side == "recipient" else (None, "queued"))
-    for other in (None, "x")
+    for sender in (None, "x")
 ]
 
 
@@ -440,20 +438,20 @@ class SQLiteStore:
         return out
 
     def _recent(self, agent: str, limit: int) -> List[Message]:
-        return self._query_side("recipient", agent, limit, None, None, None)
+        return self._inbox(agent, limit, None, None, None)
 
-    def _query_side(self, side: str, agent: str, limit: int, kind: Optional[str],
-                    status: Optional[str], other: Optional[str]) -> List[Message]:
-        """The newest ``limit`` messages to (or from) ``agent`` that match the filters.
+    def _inbox(self, agent: str, limit: int, kind: Optional[str], status: Optional[str],
+               sender: Optional[str]) -> List[Message]:
+        """The newest ``limit`` messages to ``agent`` that match the filters.
 
         The inbox index is by status: without a status filter, the newest of
         each status are read and merged.
         """
-        if side == "recipient" and status is None:
-            parts = [self._query_side(side, agent, limit, kind, s, other) for s in STATUSES]
+        if status is None:
+            parts = [self._inbox(agent, limit, kind, s, sender) for s in STATUSES]
             return _newest(parts, limit)
-        sql, names = _query_statement(side, kind, status, other)
-        values = {"other": other, "kind": kind, "status": status}
+        sql, names = _query_statement(kind, status, sender)
+        values = {"sender": sender, "kind": kind, "status": status}
         return self._select(sql, agent, *[values[n] for n in names], limit)
 
     def _query(
@@ -465,19 +463,9 @@ class SQLiteStore:
         sender: Optional[str],
         recipient: Optional[str],
     ) -> List[Message]:
-        if sender is not None and recipient is not None and agent not in (sender, recipient):
-            return []
-        if sender == agent:
-            return self._query_side("sender", agent, limit, kind, status, recipient)
-        if recipient == agent:
-            return self._query_side("recipient", agent, limit, kind, status, sender)
-        if sender is not None:
-            return self._query_side("recipient", agent, limit, kind, status, sender)
-        if recipient is not None:
-            return self._query_side("sender", agent, limit, kind, status, recipient)
-        inbox = self._query_side("recipient", agent, limit, kind, status, None)
-        outbox = self._query_side("sender", agent, limit, kind, status, None)
-        return _newest([inbox, outbox], limit)
+        if recipient is not None and recipient != agent:
+            return []  # the inbox holds only messages to ``agent``
+        return self._inbox(agent, limit, kind, status, sender)
 
     def _expire_batch(self, cutoff: float, batch: int) -> int:
         """Remove the oldest messages (in seq order) stored before ``cutoff``, up to ``batch``."""
