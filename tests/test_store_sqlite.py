@@ -89,7 +89,9 @@ async def test_new_database_has_the_schema_version_and_wal(tmp_path):
     store = open_sqlite(tmp_path, sync="full")
     try:
         assert os.path.exists(tmp_path / "relay.db")
-        assert store.db.execute("SELECT version FROM version").fetchall() == [(1,)]
+        assert store.db.execute("SELECT version FROM version").fetchall() == [
+            (backend.SCHEMA_VERSION,)
+        ]
         assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
     finally:
@@ -115,9 +117,22 @@ async def test_newer_schema_stops_the_start(tmp_path):
     assert "newer" in e.value.reason
 
 
+def version_1_database(path: str) -> None:
+    """A database as the first release of the relay created it, holding one message."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.executescript(backend.schema_script(1))
+    db.execute("INSERT INTO version (version) VALUES (1)")
+    message = new_message("alpha", "beta", START, id="kept")
+    message.seq = 1
+    db.execute(backend._INSERT, backend._row(message))
+    db.execute("INSERT INTO peers VALUES ('beta', 1)")
+    db.close()
+
+
 def test_upgrade_applies_scripts_in_order_after_a_backup(tmp_path):
     path = str(tmp_path / "relay.db")
-    db = backend.open_database(path, str(tmp_path), "normal", START)
+    version_1_database(path)
+    db = sqlite3.connect(path, isolation_level=None)
     db.execute("INSERT INTO peers VALUES ('alpha', 1)")
     scripts = {
         2: "ALTER TABLE peers ADD COLUMN note TEXT;",
@@ -125,11 +140,31 @@ def test_upgrade_applies_scripts_in_order_after_a_backup(tmp_path):
     }
     assert backend.upgrade(db, path, target=3, script=scripts.__getitem__) == 1
     assert db.execute("SELECT version FROM version").fetchone()[0] == 3
-    assert db.execute("SELECT agent, note FROM peers").fetchall() == [("alpha", "v3")]
+    assert db.execute("SELECT agent, note FROM peers ORDER BY agent").fetchall() == [
+        ("alpha", "v3"), ("beta", "v3")]
     db.close()
     backup = sqlite3.connect(path + ".v1.bak")
     assert backup.execute("SELECT version FROM version").fetchone()[0] == 1
     backup.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_version_1_database_is_brought_to_version_2(tmp_path):
+    """Version 2 drops the per-sender index, which no query reads any more."""
+    version_1_database(str(tmp_path / "relay.db"))
+    store = open_sqlite(tmp_path)
+    try:
+        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 2
+        indexes = {row[0] for row in store.db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert "messages_outbox" not in indexes and "messages_inbox" in indexes
+        assert (await store.find("kept")).body == {"text": "hello"}
+        assert store.is_registered("beta")
+        await store.add(new_message("alpha", "beta", START, id="after"))
+        assert [m.id for m in await store.pull("beta", 10, LEASE, START)] == ["kept", "after"]
+    finally:
+        await store.close()
+    assert os.path.exists(str(tmp_path / "relay.db.v1.bak"))
 
 
 def test_unopenable_database_names_the_path(tmp_path):

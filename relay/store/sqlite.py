@@ -1,7 +1,7 @@
 """The SQLite backend (``broker.storage: sqlite``): the database ``dataDir/relay.db``.
 
 The database is the source of truth: messages and peers live in indexed
-tables (``sqlite-v1.sql``) and every operation reads and writes only the rows
+tables (``sqlite-v2.sql``) and every operation reads and writes only the rows
 it needs; no copy of the messages is kept in memory. The delivery rules are
 those of :mod:`relay.delivery`: a row is read, the rule applied to it, and
 what changed written back.
@@ -65,7 +65,7 @@ from relay.store.interface import IMessageStore
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 EXPIRE_BATCH = 2000
