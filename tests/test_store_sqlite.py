@@ -275,3 +275,23 @@ async def test_results_wait_for_one_shared_commit(tmp_path):
         other.close()
     finally:
         await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_expiry_sweep_leaves_no_read_open(tmp_path):
+    """The sweep stops reading at the first message still alive; a half-read statement
+    would hold a read snapshot and keep the WAL from being checkpointed while idle."""
+    store = open_sqlite(tmp_path)
+    try:
+        for i in range(10):
+            await store.add(new_message("alpha", "beta", START + i, id=f"m{i}"))
+        assert await store.sweep_expired(START + 3) == 3
+        assert await store.sweep_expired(START + 3) == 0
+        other = sqlite3.connect(tmp_path / "relay.db", isolation_level=None)
+        try:
+            busy, _, _ = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            other.close()
+        assert busy == 0
+    finally:
+        await store.close()

@@ -470,10 +470,16 @@ class SQLiteStore:
     def _expire_batch(self, cutoff: float, batch: int) -> int:
         """Remove the oldest messages (in seq order) stored before ``cutoff``, up to ``batch``."""
         last = None
-        for seq, created in self.cursor.execute(STATEMENTS["sweep_expired"][0], (batch,)):
-            if created >= cutoff:
-                break
-            last = seq
+        # Its own cursor, closed at once: this scan stops early, and a statement left
+        # half-read would hold a read snapshot (and the WAL) until the next request.
+        scan = self.db.cursor()
+        try:
+            for seq, created in scan.execute(STATEMENTS["sweep_expired"][0], (batch,)):
+                if created >= cutoff:
+                    break
+                last = seq
+        finally:
+            scan.close()
         if last is None:
             return 0
         self._begin()
