@@ -181,9 +181,9 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
     receipts = ReceiptStore(receipts_path(client.agent, home), reactor)
 
     def fatal(error: Exception) -> None:
-        # twistd itself exits 0 once the reactor stops; a supervisor must see a failure.
-        atexit.register(_exit_failed)
         if reactor.running:
+            # twistd exits 0 once the reactor stops; a supervisor must see a failure.
+            atexit.register(_exit_failed)
             reactor.stop()
 
     return AgentService(

@@ -17,6 +17,8 @@ from typing import Any, Dict, Optional
 from relay import errors
 from relay.protocol import DONE, FAILED, LEASED, QUEUED, TERMINAL, iso_timestamp
 
+_UNDECODED = object()  # Message._body before its stored JSON text is read
+
 
 class Message:
     """One stored message: the §2/§5.1 envelope plus the broker's bookkeeping."""
@@ -76,7 +78,10 @@ class Message:
         self.type = type
         # A stored body may arrive as JSON text (``body_json``); it is decoded only
         # when read, so settling an ack never parses the body.
-        self._body = {} if body is None and body_json is None else body
+        if body_json is not None:
+            self._body: Any = _UNDECODED
+        else:
+            self._body = {} if body is None else body
         self._body_json = body_json
         self.reply_to = reply_to
         self.ack = ack
@@ -93,8 +98,9 @@ class Message:
     @property
     def body(self) -> Any:
         """The message body (spec §2), decoded from its stored JSON on first use."""
-        if self._body is None:
+        if self._body is _UNDECODED:
             self._body = json.loads(self._body_json)
+            self._body_json = None  # the decoded object is the truth from now on
         return self._body
 
     @body.setter

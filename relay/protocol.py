@@ -208,6 +208,12 @@ def _optional_string(body: Dict[str, Any], field: str) -> Optional[str]:
     raise bad_request(f"{field} must be a string or null")
 
 
+def _client_ts(value: Any) -> Optional[str]:
+    """A client's ``ts``, kept when it is a non-empty string; anything else is
+    absent and the broker assigns its own (earlier releases ignored every ``ts``)."""
+    return value if isinstance(value, str) and value else None
+
+
 def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
     """Validate a sent envelope (full or shorthand) and fill the §2 defaults.
 
@@ -256,7 +262,7 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
         "id": msg_id,
         "from": agent,
         "to": to,
-        "ts": _optional_string(body, "ts") or None,
+        "ts": _client_ts(body.get("ts")),
         "type": msg_type,
         "body": payload,
         "replyTo": _optional_string(body, "replyTo"),

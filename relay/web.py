@@ -269,7 +269,14 @@ class RelayAPI:
     def send(self, request, agent: str) -> Deferred:
         envelope = protocol.normalize_envelope(parse_json(raw_body(request)), agent)
         self.check_acl(agent, envelope["to"])
-        if not self.store.is_registered(envelope["to"]):
+        registered = self.store.is_registered(envelope["to"])
+        if isinstance(registered, Deferred):  # a store that answers asynchronously
+            registered.addCallback(self._add_if_registered, request, envelope)
+            return registered
+        return self._add_if_registered(registered, request, envelope)
+
+    def _add_if_registered(self, registered: bool, request, envelope) -> Deferred:
+        if not registered:
             raise errors.no_such_agent(f"recipient {envelope['to']!r} has never registered")
         message = Message.from_envelope(envelope, self.clock.seconds())
         d = self.store.add(message)

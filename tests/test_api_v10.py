@@ -167,8 +167,10 @@ async def test_ts_is_assigned_by_the_broker_when_absent():
     await b.message("alpha", "beta", id="absent")
     await b.message("alpha", "beta", id="null", ts=None)
     await b.message("alpha", "beta", id="empty", ts="")
+    await b.message("alpha", "beta", id="number", ts=1712345678)
+    await b.message("alpha", "beta", id="object", ts={"iso": "x"})
     messages, _ = await b.poll("beta")
-    assert [m["ts"] for m in messages] == ["2024-04-05T19:34:38.000Z"] * 3  # START
+    assert [m["ts"] for m in messages] == ["2024-04-05T19:34:38.000Z"] * 5  # START
 
 
 @pytest_twisted.ensureDeferred
@@ -233,8 +235,6 @@ async def test_any_string_is_an_id():
         {"to": "beta", "replyTo": {"id": "x"}},
         {"to": "beta", "ack": "true"},
         {"to": "beta", "ack": 1},
-        {"to": "beta", "ts": 1712345678},
-        {"to": "beta", "ts": {"iso": "x"}},
         {"to": "beta", "id": ""},
         {"to": "beta", "id": 5},
         {"to": "beta", "id": None},
@@ -280,6 +280,25 @@ async def test_send_to_unregistered_recipient_is_404():
     reply = await b.post("alpha", "/messages", {"to": "nobody", "id": "lost"})
     assert_error(reply, 404, "no_such_agent")
     assert (await b.store.find("lost")) is None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_store_answering_is_registered_with_a_deferred_is_honoured():
+    """Store plugins written when every IMessageStore method returned a Deferred."""
+    from twisted.internet.defer import succeed
+
+    from relay.store.memory import MemoryStore
+
+    class AskingStore(MemoryStore):
+        def is_registered(self, agent):
+            return succeed(super().is_registered(agent))
+
+    b = Broker(store=AskingStore())
+    await b.register("alpha", "beta")
+    assert_error(await b.post("alpha", "/messages", {"to": "nobody", "id": "lost"}),
+                 404, "no_such_agent")
+    assert (await b.store.find("lost")) is None
+    assert (await b.post("alpha", "/messages", {"to": "beta", "id": "kept"})).code == 201
 
 
 @pytest_twisted.ensureDeferred

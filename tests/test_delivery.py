@@ -6,10 +6,22 @@ from relay.delivery import Message
 def test_stored_body_is_decoded_on_first_read_and_kept_verbatim_until_then():
     message = Message(id="m1", sender="alpha", to="beta", created=0.0,
                       body_json='{"text":"héllo","n":[1,2]}')
-    assert message._body is None
     assert message.body_json() == '{"text":"héllo","n":[1,2]}'
     assert message.body == {"text": "héllo", "n": [1, 2]}
     assert message.envelope()["body"] == {"text": "héllo", "n": [1, 2]}
+
+
+def test_a_decoded_body_changed_in_place_is_what_gets_stored():
+    message = Message(id="m1", sender="alpha", to="beta", created=0.0, body_json='{"a":1}')
+    message.body["a"] = 2
+    assert message.body_json() == '{"a":2}'
+
+
+def test_a_stored_null_body_decodes_once():
+    message = Message(id="m1", sender="alpha", to="beta", created=0.0, body_json="null")
+    assert message.body is None and message.body is None
+    message.body = None
+    assert message.body is None and message.body_json() == "null"
 
 
 def test_setting_the_body_replaces_the_stored_text():

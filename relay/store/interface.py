@@ -73,9 +73,10 @@ class IMessageStore(Interface):
         """Record a heartbeat of ``agent`` at ``now``; fires with None."""
 
     def is_registered(agent):
-        """True when ``agent`` has ever registered (answered at once, not a Deferred:
-        every backend keeps the registered names in memory, and a send asks on every
-        request)."""
+        """True when ``agent`` has ever registered. Answered at once with a bool by the
+        built-in stores (they keep the names in memory, and every send asks); a
+        Deferred firing with the bool is also accepted, for a store that must ask
+        elsewhere."""
 
     def peers():
         """Fires with ``[(agent, last_seen_seconds)]`` sorted by agent name."""
