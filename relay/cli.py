@@ -562,18 +562,25 @@ async def cmd_recv(client: RelayClient, inv: Invocation, console: Console, home:
     return 0
 
 
+def _one_line(value: Any) -> str:
+    """``value`` as text with its whitespace runs (newlines included) made one space."""
+    return " ".join(str(value).split())
+
+
 def watch_line(message: Mapping[str, Any]) -> str:
-    """One message as one line."""
+    """One message as one line (ids and a client's ``ts`` may hold newlines too)."""
     if message.get("type") == "ack":
         body = message.get("body") if isinstance(message.get("body"), dict) else {}
-        status = body.get("status", "ok")
-        return f"[receipt] {message.get('from')} {status} for {message.get('replyTo')}"
+        status = _one_line(body.get("status", "ok"))
+        return (f"[receipt] {message.get('from')} {status} for "
+                f"{_one_line(message.get('replyTo'))}")
     kind = message.get("kind")
     tag = f" ({kind})" if kind and kind != "message" else ""
-    text = " ".join(body_text(message.get("body")).split())
+    text = _one_line(body_text(message.get("body")))
     return (
-        f"{message.get('ts', '')} {message.get('from')}{tag} [{message.get('id')}]: {text}".strip()
-    )
+        f"{_one_line(message.get('ts', ''))} {message.get('from')}{tag} "
+        f"[{_one_line(message.get('id'))}]: {text}"
+    ).strip()
 
 
 async def cmd_watch(

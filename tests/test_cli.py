@@ -682,3 +682,11 @@ def test_relay_agent_process_exits_nonzero_on_a_fatal_handshake(tmp_path: Path) 
     output = done.stdout.decode("utf-8", "replace")
     assert done.returncode == 1, output
     assert "protocol_mismatch" in output
+
+
+def test_watch_line_stays_one_line_whatever_the_fields_hold():
+    line = watch_line({"id": "a\nb", "from": "alpha", "ts": "2024\n01", "body": {"text": "x"}})
+    assert "\n" not in line and line == "2024 01 alpha [a b]: x"
+    receipt = watch_line({"type": "ack", "from": "beta", "replyTo": "m\r\n1",
+                          "body": {"status": "ok"}})
+    assert receipt == "[receipt] beta ok for m 1"
