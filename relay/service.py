@@ -21,11 +21,11 @@ from relay.web import RelayAPI
 log = Logger(namespace="relay.service")
 
 EXPIRY_SWEEP_SECONDS = 60.0
+MIN_EXPIRY_SWEEP_SECONDS = 0.5
+PEER_SWEEP_SECONDS = 15.0
 OPEN_FILES_WANTED = 65536
 # Reactors that are not limited to select()'s 1024 descriptors.
 _MANY_FD_REACTORS = frozenset({"EPollReactor", "PollReactor", "KQueueReactor"})
-MIN_EXPIRY_SWEEP_SECONDS = 0.5
-PEER_SWEEP_SECONDS = 15.0
 
 
 def expiry_sweep_seconds(ttl_seconds: Optional[float]) -> float:

@@ -120,7 +120,9 @@ async def test_newer_schema_stops_the_start(tmp_path):
 def version_1_database(path: str) -> None:
     """A database as the first release of the relay created it, holding one message."""
     db = sqlite3.connect(path, isolation_level=None)
-    db.executescript(backend.schema_script(1))
+    # Version 1 was version 2 plus the per-sender index (sqlite-upgrade-to-v2.sql).
+    db.executescript(backend.schema_script(2))
+    db.execute("CREATE INDEX messages_outbox ON messages (sender, seq)")
     db.execute("INSERT INTO version (version) VALUES (1)")
     message = new_message("alpha", "beta", START, id="kept")
     message.seq = 1

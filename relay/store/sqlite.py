@@ -334,10 +334,7 @@ class SQLiteStore:
 
     def _save(self, messages: Sequence[Message]) -> None:
         self._begin()
-        if len(messages) == 1:
-            self.cursor.execute(_SAVE_STATE, _state_row(messages[0]))
-        else:
-            self.cursor.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
+        self.cursor.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
 
     def _select(self, sql: str, *args: Any) -> List[Message]:
         return [_message(row) for row in self.cursor.execute(sql, args)]
