@@ -32,8 +32,8 @@ from twisted.internet.address import IPv4Address  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from twisted.internet.testing import StringTransport  # noqa: E402
 
-from relay.auth import sign  # noqa: E402
 from relay.http import RelaySite  # noqa: E402
+from relay.signing import sign  # noqa: E402
 from relay.store.plugins import find_store_factory  # noqa: E402
 from relay.testing import SECRET, START, make_config  # noqa: E402
 from relay.web import RelayAPI  # noqa: E402

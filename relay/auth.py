@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 from collections import OrderedDict
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -17,35 +16,11 @@ from twisted.internet.interfaces import IReactorTime
 
 from relay import errors
 from relay.config import AgentConfig, Config
-from relay.protocol import MAX_CLOCK_SKEW_SECONDS, is_valid_agent_name
+from relay.protocol import MAX_CLOCK_SKEW_SECONDS, is_loopback_host, is_valid_agent_name
+from relay.signing import signing_string
 
 RATE_WINDOW_SECONDS = 60.0
 MAX_TRACKED = 50_000
-
-
-def signing_string(method: bytes, path: bytes, timestamp: bytes, raw_body: bytes) -> bytes:
-    """The bytes that are signed: ``METHOD\\nPATH\\nTIMESTAMP\\nBODY`` (spec §3)."""
-    return b"\n".join((method.upper(), path, timestamp, raw_body))
-
-
-def sign(secret: str, method: str, path: str, timestamp: int, raw_body: bytes = b"") -> str:
-    """The hex HMAC-SHA256 signature a client sends in ``X-Relay-Signature``."""
-    message = signing_string(
-        method.encode("ascii"), path.encode("utf-8"), str(timestamp).encode("ascii"), raw_body
-    )
-    return hmac.new(secret.encode("utf-8"), message, hashlib.sha256).hexdigest()
-
-
-def is_loopback_address(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback addresses."""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    if address.is_loopback:
-        return True
-    mapped = getattr(address, "ipv4_mapped", None)
-    return mapped is not None and mapped.is_loopback
 
 
 class _Bounded(OrderedDict):
@@ -82,7 +57,7 @@ class RateLimiter:
         """The per-minute limit of a source address."""
         loop = self._loopback_cache.get(host)
         if loop is None:
-            loop = is_loopback_address(host)
+            loop = is_loopback_host(host)
             self._loopback_cache.put(host, loop)
         return self.loopback if loop else self.remote
 

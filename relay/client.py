@@ -34,9 +34,9 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from relay.errors import RelayError
+from relay.protocol import PROTOCOL_VERSION
 from relay.signing import auth_headers
 
-PROTOCOL_VERSION = "1.0"
 DEFAULT_BROKER_URL = "http://127.0.0.1:19121"
 RETRY_DELAYS_SECONDS: Tuple[float, ...] = (2.0, 4.0, 8.0)
 DEFAULT_TIMEOUT_SECONDS = 15.0

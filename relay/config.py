@@ -13,7 +13,6 @@ the secret file.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import yaml
 
 from relay.errors import ConfigError
-from relay.protocol import MAX_LEASE_SECONDS, is_valid_agent_name
+from relay.protocol import MAX_LEASE_SECONDS, is_loopback_host, is_valid_agent_name
 
 __all__ = ["AgentConfig", "Config", "ConfigError", "load_config", "parse_config"]
 
@@ -71,11 +70,6 @@ class Config:
     def storage_backend(self) -> str:
         """The store plugin to open: ``memory`` when ``persist`` is false."""
         return self.storage if self.persist else "memory"
-
-    @property
-    def per_agent_secrets(self) -> bool:
-        """True when agents sign with their own secrets (spec §6 ``unknown_agent``)."""
-        return any(a.secret for a in self.agents.values())
 
     @property
     def message_ttl_seconds(self) -> Optional[float]:
@@ -224,17 +218,6 @@ def resolve_endpoint_paths(description: str, base_dir: str) -> str:
     return ":".join(out)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
-
-
 def plaintext_remote(description: str) -> Optional[str]:
     """The interface a plaintext TCP endpoint exposes beyond loopback, or None.
 
@@ -257,7 +240,7 @@ def plaintext_remote(description: str) -> Optional[str]:
                 interface = _unescape(part)
     if interface is None:
         return "::" if parts[0] == "tcp6" else "0.0.0.0"
-    return None if _is_loopback(interface) else interface
+    return None if is_loopback_host(interface) else interface
 
 
 def default_listen(host: str, port: int) -> str:

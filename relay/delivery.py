@@ -15,7 +15,7 @@ import os
 from typing import Any, Dict, Optional
 
 from relay import errors
-from relay.protocol import DONE, FAILED, LEASED, QUEUED, TERMINAL, iso_timestamp
+from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
 
 _UNDECODED = object()  # Message._body before its stored JSON text is read
 
@@ -259,7 +259,3 @@ def settle(
         message.status = FAILED if message.attempts > max_attempts else QUEUED
     return {"ok": True, "status": message.status, "attempts": message.attempts}
 
-
-def is_terminal(message: Message) -> bool:
-    """True for ``done`` and ``failed``, which nothing can revive."""
-    return message.status in TERMINAL

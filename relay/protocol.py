@@ -7,6 +7,7 @@ normalised data or raises :class:`relay.errors.RelayError`.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import re
 import uuid
@@ -36,7 +37,6 @@ QUEUED = "queued"
 LEASED = "leased"
 DONE = "done"
 FAILED = "failed"
-TERMINAL = frozenset((DONE, FAILED))
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 
@@ -46,6 +46,21 @@ _MISSING = object()
 def is_valid_agent_name(name: str) -> bool:
     """True when ``name`` is a legal agent name (``[A-Za-z0-9_.-]{1,64}``)."""
     return bool(AGENT_NAME.match(name))
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost``, 127.0.0.0/8, ``::1`` and IPv4-mapped loopback addresses
+    (a zone id such as ``%lo`` is ignored): the hosts spec §3 calls loopback."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if address.is_loopback:
+        return True
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped is not None and mapped.is_loopback
 
 
 _second_prefix: Tuple[int, str] = (-1, "")
@@ -125,14 +140,6 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
     if isinstance(value, (dict, list)) and _too_deep(value, raw):
         raise bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
     return value
-
-
-def parse_json_object(raw: bytes, *, empty_ok: bool = True) -> Dict[str, Any]:
-    """Decode a request body that must be a JSON object."""
-    parsed = parse_json_body(raw, empty_ok=empty_ok)
-    if not isinstance(parsed, dict):
-        raise bad_request("body must be a JSON object")
-    return parsed
 
 
 def _is_int(value: Any) -> bool:

@@ -1,8 +1,10 @@
 """HMAC-SHA256 request signing of spec §3, as pure functions (stdlib only).
 
-The signing string is ``METHOD \\n PATH \\n TIMESTAMP \\n RAW_BODY`` where PATH is
-the pathname *with* the query string exactly as sent and RAW_BODY the exact body
-bytes (empty when there is no body).
+The one signing implementation of the relay: the broker verifies with it and
+every client signs with it. The signing string is
+``METHOD \\n PATH \\n TIMESTAMP \\n RAW_BODY`` where PATH is the pathname *with*
+the query string exactly as sent and RAW_BODY the exact body bytes (empty when
+there is no body).
 """
 
 from __future__ import annotations
@@ -22,19 +24,20 @@ def _as_bytes(value: BytesOrText) -> bytes:
     return value.encode("utf-8") if isinstance(value, str) else value
 
 
-def signing_string(method: str, path: str, timestamp: int, raw_body: BytesOrText) -> bytes:
-    """The exact bytes that are MACed for one request (spec §3)."""
-    return b"\n".join(
-        [
-            method.upper().encode("ascii"),
-            path.encode("utf-8"),
-            str(int(timestamp)).encode("ascii"),
-            _as_bytes(raw_body),
-        ]
-    )
+def signing_string(
+    method: BytesOrText, path: BytesOrText, timestamp: Union[int, bytes], raw_body: BytesOrText
+) -> bytes:
+    """The exact bytes that are MACed for one request (spec §3).
+
+    ``timestamp`` is the epoch seconds as an int, or the header's bytes as received.
+    """
+    stamp = timestamp if isinstance(timestamp, bytes) else str(int(timestamp)).encode("ascii")
+    return b"\n".join((_as_bytes(method).upper(), _as_bytes(path), stamp, _as_bytes(raw_body)))
 
 
-def sign(secret: BytesOrText, method: str, path: str, timestamp: int, raw_body: BytesOrText) -> str:
+def sign(
+    secret: BytesOrText, method: str, path: str, timestamp: int, raw_body: BytesOrText = b""
+) -> str:
     """The lowercase hex HMAC-SHA256 signature of one request."""
     return hmac.new(
         _as_bytes(secret), signing_string(method, path, timestamp, raw_body), hashlib.sha256

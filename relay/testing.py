@@ -14,10 +14,10 @@ import pytest_twisted
 from twisted.internet.task import Clock
 
 from relay import errors
-from relay.auth import sign
 from relay.config import Config, parse_config
 from relay.delivery import Message
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.signing import sign
 
 SECRET = "s3cret"
 START = 1_712_345_678.0

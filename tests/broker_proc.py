@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
-from relay.auth import sign
+from relay.signing import sign
 
 TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
 

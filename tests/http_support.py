@@ -20,8 +20,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
-from relay.auth import sign
 from relay.http import RelayRequest
+from relay.signing import sign
 from relay.testing import SECRET, START, make_config
 from relay.web import RelayAPI
 

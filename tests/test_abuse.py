@@ -21,7 +21,8 @@ import pytest
 import yaml
 from twisted.internet.task import Clock
 
-from relay.auth import Authenticator, RateLimiter, sign
+from relay.auth import Authenticator, RateLimiter
+from relay.signing import sign
 from relay.testing import START
 from tests.broker_proc import BrokerProcess
 

@@ -11,9 +11,11 @@ from typing import Optional
 import pytest
 from twisted.internet.task import Clock
 
-from relay.auth import Authenticator, Lockout, RateLimiter, is_loopback_address, sign
+from relay.auth import Authenticator, Lockout, RateLimiter
 from relay.config import AgentConfig
 from relay.errors import RelayError
+from relay.protocol import is_loopback_host
+from relay.signing import sign
 
 SECRET = "s3cret"
 NOW = 1_712_345_678
@@ -259,15 +261,16 @@ def test_without_agent_secrets_the_shared_secret_signs_for_everyone():
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.9.8.7", "::1", "::ffff:127.0.0.1",
-                                  "0:0:0:0:0:0:0:1"])
+                                  "0:0:0:0:0:0:0:1", "::1%lo", "localhost"])
 def test_loopback_addresses(host):
-    assert is_loopback_address(host)
+    assert is_loopback_host(host)
 
 
 @pytest.mark.parametrize("host", ["10.0.0.1", "192.168.1.2", "::ffff:10.0.0.1", "2001:db8::1",
-                                  "0.0.0.0", "::", "unix", "localhost", ""])
+                                  "0.0.0.0", "::", "unix", "localhost.evil.example",
+                                  "fe80::1%lo", ""])
 def test_remote_addresses(host):
-    assert not is_loopback_address(host)
+    assert not is_loopback_host(host)
 
 
 @pytest.mark.parametrize(("host", "limit"), [("127.0.0.1", 6), ("::1", 6),

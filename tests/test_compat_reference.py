@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 import pytest_twisted
 
-from relay.auth import sign
+from relay.signing import sign
 from relay.testing import SECRET
 from tests.http_support import Broker, Reply
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from relay.auth import sign
+from relay.signing import sign
 from tests.broker_proc import BrokerProcess
 
 WORKERS = 8

@@ -143,8 +143,9 @@ def test_loopback_and_tls_listen_are_fine():
 
 def test_per_agent_secrets():
     config = parse("broker: {secret: s}\nagents: {alpha: {secret: a}, beta: {secret: b}}")
-    assert config.per_agent_secrets
-    assert not parse("broker: {secret: s}\nagents: {alpha: {}}").per_agent_secrets
+    assert {name: agent.secret for name, agent in config.agents.items()} == {
+        "alpha": "a", "beta": "b"}
+    assert parse("broker: {secret: s}\nagents: {alpha: {}}").agents["alpha"].secret is None
 
 
 def test_secret_file_is_created_once_with_mode_0600(tmp_path):

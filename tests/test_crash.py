@@ -29,8 +29,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
 
-from relay.auth import sign
 from relay.delivery import Message
+from relay.signing import sign
 from relay.store.jsonl import COMPACT_SUFFIX, LOG_NAME, read_log, snapshot_record, state_record
 from tests.broker_proc import BrokerProcess
 

@@ -36,8 +36,10 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor
 from twisted.logger import capturedLogs
 
-from relay.auth import RateLimiter, is_loopback_address, sign
+from relay.auth import RateLimiter
 from relay.errors import ConfigError, RelayError
+from relay.protocol import is_loopback_host
+from relay.signing import sign
 from relay.tls import parse_ssl_endpoint, server_endpoints
 from relay.web import _peer_host
 
@@ -574,7 +576,7 @@ def test_rate_limit_class_of_each_address_family(address, loopback: bool) -> Non
 
     host = _peer_host(Request())
     assert host == address.host
-    assert is_loopback_address(host) is loopback
+    assert is_loopback_host(host) is loopback
     limiter = RateLimiter(Clock(), loopback=3, remote=1)
     assert limiter.limit_for(host) == (3 if loopback else 1)
     limiter.hit(host)
