@@ -33,10 +33,10 @@ from twisted.internet.task import Clock  # noqa: E402
 from twisted.internet.testing import StringTransport  # noqa: E402
 
 from relay.http import RelaySite  # noqa: E402
+from relay.service import make_api  # noqa: E402
 from relay.signing import sign  # noqa: E402
-from relay.store.plugins import find_store_factory  # noqa: E402
+from relay.store.plugins import open_configured_store  # noqa: E402
 from relay.testing import SECRET, START, make_config  # noqa: E402
-from relay.web import RelayAPI  # noqa: E402
 
 PEER = IPv4Address("TCP", "127.0.0.1", 40000)
 HOST = IPv4Address("TCP", "127.0.0.1", 19121)
@@ -126,10 +126,10 @@ def pull_ack_us(site: Any, clock: Clock, batches: int, timestamp: int) -> float:
 def relay_site(backend: str, clock: Clock, data_dir: str) -> Any:
     """The relay's site on ``backend`` with the recipient registered."""
     config = make_config(storage=backend, dataDir=data_dir, rateLimitLoopback=10**9)
-    store = find_store_factory(backend).open(config, clock)
+    store = open_configured_store(config, clock)
     store.register("beta", clock.seconds())
     clock.advance(0)
-    return RelaySite(RelayAPI(store, config, clock).resource(), reactor=clock)
+    return RelaySite(make_api(config, store, clock).resource(), reactor=clock)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
@@ -25,6 +26,9 @@ from relay.protocol import MAX_LEASE_SECONDS, is_loopback_host, is_valid_agent_n
 
 __all__ = ["AgentConfig", "Config", "ConfigError", "load_config", "parse_config"]
 
+# The storage backends shipped with the relay; a dropin adds its own name (see
+# relay.store.plugins.store_factories, which load_config's callers pass in).
+BUILTIN_BACKENDS = ("memory", "sqlite", "jsonl")
 PLACEHOLDER_SECRETS = frozenset({"CHANGE_ME_RUN_SETUP_INIT", "CHANGE_ME"})
 SYNC_LEVELS = ("off", "normal", "full")
 _MISSING = object()
@@ -65,6 +69,8 @@ class Config:
     lock_minutes: float = 5
     agents: Mapping[str, AgentConfig] = field(default_factory=dict)
     ignored_keys: Tuple[str, ...] = ()
+    backend_sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    base_dir: str = "."
 
     @property
     def storage_backend(self) -> str:
@@ -72,9 +78,10 @@ class Config:
         return self.storage if self.persist else "memory"
 
     @property
-    def message_ttl_seconds(self) -> Optional[float]:
-        """Message lifetime in seconds; None when expiry is off (``messageTtlDays: 0``)."""
-        return self.message_ttl_days * 86400.0 if self.message_ttl_days else None
+    def message_ttl_seconds(self) -> float:
+        """Message lifetime in seconds. ``messageTtlDays: 0`` means what it means to the
+        reference broker: every message is past its lifetime and is swept."""
+        return self.message_ttl_days * 86400.0
 
 
 # Keys the reference broker accepts for its own later protocol generations.
@@ -124,9 +131,11 @@ def _section(data: Mapping[str, Any], key: str) -> Dict[str, Any]:
     return value
 
 
-def _check_keys(
+def check_keys(
     section: Mapping[str, Any], prefix: str, known: frozenset, ignored: frozenset
 ) -> List[str]:
+    """ConfigError for a key of ``section`` that is neither ``known`` nor ``ignored``;
+    returns the ignored ones present, as ``prefix.key``."""
     skipped = []
     for key in section:
         if not isinstance(key, str):
@@ -138,7 +147,10 @@ def _check_keys(
     return skipped
 
 
-def _int(section: Mapping[str, Any], key: str, prefix: str, default: int, lo: int, hi: int) -> int:
+def read_int(section: Mapping[str, Any], key: str, prefix: str, default: int, lo: int,
+             hi: int) -> int:
+    """``section[key]``, an integer ``lo..hi`` (``default`` when absent); else a
+    ConfigError naming ``prefix.key``."""
     value = section.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{prefix}.{key}", f"must be an integer, not {type(value).__name__}")
@@ -147,8 +159,8 @@ def _int(section: Mapping[str, Any], key: str, prefix: str, default: int, lo: in
     return value
 
 
-def _number(section: Mapping[str, Any], key: str, prefix: str, default: float, lo: float,
-            hi: float) -> float:
+def read_number(section: Mapping[str, Any], key: str, prefix: str, default: float, lo: float,
+                hi: float) -> float:
     """A duration or other quantity that may be fractional (``lockMinutes: 0.5``)."""
     value = section.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
@@ -158,14 +170,16 @@ def _number(section: Mapping[str, Any], key: str, prefix: str, default: float, l
     return float(value)
 
 
-def _bool(section: Mapping[str, Any], key: str, prefix: str, default: bool) -> bool:
+def read_bool(section: Mapping[str, Any], key: str, prefix: str, default: bool) -> bool:
+    """``section[key]``, true or false."""
     value = section.get(key, default)
     if not isinstance(value, bool):
         raise ConfigError(f"{prefix}.{key}", "must be true or false")
     return value
 
 
-def _str(section: Mapping[str, Any], key: str, prefix: str, default: Any) -> Any:
+def read_str(section: Mapping[str, Any], key: str, prefix: str, default: Any) -> Any:
+    """``section[key]``, a non-empty string (``default``, whatever it is, when absent)."""
     value = section.get(key, default)
     if value is default:
         return value
@@ -262,7 +276,7 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
             entry = {}
         if not isinstance(entry, dict):
             raise ConfigError(prefix, "must be a mapping")
-        skipped += _check_keys(entry, prefix, _AGENT_KEYS, _IGNORED_AGENT_KEYS)
+        skipped += check_keys(entry, prefix, _AGENT_KEYS, _IGNORED_AGENT_KEYS)
         secret = entry.get("secret")
         if secret is not None and (not isinstance(secret, str) or not secret):
             raise ConfigError(f"{prefix}.secret", "must be a non-empty string")
@@ -284,12 +298,15 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
 
 
 def parse_config(
-    data: Any, base_dir: str, secret_from_file: Optional[str] = None
+    data: Any, base_dir: str, secret_from_file: Optional[str] = None,
+    backends: Collection[str] = BUILTIN_BACKENDS,
 ) -> Config:
     """Validate a parsed YAML document; relative paths are taken from ``base_dir``.
 
     ``secret_from_file`` is the content of ``broker.secretFile`` when the
-    caller has read it.
+    caller has read it. ``backends`` names the storage backends whose own
+    section ``broker.<name>`` may appear; each section is kept as written, for
+    its backend's factory to validate.
     """
     if data is None:
         data = {}
@@ -300,13 +317,23 @@ def parse_config(
             raise ConfigError(str(key), "unknown key")
     broker = _section(data, "broker")
     security = _section(data, "security")
-    skipped = _check_keys(broker, "broker", _BROKER_KEYS, _IGNORED_BROKER_KEYS)
-    skipped += _check_keys(security, "security", _SECURITY_KEYS, _IGNORED_SECURITY_KEYS)
+    backend_sections: Dict[str, Mapping[str, Any]] = {}
+    for name in backends:
+        if name in broker and name not in _BROKER_KEYS:
+            section = broker[name]
+            if section is None:
+                section = {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"broker.{name}", "must be a mapping")
+            backend_sections[name] = MappingProxyType(dict(section))
+    scalar = {key: value for key, value in broker.items() if key not in backend_sections}
+    skipped = check_keys(scalar, "broker", _BROKER_KEYS, _IGNORED_BROKER_KEYS)
+    skipped += check_keys(security, "security", _SECURITY_KEYS, _IGNORED_SECURITY_KEYS)
     agents, skipped_agents = _agents(data)
 
-    host = _str(broker, "host", "broker", "127.0.0.1")
-    port = _int(broker, "port", "broker", 19121, 1, 65535)
-    secret_file = _str(broker, "secretFile", "broker", None)
+    host = read_str(broker, "host", "broker", "127.0.0.1")
+    port = read_int(broker, "port", "broker", 19121, 1, 65535)
+    secret_file = read_str(broker, "secretFile", "broker", None)
     if secret_file is not None:
         secret_file = _resolve(base_dir, secret_file)
     secret = broker.get("secret")
@@ -335,7 +362,7 @@ def parse_config(
             raise ConfigError("broker.listen", "must be a non-empty list of endpoint strings")
         listen = tuple(resolve_endpoint_paths(s.strip(), base_dir) for s in listen_raw)
 
-    allow_insecure = _bool(broker, "allowInsecureRemote", "broker", False)
+    allow_insecure = read_bool(broker, "allowInsecureRemote", "broker", False)
     if not allow_insecure:
         for description in listen:
             exposed = plaintext_remote(description)
@@ -348,11 +375,11 @@ def parse_config(
                     "(or set broker.allowInsecureRemote: true)",
                 )
 
-    storage = _str(broker, "storage", "broker", "sqlite").lower()
-    sync = _str(broker, "sync", "broker", "normal").lower()
+    storage = read_str(broker, "storage", "broker", "sqlite").lower()
+    sync = read_str(broker, "sync", "broker", "normal").lower()
     if sync not in SYNC_LEVELS:
         raise ConfigError("broker.sync", f"must be one of {', '.join(SYNC_LEVELS)}")
-    tls_client_ca = _str(broker, "tlsClientCA", "broker", None)
+    tls_client_ca = read_str(broker, "tlsClientCA", "broker", None)
     if tls_client_ca is not None:
         tls_client_ca = _resolve(base_dir, tls_client_ca)
 
@@ -363,24 +390,26 @@ def parse_config(
         host=host,
         port=port,
         secret_file=secret_file,
-        rate_limit_loopback=_int(broker, "rateLimitLoopback", "broker", 600, 1, big),
-        rate_limit_remote=_int(broker, "rateLimitRemote", "broker", 120, 1, big),
-        message_ttl_days=_number(broker, "messageTtlDays", "broker", 7, 0, 36500),
-        persist=_bool(broker, "persist", "broker", True),
+        rate_limit_loopback=read_int(broker, "rateLimitLoopback", "broker", 600, 1, big),
+        rate_limit_remote=read_int(broker, "rateLimitRemote", "broker", 120, 1, big),
+        message_ttl_days=read_number(broker, "messageTtlDays", "broker", 7, 0, 36500),
+        persist=read_bool(broker, "persist", "broker", True),
         storage=storage,
-        data_dir=_resolve(base_dir, _str(broker, "dataDir", "broker", "./data")),
-        lease_seconds=_number(broker, "leaseSeconds", "broker", 600, 0.1, MAX_LEASE_SECONDS),
-        max_attempts=_int(broker, "maxAttempts", "broker", 3, 0, 1000),
+        data_dir=_resolve(base_dir, read_str(broker, "dataDir", "broker", "./data")),
+        lease_seconds=read_number(broker, "leaseSeconds", "broker", 600, 0.1, MAX_LEASE_SECONDS),
+        max_attempts=read_int(broker, "maxAttempts", "broker", 3, 0, 1000),
         sync=sync,
-        sweep_seconds=_number(broker, "sweepSeconds", "broker", 5, 0.05, 3600),
-        request_read_seconds=_number(broker, "requestReadSeconds", "broker", 30, 1, 3600),
-        access_log=_bool(broker, "accessLog", "broker", False),
+        sweep_seconds=read_number(broker, "sweepSeconds", "broker", 5, 0.05, 3600),
+        request_read_seconds=read_number(broker, "requestReadSeconds", "broker", 30, 1, 3600),
+        access_log=read_bool(broker, "accessLog", "broker", False),
         allow_insecure_remote=allow_insecure,
         tls_client_ca=tls_client_ca,
-        lock_after_failures=_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
-        lock_minutes=_number(security, "lockMinutes", "security", 5, 0.01, 525600),
+        lock_after_failures=read_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
+        lock_minutes=read_number(security, "lockMinutes", "security", 5, 0.01, 525600),
         agents=agents,
         ignored_keys=tuple(skipped + skipped_agents),
+        backend_sections=MappingProxyType(backend_sections),
+        base_dir=base_dir,
     )
 
 
@@ -428,12 +457,14 @@ def load_yaml(path: str) -> Any:
         raise ConfigError("", f"{path} is not valid YAML{where}") from None
 
 
-def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> Tuple[Config, bool]:
+def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
+                backends: Collection[str] = BUILTIN_BACKENDS) -> Tuple[Config, bool]:
     """Load and validate the config file; creates the secret file when needed.
 
     ``overrides`` are ``broker.*`` values from the command line (``listen``,
     ``dataDir``); relative paths in them are taken from the working directory.
-    Returns the config and whether a secret file was created.
+    ``backends`` as for :func:`parse_config`. Returns the config and whether a
+    secret file was created.
     """
     path = os.path.abspath(path)
     data = load_yaml(path)
@@ -453,4 +484,4 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> Tuple[
         "secret"
     ) is None:
         secret_from_file, created = read_or_create_secret(_resolve(base_dir, broker["secretFile"]))
-    return parse_config(data, base_dir, secret_from_file), created
+    return parse_config(data, base_dir, secret_from_file, backends), created

@@ -1,18 +1,25 @@
-"""The delivery state machine of spec §5.1, shared by every backend.
+"""The delivery rules of spec §5.1, written once for every backend.
 
     queued -(pull)-> leased -(ack completed)-> done
                        |--(ack retry)-> queued (attempts+1; > maxAttempts -> failed)
                        '--(lease expiry)-> queued (and marked for v1.0 recovery)
 
-Pure: functions take ``now`` and mutate one :class:`Message`; stores persist
-what changed.
+Pure: no reactor, no I/O. A *transition* is a function ``(message, now) -> result``
+that changes one :class:`Message` (a private copy the store hands it) or raises
+:class:`relay.errors.RelayError`; stores persist whatever it changed, also when it
+raises (a lease found past its deadline is released, then the ack refused). A new
+delivery outcome is one transition here, not a new method in every backend.
+
+What a change means for waiting requests is decided here too (:func:`wakes`), so
+every store reports the same :class:`Changes`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from relay import errors
 from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
@@ -114,15 +121,27 @@ class Message:
             return json.dumps(self._body, separators=(",", ":"))
         return self._body_json
 
+    def copy(self) -> Message:
+        """An independent copy: changing it (its body included) changes nothing here."""
+        other = Message.__new__(Message)
+        for name in _COPIED:
+            setattr(other, name, getattr(self, name))
+        # The body travels as its JSON text, which no one can change in place.
+        other._body = _UNDECODED
+        other._body_json = self.body_json()
+        return other
+
     @classmethod
     def from_envelope(cls, envelope: Dict[str, Any], created: float) -> Message:
-        """A new queued message from a :func:`relay.protocol.normalize_envelope` result."""
+        """A new queued message from a :func:`relay.protocol.normalize_envelope` result.
+
+        ``ts`` is the broker's: the time the message is stored (spec §2).
+        """
         return cls(
             id=envelope["id"],
             sender=envelope["from"],
             to=envelope["to"],
             created=created,
-            ts=envelope.get("ts"),
             type=envelope["type"],
             body=envelope["body"],
             reply_to=envelope["replyTo"],
@@ -132,8 +151,11 @@ class Message:
             parent_id=envelope["parentId"],
         )
 
-    def envelope(self, with_lease: bool = False) -> Dict[str, Any]:
-        """The wire form (spec §2 + §5.1); ``leaseId`` only for the puller."""
+    def envelope(self, viewer: Optional[str] = None) -> Dict[str, Any]:
+        """The wire form (spec §2 + §5.1) as ``viewer`` sees it.
+
+        ``leaseId`` is shown only to the recipient, only while the message is leased.
+        """
         out = {
             "id": self.id,
             "from": self.sender,
@@ -150,15 +172,13 @@ class Message:
             "attempts": self.attempts,
             "leaseUntil": self.lease_until,
         }
-        if with_lease:
+        if viewer is not None and viewer == self.to and self.status == LEASED:
             out["leaseId"] = self.lease_id
-        if self.error is not None:
-            out["error"] = self.error
         return out
 
     def status_entry(self) -> Dict[str, Any]:
-        """The ``/v1/status`` entry of this message."""
-        return {
+        """The ``/v1/status`` entry of this message; ``error`` only when there is one."""
+        entry = {
             "id": self.id,
             "status": self.status,
             "attempts": self.attempts,
@@ -167,20 +187,74 @@ class Message:
             "to": self.to,
             "kind": self.kind,
         }
+        if self.error is not None:
+            entry["error"] = self.error
+        return entry
 
-    def state(self) -> Dict[str, Any]:
-        """The mutable delivery fields, for stores that persist changes."""
-        return {
-            "status": self.status,
-            "attempts": self.attempts,
-            "leaseUntil": self.lease_until,
-            "leaseId": self.lease_id,
-            "error": self.error,
-            "recovery": self.recovery,
-        }
+    def state(self) -> Tuple[Any, ...]:
+        """The mutable delivery fields, compared to tell whether a transition changed any."""
+        return (
+            self.status,
+            self.attempts,
+            self.lease_until,
+            self.lease_id,
+            self.error,
+            self.recovery,
+        )
 
     def __repr__(self) -> str:  # ids and state only: never the body
         return f"<Message seq={self.seq} id={self.id!r} {self.status} attempts={self.attempts}>"
+
+
+_COPIED = tuple(name for name in Message.__slots__ if name not in ("_body", "_body_json"))
+
+Transition = Callable[[Message, float], Any]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The delivery policy the transitions apply (broker config, read by the broker)."""
+
+    max_attempts: int = 3
+
+
+class Changes:
+    """What a committed change means for waiting requests.
+
+    ``ready`` holds the agents that may have newly deliverable messages; ``due``
+    the ``(when, agent)`` pairs at which something of ``agent``'s may become
+    deliverable (a lease deadline). Stores report these after their commit; the
+    broker wakes waiters from them and from nothing else.
+    """
+
+    __slots__ = ("ready", "due")
+
+    def __init__(self) -> None:
+        self.ready: Set[str] = set()
+        self.due: Set[Tuple[float, str]] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.ready or self.due)
+
+    def update(self, other: Changes) -> None:
+        self.ready |= other.ready
+        self.due |= other.due
+
+    def __repr__(self) -> str:
+        return f"<Changes ready={sorted(self.ready)} due={sorted(self.due)}>"
+
+
+def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -> None:
+    """Note in ``changes`` what ``after`` means for its recipient's waiters.
+
+    ``before`` is the message's :meth:`Message.state` before the change, None for
+    a new message.
+    """
+    was = before[0] if before is not None else None
+    if after.status == QUEUED and was != QUEUED:
+        changes.ready.add(after.to)
+    elif after.status == LEASED and (was != LEASED or before[2] != after.lease_until):
+        changes.due.add((after.lease_until / 1000.0, after.to))
 
 
 def not_found_status(message_id: str) -> Dict[str, Any]:
@@ -198,13 +272,16 @@ def now_ms(now: float) -> int:
     return int(now * 1000)
 
 
-def lease_expired(message: Message, now: float) -> bool:
+def lease_lapsed(message: Message, now: float) -> bool:
     """True when ``message`` is leased and its lease deadline has passed."""
     return (
         message.status == LEASED
         and message.lease_until is not None
         and message.lease_until <= now_ms(now)
     )
+
+
+# -- transitions -------------------------------------------------------------------
 
 
 def lease(message: Message, lease_seconds: float, now: float) -> None:
@@ -215,8 +292,8 @@ def lease(message: Message, lease_seconds: float, now: float) -> None:
     message.recovery = False
 
 
-def expire_lease(message: Message) -> None:
-    """leased -> queued after the deadline; the old lease id is dead.
+def lapse(message: Message, now: float, rules: Rules) -> None:
+    """leased -> queued once the deadline has passed; the old lease id is dead.
 
     The message is marked for the v1.0 recovery delivery (spec §5.1).
     """
@@ -226,36 +303,71 @@ def expire_lease(message: Message) -> None:
     message.recovery = True
 
 
-def settle(
-    message: Message,
-    agent: str,
-    lease_id: str,
-    outcome: str,
-    error: Optional[str],
-    now: float,
-    max_attempts: int,
-) -> Dict[str, Any]:
-    """Apply a ``/v1/ack``; returns ``{ok, status, attempts}`` or raises RelayError.
+def catch_up(message: Message, now: float, rules: Rules) -> None:
+    """Apply what time alone has done to ``message`` (a lapsed lease)."""
+    if lease_lapsed(message, now):
+        lapse(message, now, rules)
 
-    A lease past its deadline is released first (and the ack refused with
-    ``not_leased``), so the outcome never depends on when the sweep last ran.
-    Callers persist ``message`` whenever its state changed, also on error.
-    """
+
+def check_lease(message: Message, agent: str, lease_id: str, now: float, rules: Rules) -> None:
+    """The lease guard of every lease outcome, in the order of the spec: 403 when
+    ``agent`` is not the recipient, 409 ``not_leased`` (a lapsed lease included),
+    409 ``lease_mismatch``. (404 is the store's: the id is unknown.)"""
     if message.to != agent:
         raise errors.forbidden("only the recipient may acknowledge this message")
-    if lease_expired(message, now):
-        expire_lease(message)
+    catch_up(message, now, rules)
     if message.status != LEASED:
         raise errors.not_leased()
     if message.lease_id != lease_id:
         raise errors.lease_mismatch()
+
+
+def _end_lease(message: Message) -> None:
     message.lease_id = None
     message.lease_until = None
-    message.error = error
-    if outcome == "completed":
-        message.status = DONE
-    else:
-        message.attempts += 1
-        message.status = FAILED if message.attempts > max_attempts else QUEUED
-    return {"ok": True, "status": message.status, "attempts": message.attempts}
 
+
+def ack(agent: str, lease_id: str, outcome: str, error: Optional[str],
+        rules: Rules) -> Transition:
+    """The ``/v1/ack`` transition: ``completed`` -> done, ``retry`` -> queued
+    (attempts + 1; past ``max_attempts`` -> failed). Results ``{ok, status, attempts}``."""
+
+    def transition(message: Message, now: float) -> Dict[str, Any]:
+        check_lease(message, agent, lease_id, now, rules)
+        _end_lease(message)
+        message.error = error
+        if outcome == "completed":
+            message.status = DONE
+        else:
+            message.attempts += 1
+            message.status = FAILED if message.attempts > rules.max_attempts else QUEUED
+        return {"ok": True, "status": message.status, "attempts": message.attempts}
+
+    return transition
+
+
+# -- the v1.0 poll -------------------------------------------------------------------
+
+
+def poll_page(
+    recovered: Iterable[Message],
+    fresh: Iterable[Message],
+    limit: int,
+    since_id: Optional[str],
+) -> Tuple[List[Message], Optional[str], List[Message]]:
+    """One v1.0 poll page: ``(messages, cursor, unmarked)``.
+
+    ``recovered`` are the recipient's queued messages at or before the cursor that
+    carry the recovery mark, ``fresh`` its queued messages after the cursor, both
+    in sequence order. Recovery deliveries come first, each once (``unmarked`` are
+    the messages whose mark this page clears); the cursor is the last fresh
+    message returned and never moves backwards (spec §5.1).
+    """
+    out = list(recovered)[:limit]
+    page_fresh = list(fresh)[: limit - len(out)]
+    out.extend(page_fresh)
+    unmarked = [m for m in out if m.recovery]
+    for message in unmarked:
+        message.recovery = False
+    cursor = page_fresh[-1].id if page_fresh else (since_id or None)
+    return out, cursor, unmarked

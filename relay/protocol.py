@@ -112,6 +112,8 @@ def _too_deep(value: Any, raw: bytes) -> bool:
     return False
 
 
+# A \u escape of a UTF-16 surrogate: alone it decodes to text UTF-8 cannot carry.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # One shared decoder: json.loads with options builds a new one per call.
 _STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
@@ -119,8 +121,9 @@ _STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=
 def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
     """Decode a request body as strict JSON; an empty body is ``{}`` when ``empty_ok``.
 
-    ``NaN``, ``Infinity`` and numbers that overflow a double are refused:
-    stored, they would be served back as text no JSON parser accepts. So is
+    ``NaN``, ``Infinity``, numbers that overflow a double and lone surrogate
+    escapes are refused: stored, they would be served back as text no JSON
+    parser (or no UTF-8 encoder) accepts. So is
     nesting deeper than ``MAX_JSON_DEPTH``: near the interpreter's recursion
     limit a body can parse yet fail to encode when served, and block its
     recipient's queue with 503s.
@@ -139,6 +142,19 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
         raise bad_request("request body is not valid JSON") from None
     if isinstance(value, (dict, list)) and _too_deep(value, raw):
         raise bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("request body holds an invalid unicode escape") from None
+    return value
+
+
+def parse_json_object(raw: bytes) -> Dict[str, Any]:
+    """A request body that must be a JSON object (``{}`` when empty)."""
+    value = parse_json_body(raw)
+    if not isinstance(value, dict):
+        raise bad_request("body must be a JSON object")
     return value
 
 
@@ -179,11 +195,11 @@ def clamp_limit(value: Any, default: int = DEFAULT_LIMIT) -> int:
     return max(1, min(MAX_LIMIT, int(number // 1)))
 
 
-def parse_lease_seconds(body: Dict[str, Any], default: float) -> float:
-    """``leaseSeconds`` from a pull body: an integer 1..86400, else 400."""
-    value = body.get("leaseSeconds", _MISSING)
-    if value is _MISSING or value is None:
-        return default
+def parse_lease_seconds(body: Dict[str, Any]) -> Optional[int]:
+    """``leaseSeconds`` from a pull body: an integer 1..86400, None when absent, else 400."""
+    value = body.get("leaseSeconds")
+    if value is None:
+        return None
     seconds = _as_integral(value)
     if seconds is None or not 1 <= seconds <= MAX_LEASE_SECONDS:
         raise bad_request(f"leaseSeconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
@@ -215,22 +231,16 @@ def _optional_string(body: Dict[str, Any], field: str) -> Optional[str]:
     raise bad_request(f"{field} must be a string or null")
 
 
-def _client_ts(value: Any) -> Optional[str]:
-    """A client's ``ts``, kept when it is a non-empty string; anything else is
-    absent and the broker assigns its own (earlier releases ignored every ``ts``)."""
-    return value if isinstance(value, str) and value else None
-
-
 def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
     """Validate a sent envelope (full or shorthand) and fill the §2 defaults.
 
     Returns the client-controlled fields of the stored envelope: ``id``,
-    ``from``, ``to``, ``ts``, ``type``, ``body``, ``replyTo``, ``ack``,
-    ``kind``, ``rootId`` and ``parentId``; ``ts`` is None when the broker is to
-    assign it (spec §2: ``from``, ``ts`` and ``id`` are assigned if absent). A
-    ``null`` ``from``, ``ts``, ``body`` or ``ack`` counts as absent. The
-    broker-managed fields (``status``, ``attempts``, ``leaseUntil``,
-    ``leaseId``) are ignored when sent.
+    ``from``, ``to``, ``type``, ``body``, ``replyTo``, ``ack``, ``kind``,
+    ``rootId`` and ``parentId`` (spec §2: ``from`` and ``id`` are assigned if
+    absent). A ``null`` ``from``, ``body`` or ``ack`` counts as absent. ``ts`` is
+    always the broker's, the time the message is stored, as the reference broker
+    sets it; the broker-managed fields (``status``, ``attempts``, ``leaseUntil``,
+    ``leaseId``) are ignored when sent too.
     """
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")
@@ -269,7 +279,6 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
         "id": msg_id,
         "from": agent,
         "to": to,
-        "ts": _client_ts(body.get("ts")),
         "type": msg_type,
         "body": payload,
         "replyTo": _optional_string(body, "replyTo"),
@@ -297,7 +306,6 @@ def ack_receipt(target: Dict[str, Any], agent: str, body: Any) -> Dict[str, Any]
         "id": str(uuid.uuid4()),
         "from": agent,
         "to": target["from"],
-        "ts": None,
         "type": "ack",
         "body": payload,
         "replyTo": target["id"],

@@ -12,9 +12,10 @@ from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from relay.auth import Authenticator, RateLimiter
+from relay.broker import Broker, Policy
 from relay.config import Config
 from relay.http import RelaySite
-from relay.protocol import HEARTBEAT_TTL_SECONDS
 from relay.tls import server_endpoints
 from relay.web import RelayAPI
 
@@ -28,12 +29,10 @@ OPEN_FILES_WANTED = 65536
 _MANY_FD_REACTORS = frozenset({"EPollReactor", "PollReactor", "KQueueReactor"})
 
 
-def expiry_sweep_seconds(ttl_seconds: Optional[float]) -> float:
+def expiry_sweep_seconds(ttl_seconds: float) -> float:
     """How often the message TTL sweep runs: every minute, or every tenth of a
-    shorter TTL (``messageTtlDays`` may be fractional), so nothing outlives its
-    lifetime by more than that."""
-    if ttl_seconds is None:
-        return EXPIRY_SWEEP_SECONDS
+    shorter TTL (``messageTtlDays`` may be fractional or 0), so nothing outlives
+    its lifetime by more than that."""
     return min(EXPIRY_SWEEP_SECONDS, max(MIN_EXPIRY_SWEEP_SECONDS, ttl_seconds / 10))
 
 
@@ -79,25 +78,35 @@ def guarded(name: str, step: Callable[[], object]) -> Callable[[], Deferred]:
 class PeerWatch:
     """Logs (names only) when a registered peer goes offline or comes back."""
 
-    def __init__(self, store, clock: IReactorTime) -> None:
-        self.store = store
-        self.clock = clock
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
         self.online: Optional[Set[str]] = None
 
     def check(self) -> Deferred:
-        d = self.store.peers()
+        d = self.broker.peers()
         d.addCallback(self._compare)
         return d
 
     def _compare(self, peers) -> None:
-        now = self.clock.seconds()
-        online = {name for name, seen in peers if now - seen < HEARTBEAT_TTL_SECONDS}
+        online = {peer["agent"] for peer in peers if peer["online"]}
         if self.online is not None:
             for name in sorted(self.online - online):
                 log.info("peer {agent} went offline", agent=name)
             for name in sorted(online - self.online):
                 log.info("peer {agent} is online", agent=name)
         self.online = online
+
+
+def _log_lock(agent: str) -> None:
+    log.warn("agent {agent} is locked after repeated authentication failures", agent=agent)
+
+
+def make_api(config: Config, store, clock: IReactorTime) -> RelayAPI:
+    """The broker over ``store`` under ``config``'s policy, and its HTTP API."""
+    broker = Broker(store, clock, Policy.from_config(config))
+    auth = Authenticator.from_config(config, clock, _log_lock)
+    limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote)
+    return RelayAPI(broker, auth, limiter)
 
 
 class RelayService(MultiService):
@@ -117,7 +126,8 @@ class RelayService(MultiService):
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
         self.secret_created = secret_created
-        self.api = RelayAPI(store, config, self.clock)
+        self.api = make_api(config, store, self.clock)
+        self.broker = self.api.broker
         self.site = RelaySite(
             self.api.resource(),
             access_log=config.access_log,
@@ -127,42 +137,17 @@ class RelayService(MultiService):
             listener = StreamServerEndpointService(endpoint, self.site)
             listener._raiseSynchronously = True
             listener.setServiceParent(self)
-        self._timer(config.sweep_seconds, "leases", self.sweep_leases)
+        self._timer(config.sweep_seconds, "leases", self.broker.sweep_leases)
         self._timer(
-            expiry_sweep_seconds(config.message_ttl_seconds), "expiry", self.sweep_expired
+            expiry_sweep_seconds(config.message_ttl_seconds), "expiry", self.broker.sweep_expired
         )
-        self.peer_watch = PeerWatch(store, self.clock)
+        self.peer_watch = PeerWatch(self.broker)
         self._timer(PEER_SWEEP_SECONDS, "peers", self.peer_watch.check)
 
     def _timer(self, interval: float, name: str, step: Callable[[], object]) -> None:
         timer = TimerService(interval, guarded(name, step))
         timer.clock = self.clock
         timer.setServiceParent(self)
-
-    def sweep_leases(self) -> Deferred:
-        """Release expired leases and wake the agents that got messages back."""
-        d = self.store.sweep_leases(self.clock.seconds())
-
-        def woke(agents) -> None:
-            for agent in agents:
-                self.api.waiters.wake(agent)
-
-        d.addCallback(woke)
-        return d
-
-    def sweep_expired(self) -> Deferred:
-        """Remove messages older than ``messageTtlDays``."""
-        ttl = self.config.message_ttl_seconds
-        if ttl is None:
-            return maybeDeferred(lambda: 0)
-        d = self.store.sweep_expired(self.clock.seconds() - ttl)
-
-        def removed(count: int) -> None:
-            if count:
-                log.info("expired {count} messages", count=count)
-
-        d.addCallback(removed)
-        return d
 
     def privilegedStartService(self) -> None:
         """Listen on every endpoint; one that cannot listen stops the start with one line."""
@@ -192,7 +177,7 @@ class RelayService(MultiService):
         super().startService()
 
     def stopService(self) -> Deferred:
-        self.api.waiters.stop()
+        self.broker.stop()
         d = maybeDeferred(super().stopService)
         d.addBoth(lambda _: self.store.close())
         return d

@@ -50,11 +50,12 @@ def makeService(options: Options, reactor=None):
         from twisted.internet import reactor
     from relay.config import load_config
     from relay.service import RelayService
-    from relay.store.plugins import find_store_factory
+    from relay.store.plugins import open_configured_store, store_factories
 
     try:
-        config, created = load_config(options["config"], options.overrides())
-        store = find_store_factory(config.storage_backend).open(config, reactor)
+        factories = store_factories()
+        config, created = load_config(options["config"], options.overrides(), factories)
+        store = open_configured_store(config, reactor, factories)
         return RelayService(config, store, reactor, secret_created=created)
     except ConfigError as error:
         fail(error)

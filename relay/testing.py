@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest_twisted
 from twisted.internet.task import Clock
 
-from relay import errors
+from relay import delivery, errors
 from relay.config import Config, parse_config
-from relay.delivery import Message
+from relay.delivery import Changes, Message, Rules
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.signing import sign
 
@@ -103,16 +103,22 @@ class SignedClient:
 
 def make_api(clock: Optional[Clock] = None, store=None, config: Optional[Config] = None,
              **broker: Any):
-    """``(api, client, clock)``: a RelayAPI over a memory store, and a signing client."""
+    """``(api, client, clock)``: a RelayAPI over a memory store, and a signing client.
+
+    ``api.broker`` is the :class:`relay.broker.Broker` behind it.
+    """
+    from relay.service import make_api as build
     from relay.store.memory import MemoryStore
-    from relay.web import RelayAPI
 
     clock = clock if clock is not None else Clock()
     if clock.seconds() == 0:
         clock.advance(START)
     config = config if config is not None else make_config(**broker)
-    api = RelayAPI(store if store is not None else MemoryStore(), config, clock)
+    api = build(config, store if store is not None else MemoryStore(), clock)
     return api, SignedClient(api, clock), clock
+
+
+RULES = Rules(max_attempts=3)
 
 
 async def _error(d) -> errors.RelayError:
@@ -121,6 +127,32 @@ async def _error(d) -> errors.RelayError:
     except errors.RelayError as e:
         return e
     raise AssertionError("expected a RelayError")
+
+
+def ack(store, message_id: str, agent: str, lease_id: str, outcome: str,
+        error: Optional[str], now: float, rules: Rules = RULES):
+    """Settle a lease through the store with :func:`relay.delivery.ack`."""
+    return store.settle(message_id, delivery.ack(agent, lease_id, outcome, error, rules), now,
+                        rules)
+
+
+class Recorder:
+    """A store subscriber that keeps every :class:`relay.delivery.Changes` it hears."""
+
+    def __init__(self) -> None:
+        self.heard: List[Changes] = []
+
+    def __call__(self, changes: Changes) -> None:
+        self.heard.append(changes)
+
+    def take(self) -> Tuple[set, set]:
+        """``(ready agents, due pairs)`` heard since the last take."""
+        ready, due = set(), set()
+        for changes in self.heard:
+            ready |= changes.ready
+            due |= changes.due
+        self.heard = []
+        return ready, due
 
 
 class StoreContract:
@@ -135,6 +167,13 @@ class StoreContract:
         message = new_message(sender, to, now, **fields)
         assert await store.add(message) is True
         return message
+
+    def test_provides_the_interface(self, store):
+        from zope.interface.verify import verifyObject
+
+        from relay.store.interface import IMessageStore
+
+        assert verifyObject(IMessageStore, store)
 
     # -- add, dedup, find ------------------------------------------------------
 
@@ -157,7 +196,7 @@ class StoreContract:
         again = new_message("alpha", "beta", START + 1, id="same", body={"text": "other"})
         assert await store.add(again) is False
         assert (await store.find("same")).body == sent.body
-        messages, _ = await store.get_since("beta", None, 50, START)
+        messages, _ = await store.poll("beta", None, 50, START, RULES)
         assert [m.id for m in messages] == ["same"]
 
     @pytest_twisted.ensureDeferred
@@ -166,29 +205,49 @@ class StoreContract:
             await self.send(store, id=message_id)
             assert (await store.find(message_id)).id == message_id
 
+    @pytest_twisted.ensureDeferred
+    async def test_returned_messages_are_copies(self, store):
+        sent = await self.send(store, id="m", body={"text": "kept", "list": [1]})
+        sent.status, sent.body["text"] = DONE, "changed after add"
+        views = [await store.find("m"), (await store.recent("beta", 1, START, RULES))[0],
+                 (await store.query("beta", 1, {}, START, RULES))[0],
+                 (await store.poll("beta", None, 1, START, RULES))[0][0]]
+        for view in views:
+            view.status, view.attempts, view.lease_id = DONE, 9, "forged"
+            view.body["text"] = "changed"
+            view.body["list"].append(2)
+        (leased,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        assert leased.body == {"text": "kept", "list": [1]} and leased.attempts == 0
+        leased.status, leased.lease_id = QUEUED, "forged"
+        leased.body["text"] = "changed"
+        found = await store.find("m")
+        assert found.status == LEASED and found.lease_id not in (None, "forged")
+        assert found.body == {"text": "kept", "list": [1]}
+        assert await store.pull("beta", 1, self.LEASE, START, RULES) == []
+
     # -- v1.0 poll ---------------------------------------------------------------
 
     @pytest_twisted.ensureDeferred
     async def test_poll_cursor(self, store):
         ids = [(await self.send(store, id=f"m{i}")).id for i in range(5)]
         await self.send(store, to="gamma", id="other")
-        messages, cursor = await store.get_since("beta", None, 2, START)
+        messages, cursor = await store.poll("beta", None, 2, START, RULES)
         assert [m.id for m in messages] == ids[:2] and cursor == ids[1]
-        messages, cursor = await store.get_since("beta", cursor, 50, START)
+        messages, cursor = await store.poll("beta", cursor, 50, START, RULES)
         assert [m.id for m in messages] == ids[2:] and cursor == ids[4]
-        messages, cursor = await store.get_since("beta", cursor, 50, START)
+        messages, cursor = await store.poll("beta", cursor, 50, START, RULES)
         assert messages == [] and cursor == ids[4]
-        messages, cursor = await store.get_since("beta", "unknown", 50, START)
+        messages, cursor = await store.poll("beta", "unknown", 50, START, RULES)
         assert [m.id for m in messages] == ids
-        messages, cursor = await store.get_since("nobody", None, 50, START)
+        messages, cursor = await store.poll("nobody", None, 50, START, RULES)
         assert messages == [] and cursor is None
 
     @pytest_twisted.ensureDeferred
     async def test_poll_returns_only_queued(self, store):
         a = await self.send(store, id="a")
         b = await self.send(store, id="b")
-        await store.pull("beta", 1, self.LEASE, START)
-        messages, cursor = await store.get_since("beta", None, 50, START)
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        messages, cursor = await store.poll("beta", None, 50, START, RULES)
         assert [m.id for m in messages] == [b.id] and cursor == b.id
         assert (await store.find(a.id)).status == LEASED
 
@@ -196,152 +255,256 @@ class StoreContract:
     async def test_recovery_delivery_after_lease_expiry(self, store):
         a = await self.send(store, id="a")
         b = await self.send(store, id="b")
-        leased = await store.pull("beta", 1, self.LEASE, START)
+        leased = await store.pull("beta", 1, self.LEASE, START, RULES)
         assert [m.id for m in leased] == ["a"]
-        messages, cursor = await store.get_since("beta", None, 50, START)
+        messages, cursor = await store.poll("beta", None, 50, START, RULES)
         assert [m.id for m in messages] == ["b"] and cursor == "b"
-        await store.sweep_leases(START + self.LEASE + 1)
-        messages, cursor2 = await store.get_since("beta", cursor, 50, START + self.LEASE + 1)
+        assert await store.sweep_leases(START + self.LEASE + 1, RULES) == 1
+        messages, cursor2 = await store.poll("beta", cursor, 50, START + self.LEASE + 1, RULES)
         assert [m.id for m in messages] == [a.id]
         assert cursor2 == b.id, "the cursor never moves backwards"
-        messages, _ = await store.get_since("beta", cursor2, 50, START + self.LEASE + 2)
+        messages, _ = await store.poll("beta", cursor2, 50, START + self.LEASE + 2, RULES)
         assert messages == [], "a recovery delivery happens once"
 
     @pytest_twisted.ensureDeferred
     async def test_recovery_without_sweep(self, store):
         await self.send(store, id="a")
         await self.send(store, id="b")
-        await store.pull("beta", 1, self.LEASE, START)
-        _, cursor = await store.get_since("beta", None, 50, START)
-        messages, _ = await store.get_since("beta", cursor, 50, START + self.LEASE + 1)
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        _, cursor = await store.poll("beta", None, 50, START, RULES)
+        messages, _ = await store.poll("beta", cursor, 50, START + self.LEASE + 1, RULES)
         assert [m.id for m in messages] == ["a"]
 
-    # -- pull and ack -----------------------------------------------------------------
+    @pytest_twisted.ensureDeferred
+    async def test_recovery_deliveries_count_against_the_limit(self, store):
+        for i in range(3):
+            await self.send(store, id=f"r{i}")
+        await self.send(store, id="after")
+        await store.pull("beta", 3, self.LEASE, START, RULES)
+        _, cursor = await store.poll("beta", None, 50, START, RULES)
+        later = START + self.LEASE
+        messages, cursor = await store.poll("beta", cursor, 2, later, RULES)
+        assert [m.id for m in messages] == ["r0", "r1"] and cursor == "after"
+        messages, cursor = await store.poll("beta", cursor, 2, later, RULES)
+        assert [m.id for m in messages] == ["r2"] and cursor == "after"
+
+    # -- pull and settle --------------------------------------------------------------
 
     @pytest_twisted.ensureDeferred
     async def test_pull_leases_oldest_first(self, store):
         ids = [(await self.send(store, id=f"m{i}")).id for i in range(3)]
         await self.send(store, to="gamma")
-        leased = await store.pull("beta", 2, self.LEASE, START)
+        leased = await store.pull("beta", 2, self.LEASE, START, RULES)
         assert [m.id for m in leased] == ids[:2]
         for m in leased:
             assert m.status == LEASED and m.lease_id
             assert m.lease_until == int(START * 1000) + self.LEASE * 1000
-            assert m.envelope(with_lease=True)["leaseId"] == m.lease_id
+            assert m.envelope("beta")["leaseId"] == m.lease_id
         assert leased[0].lease_id != leased[1].lease_id
-        rest = await store.pull("beta", 10, self.LEASE, START)
+        rest = await store.pull("beta", 10, self.LEASE, START, RULES)
         assert [m.id for m in rest] == ids[2:]
-        assert await store.pull("beta", 10, self.LEASE, START) == []
+        assert await store.pull("beta", 10, self.LEASE, START, RULES) == []
 
     @pytest_twisted.ensureDeferred
     async def test_ack_completed(self, store):
         sent = await self.send(store)
-        (m,) = await store.pull("beta", 1, self.LEASE, START)
-        result = await store.ack(sent.id, "beta", m.lease_id, "completed", None, START, 3)
+        (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        result = await ack(store, sent.id, "beta", m.lease_id, "completed", None, START)
         assert result == {"ok": True, "status": DONE, "attempts": 0}
         assert (await store.find(sent.id)).status == DONE
-        assert await store.pull("beta", 10, self.LEASE, START + 10**6) == []
+        assert await store.pull("beta", 10, self.LEASE, START + 10**6, RULES) == []
 
     @pytest_twisted.ensureDeferred
     async def test_retry_then_failed(self, store):
         sent = await self.send(store)
         for attempt in range(1, 5):
-            (m,) = await store.pull("beta", 1, self.LEASE, START)
-            result = await store.ack(sent.id, "beta", m.lease_id, "retry", f"e{attempt}", START, 3)
+            (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+            result = await ack(store, sent.id, "beta", m.lease_id, "retry", f"e{attempt}", START)
             assert result["attempts"] == attempt
             assert result["status"] == (FAILED if attempt == 4 else QUEUED)
         found = await store.find(sent.id)
         assert found.status == FAILED and found.error == "e4" and found.attempts == 4
-        assert await store.pull("beta", 1, self.LEASE, START) == []
+        assert await store.pull("beta", 1, self.LEASE, START, RULES) == []
 
     @pytest_twisted.ensureDeferred
     async def test_ack_errors(self, store):
         sent = await self.send(store)
-        e = await _error(store.ack("nope", "beta", "l", "completed", None, START, 3))
+        e = await _error(ack(store, "nope", "beta", "l", "completed", None, START))
         assert (e.status, e.code) == (404, "no_such_message")
-        e = await _error(store.ack(sent.id, "beta", "l", "completed", None, START, 3))
+        e = await _error(ack(store, sent.id, "beta", "l", "completed", None, START))
         assert (e.status, e.code) == (409, "not_leased")
-        (m,) = await store.pull("beta", 1, self.LEASE, START)
-        e = await _error(store.ack(sent.id, "gamma", m.lease_id, "completed", None, START, 3))
+        (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        e = await _error(ack(store, sent.id, "gamma", m.lease_id, "completed", None, START))
         assert (e.status, e.code) == (403, "forbidden")
-        e = await _error(store.ack(sent.id, "beta", "wrong", "completed", None, START, 3))
+        e = await _error(ack(store, sent.id, "beta", "wrong", "completed", None, START))
         assert (e.status, e.code) == (409, "lease_mismatch")
         assert (await store.find(sent.id)).status == LEASED
 
     @pytest_twisted.ensureDeferred
     async def test_expired_lease_is_dead(self, store):
         sent = await self.send(store)
-        (leased,) = await store.pull("beta", 1, self.LEASE, START)
+        (leased,) = await store.pull("beta", 1, self.LEASE, START, RULES)
         old = leased.lease_id
         later = START + self.LEASE
-        e = await _error(store.ack(sent.id, "beta", old, "completed", None, later, 3))
+        e = await _error(ack(store, sent.id, "beta", old, "completed", None, later))
         assert e.code == "not_leased"
-        assert (await store.find(sent.id)).status == QUEUED
-        (leased,) = await store.pull("beta", 1, self.LEASE, later)
+        found = await store.find(sent.id)
+        assert found.status == QUEUED, "the refused ack persisted the lapsed lease"
+        assert found.lease_id is None and found.lease_until is None
+        (leased,) = await store.pull("beta", 1, self.LEASE, later, RULES)
         new = leased.lease_id
         assert new != old
-        e = await _error(store.ack(sent.id, "beta", old, "completed", None, later, 3))
+        e = await _error(ack(store, sent.id, "beta", old, "completed", None, later))
         assert e.code == "lease_mismatch"
-        result = await store.ack(sent.id, "beta", new, "completed", None, later, 3)
+        result = await ack(store, sent.id, "beta", new, "completed", None, later)
         assert result["status"] == DONE
 
     @pytest_twisted.ensureDeferred
     async def test_pull_releases_expired_leases_first(self, store):
         sent = await self.send(store)
-        await store.pull("beta", 1, self.LEASE, START)
-        assert await store.pull("beta", 1, self.LEASE, START + self.LEASE - 1) == []
-        (again,) = await store.pull("beta", 1, self.LEASE, START + self.LEASE)
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        assert await store.pull("beta", 1, self.LEASE, START + self.LEASE - 1, RULES) == []
+        (again,) = await store.pull("beta", 1, self.LEASE, START + self.LEASE, RULES)
         assert again.id == sent.id and again.attempts == 0
 
     @pytest_twisted.ensureDeferred
     async def test_terminal_states_never_change(self, store):
         done = await self.send(store, id="done")
-        (m,) = await store.pull("beta", 1, self.LEASE, START)
-        await store.ack(done.id, "beta", m.lease_id, "completed", None, START, 3)
+        (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        await ack(store, done.id, "beta", m.lease_id, "completed", None, START)
         for outcome in ("completed", "retry"):
-            e = await _error(store.ack(done.id, "beta", m.lease_id, outcome, None, START, 3))
+            e = await _error(ack(store, done.id, "beta", m.lease_id, outcome, None, START))
             assert e.code == "not_leased"
-        await store.sweep_leases(START + 10**6)
+        await store.sweep_leases(START + 10**6, RULES)
         assert (await store.find(done.id)).status == DONE
-        messages, _ = await store.get_since("beta", None, 50, START + 10**6)
+        messages, _ = await store.poll("beta", None, 50, START + 10**6, RULES)
         assert messages == []
+
+    @pytest_twisted.ensureDeferred
+    async def test_settle_applies_any_transition(self, store):
+        sent = await self.send(store, id="t")
+
+        def stamp(message, now):
+            message.error = f"seen at {int(now)}"
+            return {"id": message.id, "status": message.status}
+
+        assert await store.settle("t", stamp, START + 1, RULES) == {"id": sent.id,
+                                                                   "status": QUEUED}
+        assert (await store.find("t")).error == f"seen at {int(START) + 1}"
+
+        def refuse(message, now):
+            message.error = "kept although the transition raised"
+            raise errors.RelayError(409, "wrong_state", "refused")
+
+        e = await _error(store.settle("t", refuse, START, RULES))
+        assert (e.status, e.code) == (409, "wrong_state")
+        assert (await store.find("t")).error == "kept although the transition raised"
+        e = await _error(store.settle("unknown", stamp, START, RULES))
+        assert e.code == "no_such_message"
 
     @pytest_twisted.ensureDeferred
     async def test_sweep_leases(self, store):
         await self.send(store, to="beta")
         await self.send(store, to="gamma")
-        await store.pull("beta", 1, self.LEASE, START)
-        await store.pull("gamma", 1, self.LEASE * 2, START)
-        assert set(await store.sweep_leases(START + self.LEASE - 1)) == set()
-        assert set(await store.sweep_leases(START + self.LEASE)) == {"beta"}
-        assert set(await store.sweep_leases(START + self.LEASE * 2)) == {"gamma"}
-        assert set(await store.sweep_leases(START + self.LEASE * 3)) == set()
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        await store.pull("gamma", 1, self.LEASE * 2, START, RULES)
+        assert await store.sweep_leases(START + self.LEASE - 1, RULES) == 0
+        assert await store.sweep_leases(START + self.LEASE, RULES) == 1
+        assert (await store.query("beta", 1, {}, START + self.LEASE, RULES))[0].status == QUEUED
+        assert await store.sweep_leases(START + self.LEASE * 2, RULES) == 1
+        assert await store.sweep_leases(START + self.LEASE * 3, RULES) == 0
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_lease_whose_deadline_moved_lapses_at_the_new_deadline(self, store):
+        heard = Recorder()
+        store.subscribe(heard)
+        await self.send(store, id="moved")
+        (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        heard.take()
+
+        def extend(message, now):
+            message.lease_until += 100_000
+            return message.lease_until
+
+        new_deadline = await store.settle("moved", extend, START, RULES)
+        assert heard.take() == (set(), {(new_deadline / 1000.0, "beta")})
+        assert await store.sweep_leases(START + self.LEASE, RULES) == 0
+        assert await store.pull("beta", 1, self.LEASE, START + self.LEASE, RULES) == []
+        found = await store.find("moved")
+        assert (found.status, found.lease_id) == (LEASED, m.lease_id)
+        assert await store.sweep_leases(START + self.LEASE + 100, RULES) == 1
+        assert (await store.find("moved")).status == QUEUED
+
+    # -- what changes mean for waiters ------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_changes_are_reported_once_durable(self, store):
+        heard = Recorder()
+        store.subscribe(heard)
+        sent = await self.send(store, id="w")
+        assert heard.take() == ({"beta"}, set())
+        assert await store.add(new_message("alpha", "beta", START, id="w")) is False
+        assert heard.take() == (set(), set())
+        (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        assert heard.take() == (set(), {(START + self.LEASE, "beta")})
+        await ack(store, sent.id, "beta", m.lease_id, "retry", None, START)
+        assert heard.take() == ({"beta"}, set())
+        (m,) = await store.pull("beta", 1, self.LEASE, START + 1, RULES)
+        heard.take()
+        await ack(store, sent.id, "beta", m.lease_id, "completed", None, START + 1)
+        assert heard.take() == (set(), set())
+        await self.send(store, id="lapses", to="gamma")
+        await store.pull("gamma", 1, self.LEASE, START, RULES)
+        heard.take()
+        assert await store.sweep_leases(START + self.LEASE, RULES) == 1
+        assert heard.take() == ({"gamma"}, set())
+
+    @pytest_twisted.ensureDeferred
+    async def test_reads_release_lapsed_leases_and_report_them(self, store):
+        heard = Recorder()
+        store.subscribe(heard)
+        await self.send(store, id="r")
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        heard.take()
+        later = START + self.LEASE
+        (entry,) = await store.status(["r"], "alpha", later, RULES)
+        assert entry["status"] == QUEUED
+        assert heard.take() == ({"beta"}, set())
 
     # -- status, recent, query -----------------------------------------------------
 
     @pytest_twisted.ensureDeferred
     async def test_status_visibility(self, store):
         sent = await self.send(store, kind="request")
-        entries = await store.status([sent.id, "unknown"], "alpha")
+        entries = await store.status([sent.id, "unknown"], "alpha", START, RULES)
         assert entries == [
             {"id": sent.id, "status": QUEUED, "attempts": 0, "ts": sent.ts, "from": "alpha",
              "to": "beta", "kind": "request"},
             {"id": "unknown", "status": "not_found", "attempts": 0},
         ]
-        assert (await store.status([sent.id], "beta"))[0]["status"] == QUEUED
-        assert await store.status([sent.id], "gamma") == [
+        assert (await store.status([sent.id], "beta", START, RULES))[0]["status"] == QUEUED
+        assert await store.status([sent.id], "gamma", START, RULES) == [
             {"id": sent.id, "status": "not_found", "attempts": 0}
         ]
+
+    @pytest_twisted.ensureDeferred
+    async def test_status_reports_the_last_error(self, store):
+        sent = await self.send(store)
+        (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        await ack(store, sent.id, "beta", m.lease_id, "retry", "disk full", START)
+        (entry,) = await store.status([sent.id], "alpha", START, RULES)
+        assert entry["error"] == "disk full" and entry["attempts"] == 1
+        assert "error" not in (await store.find(sent.id)).envelope("beta")
 
     @pytest_twisted.ensureDeferred
     async def test_recent_newest_first_any_status(self, store):
         ids = [(await self.send(store, id=f"m{i}")).id for i in range(4)]
         await self.send(store, sender="beta", to="alpha")
-        await store.pull("beta", 1, self.LEASE, START)
-        recent = await store.recent("beta", 3)
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        recent = await store.recent("beta", 3, START, RULES)
         assert [m.id for m in recent] == ids[::-1][:3]
-        assert [m.id for m in await store.recent("beta", 50)] == ids[::-1]
-        assert (await store.recent("beta", 50))[-1].status == LEASED
+        assert [m.id for m in await store.recent("beta", 50, START, RULES)] == ids[::-1]
+        assert (await store.recent("beta", 50, START, RULES))[-1].status == LEASED
 
     @pytest_twisted.ensureDeferred
     async def test_query_filters(self, store):
@@ -349,10 +512,11 @@ class StoreContract:
         await self.send(store, id="plain")
         await self.send(store, sender="beta", to="alpha", id="rep", kind="reply", parentId="req")
         await self.send(store, sender="gamma", to="delta", id="foreign")
-        await store.pull("beta", 1, self.LEASE, START)
+        await store.pull("beta", 1, self.LEASE, START, RULES)
 
         async def ids(agent, limit=50, kind=None, status=None, sender=None, to=None):
-            return [m.id for m in await store.query(agent, limit, kind, status, sender, to)]
+            filters = {"kind": kind, "status": status, "from": sender, "to": to}
+            return [m.id for m in await store.query(agent, limit, filters, START, RULES)]
 
         # The caller's inbox only, as the reference broker searches: beta's "rep" to
         # alpha is alpha's, not beta's.
@@ -386,17 +550,18 @@ class StoreContract:
     @pytest_twisted.ensureDeferred
     async def test_sweep_expired(self, store):
         old = await self.send(store, id="old", now=START)
-        await store.pull("beta", 1, self.LEASE, START)
+        await store.pull("beta", 1, self.LEASE, START, RULES)
         await self.send(store, id="young", now=START + 100)
         assert await store.sweep_expired(START + 50) == 1
         assert await store.find(old.id) is None
-        e = await _error(store.ack(old.id, "beta", "x", "completed", None, START + 60, 3))
+        e = await _error(ack(store, old.id, "beta", "x", "completed", None, START + 60))
         assert e.code == "no_such_message"
-        assert [m.id for m in await store.recent("beta", 50)] == ["young"]
+        assert [m.id for m in await store.recent("beta", 50, START, RULES)] == ["young"]
         assert await store.sweep_expired(START + 50) == 0
-        assert await store.status(["old"], "alpha") == [
+        assert await store.status(["old"], "alpha", START, RULES) == [
             {"id": "old", "status": "not_found", "attempts": 0}
         ]
 
 
-__all__ = ["StoreContract", "SignedClient", "make_api", "make_config", "new_message"]
+__all__ = ["Recorder", "StoreContract", "SignedClient", "ack", "make_api", "make_config",
+           "new_message"]

@@ -1,35 +1,31 @@
 """The broker's HTTP API (spec §4, §5.1) as a Klein app.
 
-Routes only translate HTTP into store calls: parse, authenticate, call,
-encode. Every failure is a :class:`relay.errors.RelayError` rendered in one
-place as the §6 body; anything unexpected becomes ``503 busy`` and is logged
-by incident id only, never with message content.
+Routes only translate HTTP into broker calls: authenticate, parse, one call to
+:class:`relay.broker.Broker`, encode. They hold no delivery rule. Every
+failure is a :class:`relay.errors.RelayError` rendered in one place as the §6
+body; anything unexpected becomes ``503 busy`` and is logged by incident id
+only, never with message content.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 import uuid
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from klein import Klein
-from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
-from werkzeug.exceptions import MethodNotAllowed, NotFound
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import RequestRedirect
 
-from relay import __version__, errors, protocol
+from relay import errors, protocol
 from relay.auth import Authenticator, RateLimiter
-from relay.config import Config
-from relay.delivery import Message
+from relay.broker import Broker
 from relay.errors import RelayError
-from relay.protocol import HEARTBEAT_TTL_SECONDS, MAX_WAIT_SECONDS
-from relay.waiters import Waiters
 
 log = Logger(namespace="relay.web")
 
@@ -38,7 +34,6 @@ JSON_HEADERS = (
     (b"cache-control", b"no-store"),
 )
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
@@ -60,25 +55,6 @@ def write_json(request, status: int, value: Any) -> bytes:
     body = encode_json(value)
     request.setHeader(b"content-length", b"%d" % len(body))
     return body
-
-
-def parse_json(raw: bytes) -> Any:
-    """A request body as JSON (``{}`` when empty); lone surrogates are refused."""
-    value = protocol.parse_json_body(raw)
-    if _SURROGATE_ESCAPE.search(raw):
-        try:
-            encode_json(value)
-        except UnicodeEncodeError:
-            raise errors.bad_request("request body holds an invalid unicode escape") from None
-    return value
-
-
-def parse_object(raw: bytes) -> Dict[str, Any]:
-    """A request body that must be a JSON object."""
-    value = parse_json(raw)
-    if not isinstance(value, dict):
-        raise errors.bad_request("body must be a JSON object")
-    return value
 
 
 def check_body_size(request) -> None:
@@ -119,14 +95,17 @@ def _query_arg(request, name: bytes) -> Optional[str]:
 
 def authenticated(route: Callable) -> Callable:
     """Route decorator: rate-limit, verify the §3 headers, pass the agent name."""
+    endpoint = route.__name__
 
     @functools.wraps(route)
     def wrapper(self: RelayAPI, request, *args, **kwargs):
         agent = self.authenticate(request)
         path = request.path
-        if (not kwargs and b"%" in path) or path.startswith(b"//"):
-            # Paths match as sent (spec §1): "/v1/%70ull" is not "/v1/pull", and
-            # "//peers" is not "/peers" (Klein would drop the empty first segment).
+        if path.startswith(b"//") or (b"%" in path and not self.matches_as_sent(request,
+                                                                                 endpoint)):
+            # Paths match as sent (spec §1): "/v1/%70ull" is not "/v1/pull",
+            # "/messages/<id>%2Fack" is not "/messages/<id>/ack", and "//peers" is
+            # not "/peers" (Klein would drop the empty first segment).
             raise _no_route(request)
         return route(self, request, agent, *args, **kwargs)
 
@@ -134,46 +113,16 @@ def authenticated(route: Callable) -> Callable:
 
 
 class RelayAPI:
-    """The HTTP API over one store. ``resource()`` gives the root IResource."""
+    """The HTTP face of a :class:`relay.broker.Broker`. ``resource()`` gives the
+    root IResource."""
 
     app = Klein()
 
-    def __init__(
-        self,
-        store,
-        config: Config,
-        clock: IReactorTime,
-        auth: Optional[Authenticator] = None,
-        rate_limiter: Optional[RateLimiter] = None,
-        waiters: Optional[Waiters] = None,
-    ) -> None:
-        self.store = store
-        self.config = config
-        self.clock = clock
-        self.auth = (
-            auth if auth is not None else Authenticator.from_config(config, clock, _log_lock)
-        )
-        self.rate_limiter = (
-            rate_limiter
-            if rate_limiter is not None
-            else RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote)
-        )
-        self.waiters = waiters if waiters is not None else Waiters(clock)
-        self.info = encode_json(
-            {
-                "protocol": protocol.PROTOCOL_VERSION,
-                "broker": protocol.BROKER_NAME,
-                "version": __version__,
-                "capabilities": {
-                    "leaseDelivery": True,
-                    "requestReply": True,
-                    "filteredQuery": True,
-                    "sqlitePersistence": True,
-                    "longPoll": {"maxWaitSeconds": MAX_WAIT_SECONDS},
-                },
-                "storage": store.name,
-            }
-        )
+    def __init__(self, broker: Broker, auth: Authenticator, rate_limiter: RateLimiter) -> None:
+        self.broker = broker
+        self.auth = auth
+        self.rate_limiter = rate_limiter
+        self.info = encode_json(broker.info())
 
     def resource(self):
         """The resource serving this API: Klein's, behind a check of the URL's encoding."""
@@ -194,6 +143,17 @@ class RelayAPI:
             _header(headers, b"x-relay-signature"),
             raw_body(request),
         )
+
+    def matches_as_sent(self, request, endpoint: str) -> bool:
+        """True when the path as sent, before percent-decoding, matches ``endpoint``'s
+        route (a parameter may hold escapes; a fixed part may not)."""
+        adapter = self.app.url_map.bind("relay")
+        try:
+            matched, _ = adapter.match(request.path.decode("ascii"),
+                                       method=request.method.decode("ascii"))
+        except (HTTPException, RequestRedirect, UnicodeDecodeError):
+            return False
+        return matched == endpoint
 
     @app.handle_errors(RelayError)
     def relay_error(self, request, failure: Failure) -> bytes:
@@ -236,30 +196,19 @@ class RelayAPI:
 
     @app.route("/register", methods=["POST"])
     @authenticated
-    @inlineCallbacks
-    def register(self, request, agent: str):
-        body = parse_object(raw_body(request))
+    def register(self, request, agent: str) -> Deferred:
+        body = protocol.parse_json_object(raw_body(request))
         protocol.check_body_agent(body, agent)
-        now = int(self.clock.seconds())
-        yield self.store.register(agent, now)
-        return write_json(request, 200, {"ok": True, "agent": agent, "ts": now})
+        d = self.broker.register(agent)
+        d.addCallback(lambda ts: write_json(request, 200, {"ok": True, "agent": agent, "ts": ts}))
+        return d
 
     @app.route("/peers", methods=["GET"])
     @authenticated
-    @inlineCallbacks
-    def peers(self, request, agent: str):
-        peers = yield self.store.peers()
-        now = self.clock.seconds()
-        return write_json(
-            request,
-            200,
-            {
-                "peers": [
-                    {"agent": name, "online": now - seen < HEARTBEAT_TTL_SECONDS, "lastSeen": seen}
-                    for name, seen in peers
-                ]
-            },
-        )
+    def peers(self, request, agent: str) -> Deferred:
+        d = self.broker.peers()
+        d.addCallback(lambda peers: write_json(request, 200, {"peers": peers}))
+        return d
 
     # The hot routes (send, pull, ack) chain callbacks rather than use
     # inlineCallbacks: a generator per request is measurable at this rate.
@@ -267,29 +216,16 @@ class RelayAPI:
     @app.route("/messages", methods=["POST"])
     @authenticated
     def send(self, request, agent: str) -> Deferred:
-        envelope = protocol.normalize_envelope(parse_json(raw_body(request)), agent)
-        self.check_acl(agent, envelope["to"])
-        registered = self.store.is_registered(envelope["to"])
-        if isinstance(registered, Deferred):  # a store that answers asynchronously
-            registered.addCallback(self._add_if_registered, request, envelope)
-            return registered
-        return self._add_if_registered(registered, request, envelope)
-
-    def _add_if_registered(self, registered: bool, request, envelope) -> Deferred:
-        if not registered:
-            raise errors.no_such_agent(f"recipient {envelope['to']!r} has never registered")
-        message = Message.from_envelope(envelope, self.clock.seconds())
-        d = self.store.add(message)
-        d.addCallback(self._added, request, message)
+        envelope = protocol.normalize_envelope(protocol.parse_json_body(raw_body(request)), agent)
+        d = self.broker.send(agent, envelope)
+        d.addCallback(self._sent, request, envelope["id"])
         return d
 
-    def _added(self, added: bool, request, message: Message) -> bytes:
-        if added:
-            self.waiters.wake(message.to)
+    def _sent(self, added: bool, request, message_id: str) -> bytes:
         return write_json(
             request,
             201 if added else 200,
-            {"accepted": True, "id": message.id, "duplicate": not added},
+            {"accepted": True, "id": message_id, "duplicate": not added},
         )
 
     @app.route("/messages", methods=["GET"])
@@ -298,159 +234,73 @@ class RelayAPI:
         since = _query_arg(request, b"since") or None
         limit = protocol.clamp_limit(_query_arg(request, b"limit"))
         wait = protocol.parse_wait_seconds(_query_arg(request, b"wait"), "wait")
-
-        def attempt():
-            return self.store.get_since(agent, since, limit, self.clock.seconds())
-
-        def found(result) -> bool:
-            return bool(result[0])
-
-        d = self.waiters.wait_for(agent, attempt, found, wait, consume=False)
+        d = self.broker.poll(agent, since, limit, wait)
         d.addCallback(
-            lambda result: write_json(
-                request,
-                200,
-                {"messages": [m.envelope() for m in result[0]], "cursor": result[1]},
-            )
+            lambda page: write_json(request, 200, {"messages": page[0], "cursor": page[1]})
         )
         return d
 
     @app.route("/messages/<path:message_id>/ack", methods=["POST"])
     @authenticated
-    @inlineCallbacks
-    def receipt(self, request, agent: str, message_id: str):
-        target = yield self.store.find(message_id)
-        if target is None:
-            raise errors.no_such_message()
-        if target.to != agent:
-            raise errors.forbidden("only the recipient may acknowledge this message")
-        envelope = protocol.ack_receipt(
-            {"id": target.id, "from": target.sender}, agent, parse_json(raw_body(request))
-        )
-        self.check_acl(agent, envelope["to"])
-        message = Message.from_envelope(envelope, self.clock.seconds())
-        yield self.store.add(message)
-        self.waiters.wake(message.to)
-        return write_json(request, 201, {"accepted": True, "id": message.id})
+    def receipt(self, request, agent: str, message_id: str) -> Deferred:
+        d = self.broker.receipt(agent, message_id, raw_body(request))
+        d.addCallback(lambda receipt_id: write_json(request, 201,
+                                                    {"accepted": True, "id": receipt_id}))
+        return d
 
     # -- v1.1 ----------------------------------------------------------------
 
     @app.route("/v1/pull", methods=["POST"])
     @authenticated
     def pull(self, request, agent: str) -> Deferred:
-        body = parse_object(raw_body(request))
+        body = protocol.parse_json_object(raw_body(request))
         protocol.check_body_agent(body, agent)
         limit = protocol.clamp_limit(body.get("limit"))
-        lease_seconds = protocol.parse_lease_seconds(body, self.config.lease_seconds)
+        lease_seconds = protocol.parse_lease_seconds(body)
         wait = protocol.parse_wait_seconds(body.get("waitSeconds"), "waitSeconds")
-
-        def attempt():
-            return self.store.pull(agent, limit, lease_seconds, self.clock.seconds())
-
-        def leased(messages):
-            # One pull leases its batch with one deadline.
-            for lease_until in {m.lease_until for m in messages}:
-                self.waiters.wake_at(agent, lease_until / 1000.0)
-            return write_json(
-                request,
-                200,
-                {
-                    "messages": [m.envelope(with_lease=True) for m in messages],
-                    "count": len(messages),
-                },
-            )
-
-        d = self.waiters.wait_for(agent, attempt, bool, wait)
-        d.addCallback(leased)
+        d = self.broker.pull(agent, limit, lease_seconds, wait)
+        d.addCallback(self._listed, request)
         return d
+
+    def _listed(self, messages: List[Dict[str, Any]], request) -> bytes:
+        return write_json(request, 200, {"messages": messages, "count": len(messages)})
 
     @app.route("/v1/ack", methods=["POST"])
     @authenticated
     def ack(self, request, agent: str) -> Deferred:
         message_id, lease_id, outcome, error = protocol.parse_ack_outcome(
-            parse_object(raw_body(request))
+            protocol.parse_json_object(raw_body(request))
         )
-        d = self.store.ack(
-            message_id,
-            agent,
-            lease_id,
-            outcome,
-            error,
-            self.clock.seconds(),
-            self.config.max_attempts,
-        )
-        d.addCallback(self._settled, request, agent)
+        d = self.broker.ack(agent, message_id, lease_id, outcome, error)
+        d.addCallback(lambda result: write_json(request, 200, result))
         return d
-
-    def _settled(self, result: Dict[str, Any], request, agent: str) -> bytes:
-        if result["status"] == protocol.QUEUED:
-            self.waiters.wake(agent)
-        return write_json(request, 200, result)
 
     @app.route("/v1/status", methods=["POST"])
     @authenticated
-    @inlineCallbacks
-    def status(self, request, agent: str):
-        ids = protocol.parse_status_ids(parse_object(raw_body(request)))
-        yield self.release_expired_leases()
-        entries = yield self.store.status(ids, agent)
-        return write_json(request, 200, {"messages": entries})
+    def status(self, request, agent: str) -> Deferred:
+        ids = protocol.parse_status_ids(protocol.parse_json_object(raw_body(request)))
+        d = self.broker.status(agent, ids)
+        d.addCallback(lambda entries: write_json(request, 200, {"messages": entries}))
+        return d
 
     @app.route("/v1/recent", methods=["POST"])
     @authenticated
-    @inlineCallbacks
-    def recent(self, request, agent: str):
-        body = parse_object(raw_body(request))
+    def recent(self, request, agent: str) -> Deferred:
+        body = protocol.parse_json_object(raw_body(request))
         protocol.check_body_agent(body, agent)
-        yield self.release_expired_leases()
-        messages = yield self.store.recent(agent, protocol.clamp_limit(body.get("limit")))
-        return write_json(
-            request, 200, {"messages": [m.envelope() for m in messages], "count": len(messages)}
-        )
+        d = self.broker.recent(agent, protocol.clamp_limit(body.get("limit")))
+        d.addCallback(self._listed, request)
+        return d
 
     @app.route("/v1/messages/query", methods=["POST"])
     @authenticated
-    @inlineCallbacks
-    def query(self, request, agent: str):
-        body = parse_object(raw_body(request))
+    def query(self, request, agent: str) -> Deferred:
+        body = protocol.parse_json_object(raw_body(request))
         protocol.check_body_agent(body, agent)
         filters = protocol.parse_query_filters(body)
-        yield self.release_expired_leases()
-        messages = yield self.store.query(
-            agent,
-            protocol.clamp_limit(body.get("limit")),
-            filters["kind"],
-            filters["status"],
-            filters["from"],
-            filters["to"],
-        )
-        return write_json(
-            request, 200, {"messages": [m.envelope() for m in messages], "count": len(messages)}
-        )
-
-    # -- rules -----------------------------------------------------------------
-
-    def release_expired_leases(self) -> Deferred:
-        """Requeue leases past their deadline before a read, so it reports them truthfully.
-
-        The periodic sweep does the same; this keeps ``/v1/status``, ``/v1/recent``
-        and ``/v1/messages/query`` exact between two sweeps (spec §5.1).
-        """
-        d = self.store.sweep_leases(self.clock.seconds())
-
-        def woke(agents) -> None:
-            for name in agents:
-                self.waiters.wake(name)
-
-        d.addCallback(woke)
+        d = self.broker.query(agent, protocol.clamp_limit(body.get("limit")), filters)
+        d.addCallback(self._listed, request)
         return d
-
-    def check_acl(self, sender: str, recipient: str) -> None:
-        """403 ``forbidden`` when ``sender``'s ``allowed_targets`` omit ``recipient``."""
-        entry = self.config.agents.get(sender)
-        targets = entry.allowed_targets if entry is not None else None
-        if targets is not None and recipient not in targets:
-            raise errors.forbidden(f"agent {sender!r} is not allowed to send to {recipient!r}")
 
 
 class _UTF8URLs(Resource):
@@ -481,10 +331,6 @@ def _no_route(request) -> RelayError:
     method = request.method.decode("latin-1")
     path = request.path.decode("utf-8", "replace")
     return errors.not_found(f"no route {method} {path}")
-
-
-def _log_lock(agent: str) -> None:
-    log.warn("agent {agent} is locked after repeated authentication failures", agent=agent)
 
 
 def _header(headers, name: bytes) -> Optional[bytes]:

@@ -9,25 +9,22 @@ from twisted.internet.task import Clock
 from relay.store.plugins import store_factories
 from relay.testing import START, make_config
 
-BACKENDS = ("memory", "sqlite", "jsonl")
+# Every registered backend plugin runs the store contract.
+BACKENDS = tuple(sorted(store_factories()))
 
 
 def open_backend(name: str, data_dir: str, **broker):
-    """Open backend ``name`` on ``data_dir``; skips the test when it is not built.
+    """Open backend ``name`` on ``data_dir`` (``broker`` are extra ``broker.*`` keys).
 
     Stores get the real reactor: they may schedule their group commits on it.
     Store methods take ``now`` explicitly, so tests still control time.
     """
     from twisted.internet import reactor
 
-    factory = store_factories()[name]
+    from relay.store.plugins import open_configured_store
+
     config = make_config(storage=name, dataDir=str(data_dir), **broker)
-    try:
-        return factory.open(config, reactor)
-    except ModuleNotFoundError as e:
-        if e.name == factory.module:
-            pytest.skip(f"backend {name} is not available")
-        raise
+    return open_configured_store(config, reactor)
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
 from zope.interface import implementer
 
 from relay.http import RelayRequest
+from relay.service import make_api
 from relay.signing import sign
 from relay.testing import SECRET, START, make_config
-from relay.web import RelayAPI
 
 BASE = b"http://127.0.0.1:19121"
 
@@ -100,7 +100,8 @@ class Broker:
             self.clock.advance(START)
         self.config = config if config is not None else make_config(**broker)
         self.store = store if store is not None else MemoryStore()
-        self.api = RelayAPI(self.store, self.config, self.clock)
+        self.api = make_api(self.config, self.store, self.clock)
+        self.broker = self.api.broker
         self.agent = RequestTraversalAgent(self.api.resource())
         self.agent._serverFactory.requestFactory = RelayRequest
         self.secrets: Dict[str, str] = {}

@@ -287,7 +287,7 @@ def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
 
     # the lease lapses; a new process (new ReceiptStore from the same file) starts
     world.settle(61)
-    world.run(world.api.store.sweep_leases(world.clock.seconds()))
+    world.run(world.api.broker.sweep_leases())
     assert world.status(request)[0] == "queued"
     handler_after_restart = Recorder()
     second = world.runtime(handler_after_restart)

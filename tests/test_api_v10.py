@@ -174,12 +174,15 @@ async def test_ts_is_assigned_by_the_broker_when_absent():
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_full_envelope_keeps_its_ts():
-    """Spec §2: ``from``/``ts``/``id`` are assigned by the broker *if absent*."""
+async def test_ts_is_always_the_brokers_store_time():
+    """Spec §2: ``ts`` is the "broker-side timestamp when the message is stored"; the
+    reference sets it to now whatever the client sent, so a sender cannot backdate."""
     b = await two_agents()
-    await b.message("alpha", "beta", ts="1999-01-01T00:00:00.000Z")
-    (message,), _ = await b.poll("beta")
-    assert message["ts"] == "1999-01-01T00:00:00.000Z"
+    b.clock.advance(0.25)
+    for sent in ("1999-01-01T00:00:00.000Z", 12345, "", None):
+        await b.message("alpha", "beta", ts=sent)
+    messages, _ = await b.poll("beta")
+    assert [m["ts"] for m in messages] == ["2024-04-05T19:34:38.250Z"] * 4
 
 
 @pytest_twisted.ensureDeferred
@@ -645,7 +648,9 @@ async def test_per_agent_secrets_and_unknown_agent():
      ("POST", "/messages/m1"), ("PATCH", "/v1/ack"), ("GET", "/v1/status"),
      ("GET", "/%2F"), ("POST", "/v1/%70ull"), ("POST", "/%72egister"), ("GET", "//peers"),
      ("POST", "//messages"), ("POST", "//v1/pull"), ("POST", "//messages/m1/ack"),
-     ("GET", "//")],
+     ("GET", "//"), ("POST", "/messages/m1%2Fack"), ("POST", "/messages/m1%2fack"),
+     ("POST", "/messages%2Fm1/ack"), ("POST", "/messages/m1/%61ck"),
+     ("POST", "/messages/m1/ack%2F")],
 )
 @pytest_twisted.ensureDeferred
 async def test_unknown_route_or_wrong_method_is_404_not_found(method, path):
@@ -654,6 +659,24 @@ async def test_unknown_route_or_wrong_method_is_404_not_found(method, path):
     reply = await b.request("alpha", method, path, raw=raw)
     assert_error(reply, 404, "not_found")
     assert method in reply.json["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_receipt_path_that_matches_only_once_decoded_stores_nothing():
+    b = await two_agents()
+    await b.message("alpha", "beta", id="m1")
+    assert_error(await b.post("beta", "/messages/m1%2Fack", {}), 404, "not_found")
+    assert (await b.poll("alpha"))[0] == [], "no receipt was stored"
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_escaped_id_in_the_receipt_path_is_the_decoded_id():
+    b = await two_agents()
+    await b.message("alpha", "beta", id="sl/ash ü")
+    reply = await b.post("beta", "/messages/sl%2Fash%20%C3%BC/ack", {})
+    assert reply.code == 201, reply
+    (receipt,), _ = await b.poll("alpha")
+    assert receipt["replyTo"] == "sl/ash ü"
 
 
 @pytest_twisted.ensureDeferred

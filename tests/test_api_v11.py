@@ -158,8 +158,9 @@ async def test_ack_retry_requeues_then_fails_after_max_attempts():
     assert await b.pull("beta") == []
     (entry,) = await b.status("alpha", msg_id)
     assert entry["status"] == "failed" and entry["attempts"] == 4
+    assert entry["error"] == "e4", "the error of the last ack is reported by /v1/status"
     (stored,) = (await b.post("beta", "/v1/recent", {})).json["messages"]
-    assert stored["error"] == "e4", "the error of the last ack is stored"
+    assert "error" not in stored, "the ack's error is not an envelope field"
 
 
 @pytest_twisted.ensureDeferred
@@ -341,7 +342,7 @@ async def test_recent_is_my_inbox_newest_first_any_status_read_only():
     everything = (await b.post("beta", "/v1/recent", {})).json["messages"]
     assert [m["id"] for m in everything] == ids[::-1]
     assert everything[-1]["status"] == "leased"
-    assert "leaseId" not in everything[-1], "the lease id goes only to the puller"
+    assert everything[-1]["leaseId"] == leased["leaseId"], "the recipient sees its lease"
     assert [m["id"] for m in await b.pull("beta")] == ids[1:], "recent leased nothing"
 
 
@@ -538,7 +539,7 @@ async def test_long_poll_times_out_empty():
     b.advance(0.1)
     reply = d.result
     assert reply.code == 200 and reply.json == {"messages": [], "count": 0}
-    assert b.api.waiters.count() == 0
+    assert b.broker.waiters.count() == 0
 
 
 @pytest_twisted.ensureDeferred
@@ -597,12 +598,34 @@ async def test_a_cancelled_waiter_leases_nothing():
     b = await two_agents()
     d = b.post("beta", "/v1/pull", {"waitSeconds": 20})
     b.advance(1)
-    assert b.api.waiters.count("beta") == 1
+    assert b.broker.waiters.count("beta") == 1
     for pump in list(b.agent._pumps):
         pump.clientIO.loseConnection()
     b.flush()
-    assert b.api.waiters.count("beta") == 0
+    assert b.broker.waiters.count("beta") == 0
     d.addErrback(lambda f: None)
     msg_id = await b.message("alpha", "beta")
     assert (await b.status("alpha", msg_id))[0]["status"] == "queued"
     assert [m["id"] for m in await b.pull("beta")] == [msg_id]
+
+
+@pytest_twisted.ensureDeferred
+async def test_lease_id_is_shown_to_the_recipient_while_leased_and_to_no_one_else():
+    b = await two_agents()
+    msg_id = await b.message("alpha", "beta", kind="request")
+    (leased,) = await b.pull("beta")
+    views = {
+        "recent": (await b.post("beta", "/v1/recent", {})).json["messages"][0],
+        "query": (await b.post("beta", "/v1/messages/query", {"status": "leased"}))
+        .json["messages"][0],
+    }
+    for view in views.values():
+        assert view["id"] == msg_id and view["leaseId"] == leased["leaseId"]
+    (entry,) = await b.status("alpha", msg_id)
+    assert "leaseId" not in entry
+    assert (await b.post("alpha", "/v1/messages/query", {"to": "beta"})).json["messages"] == []
+    reply = await b.post("beta", "/v1/ack", {"messageId": msg_id, "leaseId": leased["leaseId"],
+                                             "outcome": "completed"})
+    assert reply.code == 200
+    (done,) = (await b.post("beta", "/v1/recent", {})).json["messages"]
+    assert done["status"] == "done" and "leaseId" not in done

@@ -187,3 +187,31 @@ def test_command_line_overrides(tmp_path):
     assert config.listen == ("tcp:2:interface=127.0.0.1",)
     assert config.data_dir == os.path.abspath("rel")
 
+
+
+def test_a_backend_may_have_its_own_section():
+    config = parse("broker: {secret: s, storage: sqlite, sqlite: {sync: full}, jsonl: null}")
+    assert dict(config.backend_sections["sqlite"]) == {"sync": "full"}
+    assert dict(config.backend_sections["jsonl"]) == {}
+    assert "memory" not in config.backend_sections
+
+
+def test_a_section_of_an_unknown_backend_is_an_unknown_key():
+    with pytest.raises(ConfigError) as info:
+        parse("broker: {secret: s, postgress: {dsn: x}}")
+    assert (info.value.key, info.value.reason) == ("broker.postgress", "unknown key")
+
+
+def test_a_backend_section_must_be_a_mapping():
+    with pytest.raises(ConfigError) as info:
+        parse("broker: {secret: s, sqlite: full}")
+    assert info.value.key == "broker.sqlite"
+
+
+def test_a_dropin_backend_names_its_own_section():
+    from relay.config import parse_config
+
+    data = {"broker": {"secret": "s", "storage": "remote", "remote": {"dsn": "host=x"}}}
+    config = parse_config(data, "/etc/relay", backends=("memory", "remote"))
+    assert dict(config.backend_sections["remote"]) == {"dsn": "host=x"}
+    assert config.base_dir == "/etc/relay"

@@ -13,12 +13,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from relay.delivery import Rules
 from relay.errors import RelayError
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store.memory import MemoryStore
-from relay.testing import START, new_message
+from relay.testing import START, ack, new_message
 
-MAX_ATTEMPTS = 2
+RULES = Rules(max_attempts=2)
+MAX_ATTEMPTS = RULES.max_attempts
 
 
 def result_of(d):
@@ -66,7 +68,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def pull(self, limit, lease):
         self.expire()
         expected = [i for i in self.order if self.model[i]["status"] == QUEUED][:limit]
-        got = result_of(self.store.pull("beta", limit, lease, self.now))
+        got = result_of(self.store.pull("beta", limit, lease, self.now, RULES))
         assert [m.id for m in got] == expected
         for m in got:
             assert m.lease_id not in self.lease_ids, "lease ids are fresh"
@@ -82,8 +84,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.expire()
         m = self.model[message_id]
         try:
-            result = result_of(self.store.ack(message_id, "beta", lease_id, outcome, None,
-                                              self.now, MAX_ATTEMPTS))
+            result = result_of(ack(self.store, message_id, "beta", lease_id, outcome, None,
+                                   self.now, RULES))
         except RelayError as e:
             if m["status"] != LEASED:
                 assert e.code == "not_leased"
@@ -105,13 +107,13 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     @rule()
     def sweep(self):
-        result_of(self.store.sweep_leases(self.now))
+        result_of(self.store.sweep_leases(self.now, RULES))
         self.expire()
 
     @rule()
     def poll(self):
         self.expire()
-        messages, _ = result_of(self.store.get_since("beta", None, 200, self.now))
+        messages, _ = result_of(self.store.poll("beta", None, 200, self.now, RULES))
         assert [m.id for m in messages] == [
             i for i in self.order if self.model[i]["status"] == QUEUED
         ]
@@ -120,7 +122,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def agrees_with_model(self):
         if not hasattr(self, "model"):
             return
-        statuses = result_of(self.store.status(self.order, "alpha"))
+        statuses = result_of(self.store.status(self.order, "alpha", self.now, RULES))
         assert len(statuses) == len(self.order)
         leased_by = {}
         deadline = int(self.now * 1000)
@@ -131,7 +133,7 @@ class DeliveryMachine(RuleBasedStateMachine):
 
         for entry in statuses:
             m = self.model[entry["id"]]
-            stored = self.store.state.by_id[entry["id"]]
+            stored = self.store.records.by_id[entry["id"]]
             assert effective(stored.status, stored.lease_until) == effective(m["status"],
                                                                             m["until"])
             assert entry["attempts"] == m["attempts"]
@@ -143,7 +145,7 @@ class DeliveryMachine(RuleBasedStateMachine):
                 assert stored.lease_id == m["lease_id"]
                 assert stored.lease_id not in leased_by.values(), "one holder per lease"
                 leased_by[entry["id"]] = stored.lease_id
-        assert len(self.store.state.by_id) == len(self.order), "nothing lost or duplicated"
+        assert len(self.store.records.by_id) == len(self.order), "nothing lost or duplicated"
 
 
 DeliveryMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,

@@ -38,8 +38,8 @@ class FailingStore(MemoryStore):
     def add(self, message):
         raise RuntimeError(f"cannot store {message.body!r}")
 
-    def pull(self, agent, limit, lease_seconds, now):
-        return fail(ValueError(f"pull broke near {self.state.by_id!r}"))
+    def pull(self, agent, limit, lease_seconds, now, rules):
+        return fail(ValueError(f"pull broke near {self.records.by_id!r}"))
 
 
 @pytest_twisted.ensureDeferred
@@ -80,7 +80,8 @@ async def test_message_content_never_reaches_the_log():
         await failing.register("alpha", "beta")
         assert_error(await failing.post("alpha", "/messages", {"to": "beta", "body": body}),
                      503, "busy")
-        failing.store.state.add(new_message("alpha", "beta", failing.clock.seconds(), body=body))
+        failing.store.records.insert(new_message("alpha", "beta", failing.clock.seconds(),
+                                                 body=body))
         assert_error(await failing.post("beta", "/v1/pull", {}), 503, "busy")
         d = failing.post("beta", "/v1/pull", {"waitSeconds": 5})
         failing.advance(5)

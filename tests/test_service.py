@@ -15,6 +15,7 @@ from twisted.logger import capturedLogs
 from twisted.plugin import IPlugin, getPlugins
 from zope.interface.verify import verifyObject
 
+from relay.delivery import Rules
 from relay.service import RelayService
 from relay.store.interface import IMessageStore, IStoreFactory
 from relay.store.memory import MemoryStore
@@ -115,11 +116,11 @@ class FlakyStore(MemoryStore):
         super().__init__()
         self.sweeps = 0
 
-    def sweep_leases(self, now):
+    def sweep_leases(self, now, rules):
         self.sweeps += 1
         if self.sweeps == 1:
             return fail(RuntimeError("disk on fire"))
-        return super().sweep_leases(now)
+        return super().sweep_leases(now, rules)
 
 
 def make_service(store=None, **broker):
@@ -146,14 +147,15 @@ def test_lease_sweep_requeues_and_wakes_waiters():
     store = MemoryStore()
     service, clock = make_service(store, leaseSeconds=10)
     service.startService()
-    store.state.add(new_message("alpha", "beta", START, id="m1"))
-    store.state.pull("beta", 1, 10, clock.seconds())
+    store.add(new_message("alpha", "beta", START, id="m1"))
+    store.pull("beta", 1, 10, clock.seconds(), Rules())
     woken = []
-    service.api.waiters.wake = woken.append
+    service.broker.waiters.wake = woken.append
     clock.advance(5)
-    assert store.state.by_id["m1"].status == "leased"
+    assert store.records.by_id["m1"].status == "leased"
     clock.advance(5)
-    assert store.state.by_id["m1"].status == "queued" and woken == ["beta"]
+    # woken at the lease deadline, and again by the sweep that requeued the message
+    assert store.records.by_id["m1"].status == "queued" and woken == ["beta", "beta"]
     service.stopService()
 
 
@@ -161,28 +163,30 @@ def test_expiry_sweep_removes_old_messages():
     store = MemoryStore()
     service, clock = make_service(store, messageTtlDays=1)
     service.startService()
-    store.state.add(new_message("alpha", "beta", START, id="old"))
+    store.add(new_message("alpha", "beta", START, id="old"))
     clock.advance(86400 - 60)
-    store.state.add(new_message("alpha", "beta", clock.seconds(), id="new"))
+    store.add(new_message("alpha", "beta", clock.seconds(), id="new"))
     clock.advance(120)
-    assert set(store.state.by_id) == {"new"}
+    assert set(store.records.by_id) == {"new"}
     service.stopService()
 
 
-def test_ttl_zero_keeps_messages():
+def test_ttl_zero_expires_every_message_as_the_reference_does():
     store = MemoryStore()
+    store.add(new_message("alpha", "beta", START - 1, id="before the start"))
     service, clock = make_service(store, messageTtlDays=0)
     service.startService()
-    store.state.add(new_message("alpha", "beta", START, id="kept"))
-    clock.advance(86400 * 400)
-    assert set(store.state.by_id) == {"kept"}
+    assert set(store.records.by_id) == set(), "swept when the broker starts"
+    store.add(new_message("alpha", "beta", START, id="sent now"))
+    clock.advance(0.5)
+    assert set(store.records.by_id) == set(), "and within half a second afterwards"
     service.stopService()
 
 
 def test_peer_watch_logs_offline_peers_by_name():
     store = MemoryStore()
     service, clock = make_service(store)
-    store.state.register("beta", clock.seconds())
+    store.register("beta", clock.seconds())
     with capturedLogs() as events:
         service.startService()
         clock.advance(100)
@@ -202,7 +206,7 @@ async def test_stop_answers_waiters_and_closes_the_store():
 
     service, clock = make_service(ClosingStore())
     service.startService()
-    d = service.api.waiters.wait_for("beta", lambda: succeed([]), bool, 20)
+    d = service.broker.waiters.wait_for("beta", lambda: succeed([]), bool, 20)
     assert not d.called
     await service.stopService()
     assert d.called and closed == [True]
@@ -212,18 +216,18 @@ def test_a_short_fractional_ttl_is_swept_within_a_tenth_of_it():
     store = MemoryStore()
     service, clock = make_service(store, messageTtlDays=0.0001)  # 8.64 s
     service.startService()
-    store.state.add(new_message("alpha", "beta", clock.seconds(), id="short"))
+    store.add(new_message("alpha", "beta", clock.seconds(), id="short"))
     clock.advance(8.0)
-    assert set(store.state.by_id) == {"short"}
+    assert set(store.records.by_id) == {"short"}
     clock.advance(0.64 + 0.864 + 0.01)
-    assert set(store.state.by_id) == set()
+    assert set(store.records.by_id) == set()
     service.stopService()
 
 
 def test_expiry_sweep_interval():
     from relay.service import expiry_sweep_seconds
 
-    assert expiry_sweep_seconds(None) == 60.0
+    assert expiry_sweep_seconds(0.0) == 0.5
     assert expiry_sweep_seconds(7 * 86400.0) == 60.0
     assert expiry_sweep_seconds(100.0) == 10.0
     assert expiry_sweep_seconds(1.0) == 0.5
@@ -279,3 +283,70 @@ def test_open_files_limit_is_left_alone_when_it_cannot_or_should_not_change():
     select_bound = _Limits(1024, 524288)
     assert raise_open_files_limit(SelectReactor(), select_bound) is None
     assert select_bound.limits == (1024, 524288)
+
+
+def test_a_backend_section_is_validated_by_its_factory(tmp_path, capsys):
+    conf = write_config(tmp_path, "broker: {secret: s, storage: memory, "
+                                  "sqlite: {sync: sometimes}}\n")
+    with pytest.raises(SystemExit):
+        makeService(options("--config", conf), MemoryReactorClock())
+    err = capsys.readouterr().err
+    assert err == "relay: config error: broker.sqlite.sync: must be one of off, normal, full\n"
+    conf = write_config(tmp_path, "broker: {secret: s, storage: jsonl, jsonl: {compact: 1}}\n")
+    with pytest.raises(SystemExit):
+        makeService(options("--config", conf), MemoryReactorClock())
+    assert "broker.jsonl.compact: unknown key" in capsys.readouterr().err
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_backend_section_sets_the_backends_options(tmp_path):
+    from relay.store.plugins import open_configured_store
+
+    config = make_config(storage="sqlite", dataDir=str(tmp_path), sync="off",
+                         sqlite={"sync": "full"})
+    store = open_configured_store(config, MemoryReactorClock())
+    try:
+        assert store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
+    finally:
+        await store.close()
+    config = make_config(storage="jsonl", dataDir=str(tmp_path), jsonl={"compactMinRecords": 500})
+    store = open_configured_store(config, MemoryReactorClock())
+    try:
+        assert (store.compact_min_records, store.fsync) == (500, False)
+    finally:
+        await store.close()
+
+
+def test_a_dropin_backend_gets_its_own_section_without_touching_the_config_module(tmp_path):
+    from zope.interface import implementer
+
+    from relay.config import load_config
+    from relay.errors import ConfigError
+    from relay.store.plugins import open_configured_store
+
+    opened = []
+
+    @implementer(IPlugin, IStoreFactory)
+    class RemoteFactory:
+        name = "remote"
+
+        def parse_options(self, section, config):
+            if not isinstance(section.get("dsn"), str):
+                raise ConfigError("broker.remote.dsn", "is required")
+            return {"dsn": section["dsn"], "pool": section.get("poolSize", 4)}
+
+        def open(self, config, options, clock):
+            opened.append(options)
+            return MemoryStore()
+
+    factories = dict(store_factories(), remote=RemoteFactory())
+    conf = write_config(tmp_path, "broker: {secret: s, storage: remote, "
+                                  "remote: {dsn: 'host=db', poolSize: 8}}\n")
+    config, _ = load_config(conf, backends=factories)
+    open_configured_store(config, MemoryReactorClock(), factories)
+    assert opened == [{"dsn": "host=db", "pool": 8}]
+    conf = write_config(tmp_path, "broker: {secret: s, storage: remote}\n")
+    config, _ = load_config(conf, backends=factories)
+    with pytest.raises(ConfigError) as info:
+        open_configured_store(config, MemoryReactorClock(), factories)
+    assert info.value.key == "broker.remote.dsn"

@@ -11,17 +11,20 @@ from twisted.internet import reactor
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
+from relay.delivery import Rules
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store import jsonl as backend
 from relay.store.grouped import GroupCommit
-from relay.testing import START, make_config, new_message
+from relay.store.plugins import open_configured_store
+from relay.testing import RULES, START, ack, make_config, new_message
 
 LEASE = 60
 MARKER = "body-marker-7f3a"
 
 
 def open_jsonl(path, **broker) -> backend.JsonlStore:
-    return backend.open_store(make_config(storage="jsonl", dataDir=str(path), **broker), reactor)
+    return open_configured_store(make_config(storage="jsonl", dataDir=str(path), **broker),
+                                 reactor)
 
 
 def lines(path) -> List[bytes]:
@@ -29,10 +32,10 @@ def lines(path) -> List[bytes]:
 
 
 async def snapshot(store) -> Dict[str, Any]:
-    state = store.state
+    state = store.records
     return {
         "messages": {
-            m.id: (m.seq, m.envelope(with_lease=True), m.created, m.recovery)
+            m.id: (m.seq, backend.snapshot_record(m)["message"], m.created, m.recovery)
             for m in state.by_seq.values()
         },
         "peers": await store.peers(),
@@ -58,7 +61,7 @@ async def test_torn_last_line_is_skipped_and_the_log_stays_usable(tmp_path):
     with capturedLogs() as events:
         store = open_jsonl(tmp_path)
     try:
-        assert sorted(store.state.by_id) == ["beta0", "beta1"]
+        assert sorted(store.records.by_id) == ["beta0", "beta1"]
         skipped = [e for e in events if e.get("line") == 3]
         assert len(skipped) == 1 and MARKER not in repr(events)
         await fill(store, 1, to="gamma")
@@ -66,7 +69,7 @@ async def test_torn_last_line_is_skipped_and_the_log_stays_usable(tmp_path):
         await store.close()
     store = open_jsonl(tmp_path)
     try:
-        assert sorted(store.state.by_id) == ["beta0", "beta1", "gamma0"]
+        assert sorted(store.records.by_id) == ["beta0", "beta1", "gamma0"]
     finally:
         await store.close()
 
@@ -116,16 +119,16 @@ async def test_reads_the_reference_brokers_file(tmp_path):
     (tmp_path / "messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     store = open_jsonl(tmp_path)
     try:
-        r1, r2, r3 = (store.state.by_id[f"r{i}"] for i in (1, 2, 3))
+        r1, r2, r3 = (store.records.by_id[f"r{i}"] for i in (1, 2, 3))
         assert (r1.status, r1.attempts, r1.kind, r1.ack, r1.lease_until) == (
             QUEUED, 0, "message", True, None)
         assert r1.created == 1712344478.0
         assert r2.status == DONE
         assert (r3.status, r3.attempts, r3.lease_id, r3.root_id) == (LEASED, 2, "L3", "r3")
-        assert store.state.next_seq == 4
-        result = await store.ack("r3", "beta", "L3", "completed", None, START, 3)
+        assert store.records.next_seq == 4
+        result = await ack(store, "r3", "beta", "L3", "completed", None, START, RULES)
         assert result["status"] == DONE
-        (m,) = await store.pull("beta", 5, LEASE, START)
+        (m,) = await store.pull("beta", 5, LEASE, START, RULES)
         assert m.id == "r1"
     finally:
         await store.close()
@@ -136,9 +139,9 @@ async def churn(store, rounds: int) -> None:
     for r in range(rounds):
         await store.register("delta", START + r)
         await store.add(new_message("alpha", "delta", START, id=f"c{r}", body={"text": MARKER}))
-        (m,) = await store.pull("delta", 1, LEASE, START)
+        (m,) = await store.pull("delta", 1, LEASE, START, RULES)
         outcome = "completed" if r % 3 else "retry"
-        await store.ack(m.id, "delta", m.lease_id, outcome, None, START, 0)
+        await ack(store, m.id, "delta", m.lease_id, outcome, None, START, Rules(max_attempts=0))
 
 
 @pytest_twisted.ensureDeferred
@@ -148,9 +151,9 @@ async def test_compaction_keeps_everything(tmp_path):
         await store.register("gamma", START)
         await fill(store, 5)
         assert await store.sweep_expired(START + 1) == 1  # removes beta0 (created START)
-        await store.pull("beta", 2, LEASE, START)
-        await store.sweep_leases(START + LEASE)  # beta1, beta2 get recovery marks
-        leased = await store.pull("beta", 1, LEASE * 100, START + LEASE)  # beta1 again
+        await store.pull("beta", 2, LEASE, START, RULES)
+        await store.sweep_leases(START + LEASE, RULES)  # beta1, beta2 get recovery marks
+        leased = await store.pull("beta", 1, LEASE * 100, START + LEASE, RULES)  # beta1 again
         await churn(store, 50)
         before = await snapshot(store)
         assert len(lines(tmp_path)) > 150
@@ -170,12 +173,12 @@ async def test_compaction_keeps_everything(tmp_path):
         assert after["messages"].pop("after")[0] == before["next_seq"]
         after["next_seq"] -= 1
         assert after == before
-        assert "beta0" not in store.state.by_id
-        assert store.state.by_id["beta2"].recovery is True
-        result = await store.ack(leased[0].id, "beta", leased[0].lease_id, "completed", None,
-                                 START + LEASE, 3)
+        assert "beta0" not in store.records.by_id
+        assert store.records.by_id["beta2"].recovery is True
+        result = await ack(store, leased[0].id, "beta", leased[0].lease_id, "completed", None,
+                           START + LEASE, RULES)
         assert result["status"] == DONE
-        assert store.state.by_id["c0"].status == FAILED
+        assert store.records.by_id["c0"].status == FAILED
     finally:
         await store.close()
 
@@ -194,8 +197,8 @@ async def test_writes_during_compaction_reach_the_new_file(tmp_path, monkeypatch
         i = 0
         while not done.called:
             await store.add(new_message("alpha", "gamma", START, id=f"during{i}"))
-            for m in await store.pull("beta", 1, LEASE, START):
-                await store.ack(m.id, "beta", m.lease_id, "completed", None, START, 3)
+            for m in await store.pull("beta", 1, LEASE, START, RULES):
+                await ack(store, m.id, "beta", m.lease_id, "completed", None, START, RULES)
             i += 1
         await done
         assert i >= 3 and compaction.tail_records >= i, "the writes overlapped the compaction"
@@ -205,7 +208,7 @@ async def test_writes_during_compaction_reach_the_new_file(tmp_path, monkeypatch
     store = open_jsonl(tmp_path)
     try:
         assert await snapshot(store) == before
-        assert store.state.by_id[f"during{i - 1}"].status == QUEUED
+        assert store.records.by_id[f"during{i - 1}"].status == QUEUED
     finally:
         await store.close()
 
@@ -253,15 +256,15 @@ async def test_no_rewrite_per_operation(tmp_path):
         await drain(store)
         # compaction is amortised: at most one per compact_min_records appended records
         assert 1 <= store.compactions <= (600 * 4) // 100
-        assert len(lines(tmp_path)) == store.records <= 2 * store.state.live_records() + 3
+        assert len(lines(tmp_path)) == store.log_records <= 2 * store.records.live_records() + 3
     finally:
         await store.close()
 
 
 async def churn_one(store, r: int) -> None:
     await store.add(new_message("alpha", "beta", START, id=f"n{r}"))
-    (m,) = await store.pull("beta", 1, LEASE, START)
-    await store.ack(m.id, "beta", m.lease_id, "completed", None, START, 3)
+    (m,) = await store.pull("beta", 1, LEASE, START, RULES)
+    await ack(store, m.id, "beta", m.lease_id, "completed", None, START, RULES)
 
 
 async def drain(store) -> None:

@@ -7,8 +7,10 @@ from typing import Any, Dict
 import pytest
 import pytest_twisted
 
+from relay.delivery import Rules
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
-from relay.testing import START, new_message
+from relay.store.jsonl import snapshot_record
+from relay.testing import RULES, START, ack, new_message
 from tests.conftest import open_backend
 
 LEASE = 60
@@ -23,8 +25,8 @@ async def everything(store, agents=("alpha", "beta", "gamma")) -> Dict[str, Any]
     """Every stored message (all fields, lease ids included) and the peers."""
     messages = {}
     for agent in agents:
-        for m in await store.recent(agent, 200):
-            messages[m.id] = (m.seq, m.envelope(with_lease=True), m.created, m.recovery)
+        for m in await store.recent(agent, 200, START, RULES):
+            messages[m.id] = (m.seq, snapshot_record(m)["message"], m.created, m.recovery)
     return {"messages": messages, "peers": await store.peers()}
 
 
@@ -42,18 +44,19 @@ async def populate(store) -> Dict[str, str]:
     for i in range(2):
         assert await store.add(new_message("alpha", "gamma", START, id=f"g{i}")) is True
     # m0 done; m1 retried (queued, attempts 1); m2 failed (attempts 1 > maxAttempts 0)
-    leased = {m.id: m.lease_id for m in await store.pull("beta", 3, LEASE, START)}
+    leased = {m.id: m.lease_id for m in await store.pull("beta", 3, LEASE, START, RULES)}
     assert sorted(leased) == ["m0", "m1", "m2"]
-    await store.ack("m0", "beta", leased["m0"], "completed", None, START, 3)
-    await store.ack("m1", "beta", leased["m1"], "retry", "busy", START, 3)
-    await store.ack("m2", "beta", leased["m2"], "retry", "e2", START, 0)
+    await ack(store, "m0", "beta", leased["m0"], "completed", None, START, RULES)
+    await ack(store, "m1", "beta", leased["m1"], "retry", "busy", START, RULES)
+    await ack(store, "m2", "beta", leased["m2"], "retry", "e2", START, Rules(max_attempts=0))
     # a v1.0 cursor past every queued message; then m1 leased and expired -> recovery mark
-    _, cursor = await store.get_since("beta", None, 50, START)
-    assert [m.id for m in await store.pull("beta", 1, LEASE, START)] == ["m1"]
-    assert await store.sweep_leases(START + LEASE + 1) == {"beta"}
+    _, cursor = await store.poll("beta", None, 50, START, RULES)
+    assert [m.id for m in await store.pull("beta", 1, LEASE, START, RULES)] == ["m1"]
+    assert await store.sweep_leases(START + LEASE + 1, RULES) == 1
     assert (await store.find("m1")).recovery is True
     # live leases, valid for long after the restart
-    live = {m.id: m.lease_id for m in await store.pull("gamma", 2, LEASE * 10, START + LEASE)}
+    leased = await store.pull("gamma", 2, LEASE * 10, START + LEASE, RULES)
+    live = {m.id: m.lease_id for m in leased}
     return {"cursor": cursor, **live}
 
 
@@ -91,17 +94,17 @@ async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_pat
         # dedup survives
         assert await store.add(new_message("alpha", "beta", now, id="m0")) is False
         # a live lease survives with its id and deadline
-        result = await store.ack("g0", "gamma", state["g0"], "completed", None, now, 3)
+        result = await ack(store, "g0", "gamma", state["g0"], "completed", None, now, RULES)
         assert result["status"] == DONE
         # the recovery delivery happens once, after the restart
-        messages, _ = await store.get_since("beta", state["cursor"], 50, now)
+        messages, _ = await store.poll("beta", state["cursor"], 50, now, RULES)
         assert [m.id for m in messages] == ["m1"]
-        messages, _ = await store.get_since("beta", state["cursor"], 50, now)
+        messages, _ = await store.poll("beta", state["cursor"], 50, now, RULES)
         assert messages == []
         # order continues: a new message sorts after every old one
         fresh = new_message("alpha", "beta", now, id="new")
         assert await store.add(fresh) is True
-        seqs = [m.seq for m in await store.recent("beta", 200)]
+        seqs = [m.seq for m in await store.recent("beta", 200, START, RULES)]
         assert seqs == sorted(seqs, reverse=True) and seqs[0] == fresh.seq
         assert store.is_registered("gamma") is True
     finally:
@@ -134,8 +137,8 @@ async def test_state_changed_after_restart_survives_another(persistent, tmp_path
     await store.close()
     for step in range(3):
         store = open_backend(persistent, tmp_path)
-        (m,) = await store.pull("beta", 1, LEASE, START + step * LEASE * 2)
-        await store.ack("a", "beta", m.lease_id, "retry", f"e{step}", START, 5)
+        (m,) = await store.pull("beta", 1, LEASE, START + step * LEASE * 2, RULES)
+        await ack(store, "a", "beta", m.lease_id, "retry", f"e{step}", START, Rules(max_attempts=5))
         await store.close()
     store = open_backend(persistent, tmp_path)
     try:

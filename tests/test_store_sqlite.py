@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
+from pathlib import Path
 from typing import List
 
 import pytest
@@ -15,14 +17,16 @@ from twisted.logger import capturedLogs
 from relay.errors import ConfigError, RelayError
 from relay.protocol import DONE, LEASED, QUEUED
 from relay.store import sqlite as backend
-from relay.testing import START, make_config, new_message
+from relay.store.plugins import open_configured_store
+from relay.testing import RULES, START, ack, make_config, new_message
 from tests.conftest import open_backend
 
 LEASE = 60
 
 
 def open_sqlite(path, **broker):
-    return backend.open_store(make_config(storage="sqlite", dataDir=str(path), **broker), reactor)
+    return open_configured_store(make_config(storage="sqlite", dataDir=str(path), **broker),
+                                 reactor)
 
 
 def scans(db: sqlite3.Connection, sql: str) -> List[str]:
@@ -48,20 +52,21 @@ async def test_no_statement_scans_a_table(tmp_path):
         await store.add(new_message("alpha", "beta", START, id="a"))
         await store.add(new_message("alpha", "beta", START, id="b", kind="request"))
         await store.find("a")
-        (m,) = await store.pull("beta", 1, LEASE, START)
+        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
         with pytest.raises(RelayError):
-            await store.ack("a", "beta", "wrong", "completed", None, START, 3)
-        await store.ack("a", "beta", m.lease_id, "retry", None, START, 3)
-        _, cursor = await store.get_since("beta", None, 50, START)
-        await store.pull("beta", 1, LEASE, START)
-        await store.sweep_leases(START + LEASE)
-        await store.get_since("beta", cursor, 50, START + LEASE)
-        await store.status(["a", "b", "zz"], "alpha")
-        await store.recent("beta", 10)
+            await ack(store, "a", "beta", "wrong", "completed", None, START, RULES)
+        await ack(store, "a", "beta", m.lease_id, "retry", None, START, RULES)
+        _, cursor = await store.poll("beta", None, 50, START, RULES)
+        await store.pull("beta", 1, LEASE, START, RULES)
+        await store.sweep_leases(START + LEASE, RULES)
+        await store.poll("beta", cursor, 50, START + LEASE, RULES)
+        await store.status(["a", "b", "zz"], "alpha", START, RULES)
+        await store.recent("beta", 10, START, RULES)
         for sender, to in ((None, None), ("alpha", None), (None, "beta"), ("alpha", "beta"),
                            ("gamma", None), (None, "gamma")):
             for kind, status in ((None, None), ("request", None), (None, QUEUED)):
-                await store.query("beta", 10, kind, status, sender, to)
+                filters = {"kind": kind, "status": status, "from": sender, "to": to}
+                await store.query("beta", 10, filters, START, RULES)
         await store.sweep_expired(START + 5)
         store.db.set_trace_callback(None)
         statements = {s for s in executed if s.split()[0].upper() not in ("BEGIN", "COMMIT")}
@@ -117,12 +122,27 @@ async def test_newer_schema_stops_the_start(tmp_path):
     assert "newer" in e.value.reason
 
 
+SCHEMAS = Path(__file__).parent / "schemas"
+
+
+def old_schema(version: int) -> str:
+    """The schema script a past release created new databases from, kept here."""
+    return (SCHEMAS / f"sqlite-v{version}.sql").read_text("utf-8")
+
+
+def schema_dump(db: sqlite3.Connection) -> List[str]:
+    """The schema of ``db`` as SQL, without comments or blank lines, sorted."""
+    statements = []
+    for line in db.iterdump():
+        if line.startswith("CREATE"):
+            statements.append(re.sub(r"--[^\n]*", "", line))
+    return sorted(" ".join(s.split()) for s in statements)
+
+
 def version_1_database(path: str) -> None:
     """A database as the first release of the relay created it, holding one message."""
     db = sqlite3.connect(path, isolation_level=None)
-    # Version 1 was version 2 plus the per-sender index (sqlite-upgrade-to-v2.sql).
-    db.executescript(backend.schema_script(2))
-    db.execute("CREATE INDEX messages_outbox ON messages (sender, seq)")
+    db.executescript(old_schema(1))
     db.execute("INSERT INTO version (version) VALUES (1)")
     message = new_message("alpha", "beta", START, id="kept")
     message.seq = 1
@@ -163,10 +183,28 @@ async def test_a_version_1_database_is_brought_to_version_2(tmp_path):
         assert (await store.find("kept")).body == {"text": "hello"}
         assert store.is_registered("beta")
         await store.add(new_message("alpha", "beta", START, id="after"))
-        assert [m.id for m in await store.pull("beta", 10, LEASE, START)] == ["kept", "after"]
+        leased = await store.pull("beta", 10, LEASE, START, RULES)
+        assert [m.id for m in leased] == ["kept", "after"]
     finally:
         await store.close()
     assert os.path.exists(str(tmp_path / "relay.db.v1.bak"))
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_upgraded_database_has_the_schema_of_a_new_one(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    version_1_database(str(tmp_path / "old" / "relay.db"))
+    for name in ("old", "new"):
+        await open_sqlite(tmp_path / name).close()
+    dumps = []
+    for name in ("old", "new"):
+        db = sqlite3.connect(tmp_path / name / "relay.db")
+        dumps.append(schema_dump(db))
+        assert db.execute("SELECT version FROM version").fetchall() == [(backend.SCHEMA_VERSION,)]
+        db.close()
+    assert dumps[0] == dumps[1]
+    assert any("messages_inbox" in statement for statement in dumps[0])
 
 
 def test_unopenable_database_names_the_path(tmp_path):
@@ -249,7 +287,7 @@ async def test_imports_the_jsonl_backends_own_log(tmp_path):
     await jsonl.register("beta", START)
     await jsonl.add(new_message("alpha", "beta", START, id="j1"))
     await jsonl.add(new_message("alpha", "beta", START, id="j2"))
-    (leased,) = await jsonl.pull("beta", 1, LEASE, START)
+    (leased,) = await jsonl.pull("beta", 1, LEASE, START, RULES)
     await jsonl.close()
     store = open_sqlite(tmp_path)
     try:

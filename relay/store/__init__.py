@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Mapping
 
 from relay.errors import ConfigError
 
@@ -14,3 +15,13 @@ def make_data_dir(data_dir: str) -> str:
     except OSError as e:
         raise ConfigError("broker.dataDir", f"cannot create {data_dir}: {e.strerror}") from None
     return data_dir
+
+
+def sync_option(section: Mapping[str, Any], backend: str, default: str) -> str:
+    """``broker.<backend>.sync`` (off, normal or full); ``broker.sync`` when absent."""
+    from relay.config import SYNC_LEVELS, read_str
+
+    sync = read_str(section, "sync", f"broker.{backend}", default).lower()
+    if sync not in SYNC_LEVELS:
+        raise ConfigError(f"broker.{backend}.sync", f"must be one of {', '.join(SYNC_LEVELS)}")
+    return sync

@@ -6,7 +6,8 @@ The results of every operation are held back until the next commit has made
 all pending changes durable, so no caller ever sees a state that a crash could
 still take back: a ``201`` is sent only for a stored message. The commit runs
 once per reactor turn (``callLater(0)``), so all the requests processed in one
-turn share one transaction, one write and at most one fsync.
+turn share one transaction, one write and at most one fsync. ``on_commit`` runs
+after each successful commit, before the held results fire.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ class GroupCommit:
     ``RETRY_SECONDS``; results of later operations wait for that retry.
     """
 
-    def __init__(self, clock: IReactorTime, commit: Callable[[], None], name: str) -> None:
+    def __init__(self, clock: IReactorTime, commit: Callable[[], None], name: str,
+                 on_commit: Optional[Callable[[], None]] = None) -> None:
         self.clock = clock
         self.commit = commit
         self.name = name
+        self.on_commit = on_commit
         self.pending = False
         self.commits = 0
         self._held: List[Tuple[Deferred, Any, Optional[Failure]]] = []
@@ -86,6 +89,8 @@ class GroupCommit:
                     kind=error.type.__name__,
                     count=len(held),
                 )
+        if error is None and self.on_commit is not None:
+            self.on_commit()
         for d, result, failure in held:
             if error is not None:
                 d.errback(error)

@@ -4,10 +4,17 @@ Backends are found with :func:`twisted.plugin.getPlugins` as
 :class:`IStoreFactory` plugins (see ``twisted/plugins/relay_stores.py``); the
 broker opens the one whose ``name`` equals ``broker.storage``.
 
-Every :class:`IMessageStore` method returns a Deferred, also in memory, so a
-networked backend fits the same contract. The delivery rules themselves (spec
-§5.1) live in :mod:`relay.delivery`; stores keep the records and indexes.
+Every :class:`IMessageStore` method returns a Deferred (``is_registered``
+excepted), also in memory, so a networked backend fits the same contract. The
+delivery rules themselves (spec §5.1) are the transitions of
+:mod:`relay.delivery`; a store keeps the records and indexes, applies the
+transitions it is handed, and reports what its committed changes mean for
+waiting requests (:class:`relay.delivery.Changes`) to its subscribers.
+Messages a store returns are copies: changing them changes nothing stored.
 Times are epoch seconds (floats) from the broker's clock.
+
+:mod:`relay.store.records` implements this contract once over a small set of
+synchronous, indexed primitives; the built-in backends are such primitives.
 """
 
 from __future__ import annotations
@@ -20,53 +27,59 @@ class IMessageStore(Interface):
 
     name = Attribute("The backend's name, as reported by GET / in ``storage``.")
 
+    def subscribe(listener):
+        """Call ``listener(changes)`` with the :class:`relay.delivery.Changes` of
+        every change once it is durable: this store's own, and, for a store shared
+        by several brokers, those another broker made."""
+
     def add(message):
         """Store a new message (a :class:`relay.delivery.Message` without a seq).
 
-        The store assigns the next sequence number and ``status: queued``.
-        Fires with True when stored, False when a message with that id already
-        exists (deduplication); fires only once the message is durable.
+        The store assigns the next sequence number. Fires with True when stored,
+        False when a message with that id already exists (deduplication); fires
+        only once the message is durable.
         """
 
     def find(message_id):
-        """Fires with the :class:`~relay.delivery.Message` of that id, or None."""
+        """Fires with (a copy of) the message of that id, or None."""
 
-    def get_since(agent, since_id, limit, now):
+    def poll(agent, since_id, limit, now, rules):
         """v1.0 poll: fires with ``(messages, cursor)``.
 
-        Queued messages to ``agent`` with a sequence after that of ``since_id``
-        (all when None or unknown), preceded by the recovery deliveries (queued
-        messages at or before the cursor whose lease expired since); at most
-        ``limit`` in all. ``cursor`` is the id of the last message after the
-        cursor that was returned, else ``since_id`` (None when empty). Each
-        recovery delivery is returned once.
+        Lapsed leases are released first. The page is
+        :func:`relay.delivery.poll_page` of the queued messages to ``agent``:
+        the recovery deliveries at or before ``since_id``'s sequence, then
+        those after it (all when None or unknown); at most ``limit``.
         """
 
-    def pull(agent, limit, lease_seconds, now):
-        """Lease up to ``limit`` queued messages to ``agent``, oldest first.
+    def pull(agent, limit, lease_seconds, now, rules):
+        """Lease up to ``limit`` deliverable messages to ``agent``, oldest first.
 
-        Expired leases are released first. Fires with the leased messages,
-        each with a fresh ``lease_id`` and ``lease_until``.
+        A lease past its deadline is released first, so its message can be
+        leased again. Fires with the leased messages, each with a fresh
+        ``lease_id`` and ``lease_until``.
         """
 
-    def ack(message_id, agent, lease_id, outcome, error, now, max_attempts):
-        """Settle a lease (``completed`` or ``retry``); fires with the result dict.
+    def settle(message_id, transition, now, rules):
+        """Apply ``transition(message, now)`` (a :mod:`relay.delivery` transition)
+        to the message of that id and persist what it changed, also when it
+        raises; fires with its result.
 
-        Errbacks with :class:`relay.errors.RelayError`: 404 ``no_such_message``,
-        403 ``forbidden`` (not the recipient), 409 ``not_leased`` or
-        ``lease_mismatch``.
+        Errbacks with :class:`relay.errors.RelayError`: 404 ``no_such_message``
+        for an unknown id, or whatever the transition raised.
         """
 
-    def status(message_ids, agent):
-        """Fires with one status dict per id, ``not_found`` for ids ``agent``
-        neither sent nor received."""
+    def status(message_ids, agent, now, rules):
+        """Fires with one :meth:`~relay.delivery.Message.status_entry` per id,
+        ``not_found`` for ids ``agent`` neither sent nor received."""
 
-    def recent(agent, limit):
+    def recent(agent, limit, now, rules):
         """Fires with the newest ``limit`` messages to ``agent``, any status."""
 
-    def query(agent, limit, kind, status, sender, recipient):
+    def query(agent, limit, filters, now, rules):
         """Fires with the newest ``limit`` messages addressed to ``agent`` that
-        match every filter that is not None (a ``recipient`` other than ``agent``
+        match every filter of ``filters`` (a mapping of ``kind``, ``status``,
+        ``from``, ``to`` to a value or None; a ``to`` other than ``agent``
         matches nothing), as the reference broker searches."""
 
     def register(agent, now):
@@ -81,9 +94,8 @@ class IMessageStore(Interface):
     def peers():
         """Fires with ``[(agent, last_seen_seconds)]`` sorted by agent name."""
 
-    def sweep_leases(now):
-        """Release every expired lease; fires with the set of agents that got
-        messages back."""
+    def sweep_leases(now, rules):
+        """Release every lease past its deadline; fires with how many."""
 
     def sweep_expired(cutoff):
         """Remove every message stored before ``cutoff``; fires with how many."""
@@ -97,9 +109,17 @@ class IStoreFactory(Interface):
 
     name = Attribute("The value of ``broker.storage`` that selects this backend.")
 
-    def open(config, clock):
-        """Open a store for a :class:`relay.config.Config`; returns an IMessageStore.
+    def parse_options(section, config):
+        """Validate this backend's own config section ``broker.<name>`` (a mapping;
+        ``{}`` when the file has none) against the broker's
+        :class:`relay.config.Config`; returns the options :meth:`open` takes.
 
-        Raises :class:`relay.config.ConfigError` (with the path and the reason)
+        Raises :class:`relay.errors.ConfigError` naming ``broker.<name>.<key>``.
+        """
+
+    def open(config, options, clock):
+        """Open a store with the :meth:`parse_options` result; returns an IMessageStore.
+
+        Raises :class:`relay.errors.ConfigError` (with the path and the reason)
         when the store cannot be opened.
         """

@@ -46,22 +46,22 @@ import contextlib
 import datetime
 import json
 import os
-from typing import IO, Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import IO, Any, Dict, List, Mapping, Optional
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
-from zope.interface import implementer
 
-from relay.config import Config
+from relay.config import Config, check_keys, read_int
 from relay.delivery import Message
 from relay.errors import ConfigError
 from relay.protocol import MESSAGE_KINDS, MESSAGE_TYPES, STATUSES, iso_timestamp
-from relay.store import make_data_dir
+from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
-from relay.store.interface import IMessageStore
-from relay.store.memory import MemoryState
+from relay.store.memory import MemoryRecords
+from relay.store.records import RecordStore
 
 log = Logger(namespace="relay.store.jsonl")
 
@@ -81,7 +81,10 @@ def _encode(record: Dict[str, Any]) -> bytes:
 
 def snapshot_record(message: Message) -> Dict[str, Any]:
     """The full-snapshot record of ``message`` (the reference broker's line format)."""
-    envelope = message.envelope(with_lease=True)
+    envelope = message.envelope()
+    envelope["leaseId"] = message.lease_id
+    if message.error is not None:
+        envelope["error"] = message.error
     envelope["created"] = message.created
     if message.recovery:
         envelope["recovery"] = True
@@ -90,9 +93,10 @@ def snapshot_record(message: Message) -> Dict[str, Any]:
 
 def state_record(message: Message) -> Dict[str, Any]:
     """The record of a change of ``message``'s delivery state."""
-    record: Dict[str, Any] = {"op": "state", "id": message.id}
-    record.update(message.state())
-    return record
+    status, attempts, lease_until, lease_id, error, recovery = message.state()
+    return {"op": "state", "id": message.id, "status": status, "attempts": attempts,
+            "leaseUntil": lease_until, "leaseId": lease_id, "error": error,
+            "recovery": recovery}
 
 
 def _text(value: Any, optional: bool = True) -> Optional[str]:
@@ -259,31 +263,24 @@ def read_log(path: str, now: float) -> LoadedLog:
 # -- state --------------------------------------------------------------------------
 
 
-class LoggedState(MemoryState):
-    """MemoryState that hands a record of every change to ``append``."""
+class LoggedRecords(MemoryRecords):
+    """MemoryRecords that hand a record of every change to ``append``."""
 
     def __init__(self, append) -> None:
         super().__init__()
         self.append = append
 
-    def changed(self, message: Message) -> None:
-        self.append(state_record(message))
+    def inserted(self, stored: Message) -> None:
+        self.append(snapshot_record(stored))
 
-    def add(self, message: Message) -> bool:
-        added = super().add(message)
-        if added:
-            self.append(snapshot_record(message))
-        return added
+    def saved(self, stored: Message) -> None:
+        self.append(state_record(stored))
 
-    def register(self, agent: str, now: float) -> None:
-        super().register(agent, now)
+    def registered(self, agent: str) -> None:
         self.append({"op": "peer", "agent": agent, "lastSeen": self.peer_seen[agent]})
 
-    def sweep_expired(self, cutoff: float) -> List[Message]:
-        removed = super().sweep_expired(cutoff)
-        if removed:
-            self.append({"op": "expire", "through": removed[-1].seq})
-        return removed
+    def removed(self, messages: List[Message]) -> None:
+        self.append({"op": "expire", "through": messages[-1].seq})
 
     def live_records(self) -> int:
         return len(self.by_id) + len(self.peer_seen)
@@ -304,7 +301,7 @@ class Compaction:
         self.store = store
         self.tmp_path = store.path + COMPACT_SUFFIX
         self.file: IO[bytes] = open(self.tmp_path, "wb")  # noqa: SIM115 (lives across turns)
-        state = store.state
+        state = store.records
         self.seqs = list(state.by_seq)
         self.position = 0
         self.tail: List[bytes] = []
@@ -318,7 +315,7 @@ class Compaction:
 
     def step(self) -> bool:
         """Write the next chunk; True when every live message is written."""
-        by_seq = self.store.state.by_seq
+        by_seq = self.store.records.by_seq
         chunk = self.seqs[self.position : self.position + COMPACT_CHUNK]
         self.position += len(chunk)
         lines = []
@@ -367,19 +364,18 @@ class Compaction:
             os.unlink(self.tmp_path)
 
 
-@implementer(IMessageStore)
-class JsonlStore:
-    """MemoryState plus an append-only log, written once per reactor turn."""
+class JsonlStore(RecordStore):
+    """Memory records plus an append-only log, written once per reactor turn."""
 
     name = "jsonl"
 
     def __init__(self, path: str, file: IO[bytes], clock: IReactorTime, sync: str,
-                 records: int = 0) -> None:
+                 log_records: int = 0) -> None:
         self.path = path
         self.file = file
         self.clock = clock
         self.fsync = sync == "full"
-        self.records = records
+        self.log_records = log_records
         self.compact_min_records = COMPACT_MIN_RECORDS
         self.compactions = 0
         self.compaction: Optional[Compaction] = None
@@ -387,8 +383,7 @@ class JsonlStore:
         self._buffer: List[bytes] = []
         self._torn = False
         self._closed = False
-        self.state = LoggedState(self._append)
-        self.commits = GroupCommit(clock, self._write, "jsonl")
+        super().__init__(LoggedRecords(self._append), GroupCommit(clock, self._write, "jsonl"))
 
     # -- the log ---------------------------------------------------------------------
 
@@ -412,7 +407,7 @@ class JsonlStore:
             raise
         self._torn = False
         self._buffer = []
-        self.records += count
+        self.log_records += count
         if self.compaction is not None:
             self.compaction.written(data, count)
         elif self._should_compact():
@@ -425,10 +420,10 @@ class JsonlStore:
             view = view[n:]
 
     def _should_compact(self) -> bool:
-        live = self.state.live_records()
+        live = self.records.live_records()
         return (
-            self.records >= max(self.compact_min_records, self._compact_after)
-            and self.records > 2 * live
+            self.log_records >= max(self.compact_min_records, self._compact_after)
+            and self.log_records > 2 * live
         )
 
     # -- compaction ------------------------------------------------------------------
@@ -450,10 +445,10 @@ class JsonlStore:
         except OSError as e:
             log.error("cannot start compacting {path}: {reason}", path=self.path,
                       reason=e.strerror)
-            self._compact_after = self.records * 2
+            self._compact_after = self.log_records * 2
             return None
         log.info("compacting {path}: {records} records, {live} live",
-                 path=self.path, records=self.records, live=self.state.live_records())
+                 path=self.path, records=self.log_records, live=self.records.live_records())
         self.compaction.call = self.clock.callLater(0, self._compact_step)
         return self.compaction
 
@@ -493,13 +488,13 @@ class JsonlStore:
             return
         old, self.file = self.file, new
         old.close()
-        before = self.records
-        self.records = compaction.records
+        before = self.log_records
+        self.log_records = compaction.records
         self._torn = False
         self.compaction = None
         self.compactions += 1
         log.info("compacted {path}: {before} records -> {after}",
-                 path=self.path, before=before, after=self.records)
+                 path=self.path, before=before, after=self.log_records)
         compaction.notify()
 
     def _compaction_failed(self, error: Exception) -> None:
@@ -511,51 +506,8 @@ class JsonlStore:
         compaction.abandon()
         log.error("compacting {path} failed: {kind}; the old file stays in use",
                   path=self.path, kind=type(error).__name__)
-        self._compact_after = self.records * 2
+        self._compact_after = self.log_records * 2
         compaction.notify(error)
-
-    # -- IMessageStore -------------------------------------------------------------------
-
-    def add(self, message: Message) -> Deferred:
-        return self.commits.run(self.state.add, message)
-
-    def find(self, message_id: str) -> Deferred:
-        return self.commits.run(self.state.by_id.get, message_id)
-
-    def get_since(self, agent: str, since_id: Optional[str], limit: int, now: float) -> Deferred:
-        return self.commits.run(self.state.get_since, agent, since_id, limit, now)
-
-    def pull(self, agent: str, limit: int, lease_seconds: int, now: float) -> Deferred:
-        return self.commits.run(self.state.pull, agent, limit, lease_seconds, now)
-
-    def ack(self, message_id, agent, lease_id, outcome, error, now, max_attempts) -> Deferred:
-        return self.commits.run(
-            self.state.ack, message_id, agent, lease_id, outcome, error, now, max_attempts
-        )
-
-    def status(self, message_ids, agent: str) -> Deferred:
-        return self.commits.run(self.state.status, message_ids, agent)
-
-    def recent(self, agent: str, limit: int) -> Deferred:
-        return self.commits.run(self.state.recent, agent, limit)
-
-    def query(self, agent, limit, kind, status, sender, recipient) -> Deferred:
-        return self.commits.run(self.state.query, agent, limit, kind, status, sender, recipient)
-
-    def register(self, agent: str, now: float) -> Deferred:
-        return self.commits.run(self.state.register, agent, now)
-
-    def is_registered(self, agent: str) -> bool:
-        return agent in self.state.peer_seen
-
-    def peers(self) -> Deferred:
-        return succeed(self.state.peers())
-
-    def sweep_leases(self, now: float) -> Deferred:
-        return self.commits.run(self.state.expire_due, now)
-
-    def sweep_expired(self, cutoff: float) -> Deferred:
-        return self.commits.run(lambda: len(self.state.sweep_expired(cutoff)))
 
     def close(self) -> Deferred:
         """Write what is pending, drop an unfinished compaction, close the file."""
@@ -573,7 +525,26 @@ class JsonlStore:
         return succeed(None)
 
 
-def open_store(config: Config, clock: IReactorTime) -> JsonlStore:
+@dataclass(frozen=True)
+class JsonlOptions:
+    """``broker.jsonl``: ``sync`` (``broker.sync`` when absent) and
+    ``compactMinRecords``, the fewest records a log holds before it may be compacted."""
+
+    sync: str = "normal"
+    compact_min_records: int = COMPACT_MIN_RECORDS
+
+
+def parse_options(section: Mapping[str, Any], config: Config) -> JsonlOptions:
+    """Validate ``broker.jsonl`` (the IStoreFactory entry point)."""
+    check_keys(section, "broker.jsonl", frozenset({"sync", "compactMinRecords"}), frozenset())
+    return JsonlOptions(
+        sync=sync_option(section, "jsonl", config.sync),
+        compact_min_records=read_int(section, "compactMinRecords", "broker.jsonl",
+                                     COMPACT_MIN_RECORDS, 100, 2**31 - 1),
+    )
+
+
+def open_store(config: Config, options: JsonlOptions, clock: IReactorTime) -> JsonlStore:
     """Replay ``dataDir/messages.jsonl`` and open it for appending (the factory entry point)."""
     data_dir = make_data_dir(config.data_dir)
     path = os.path.join(data_dir, LOG_NAME)
@@ -584,7 +555,8 @@ def open_store(config: Config, clock: IReactorTime) -> JsonlStore:
         file = open(path, "ab", buffering=0)  # noqa: SIM115 (the store's log)
     except OSError as e:
         raise ConfigError("broker.dataDir", f"cannot open {path}: {e.strerror}") from None
-    store = JsonlStore(path, file, clock, config.sync, loaded.records + loaded.skipped)
+    store = JsonlStore(path, file, clock, options.sync, loaded.records + loaded.skipped)
+    store.compact_min_records = options.compact_min_records
     _restore(store, loaded)
     if not loaded.ends_with_newline:
         store._torn = True
@@ -599,9 +571,9 @@ def open_store(config: Config, clock: IReactorTime) -> JsonlStore:
 
 
 def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
-    state = store.state
+    state = store.records
     for message in loaded.messages:
-        state.insert(message)
+        state.load(message)
     state.peer_seen.update(loaded.peers)
     state.next_seq = max(state.next_seq, loaded.next_seq)
 

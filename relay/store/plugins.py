@@ -1,13 +1,13 @@
-"""The built-in store factories and the lookup by name.
+"""The built-in store factories, the lookup by name, and opening the configured store.
 
-A factory imports its backend module only when asked to open a store, so a
-backend's optional driver matters only when that backend is chosen.
+A factory imports its backend module only when asked to validate options or open
+a store, so a backend's optional driver matters only when that backend is used.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Dict
+from typing import Any, Dict, Mapping, Optional
 
 from twisted.plugin import IPlugin, getPlugins
 from zope.interface import implementer
@@ -18,15 +18,19 @@ from relay.store.interface import IStoreFactory
 
 @implementer(IPlugin, IStoreFactory)
 class ModuleStoreFactory:
-    """A store factory whose backend module has an ``open_store(config, clock)``."""
+    """A store factory whose backend module has ``parse_options(section, config)`` and
+    ``open_store(config, options, clock)``."""
 
     def __init__(self, name: str, module: str, description: str) -> None:
         self.name = name
         self.module = module
         self.description = description
 
-    def open(self, config, clock):
-        return importlib.import_module(self.module).open_store(config, clock)
+    def parse_options(self, section: Mapping[str, Any], config) -> Any:
+        return importlib.import_module(self.module).parse_options(section, config)
+
+    def open(self, config, options, clock):
+        return importlib.import_module(self.module).open_store(config, options, clock)
 
     def __repr__(self) -> str:
         return f"<store factory {self.name!r} ({self.module})>"
@@ -44,9 +48,11 @@ def store_factories() -> Dict[str, IStoreFactory]:
     return {f.name: f for f in getPlugins(IStoreFactory, twisted.plugins)}
 
 
-def find_store_factory(name: str) -> IStoreFactory:
+def find_store_factory(name: str,
+                       factories: Optional[Mapping[str, IStoreFactory]] = None) -> IStoreFactory:
     """The factory called ``name``, or a ConfigError listing the names available."""
-    factories = store_factories()
+    if factories is None:
+        factories = store_factories()
     try:
         return factories[name]
     except KeyError:
@@ -54,3 +60,19 @@ def find_store_factory(name: str) -> IStoreFactory:
         raise ConfigError(
             "broker.storage", f"unknown backend {name!r} (available: {known})"
         ) from None
+
+
+def open_configured_store(config, clock,
+                          factories: Optional[Mapping[str, IStoreFactory]] = None):
+    """Open the store ``config`` names, after every backend section in the config
+    (``broker.<backend>``) was validated by its factory; ConfigError otherwise."""
+    if factories is None:
+        factories = store_factories()
+    factory = find_store_factory(config.storage_backend, factories)
+    options = {
+        name: factories[name].parse_options(section, config)
+        for name, section in config.backend_sections.items()
+    }
+    if factory.name not in options:
+        options[factory.name] = factory.parse_options({}, config)
+    return factory.open(config, options[factory.name], clock)

@@ -45,30 +45,29 @@ from __future__ import annotations
 import heapq
 import os
 import sqlite3
+from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from zope.interface import implementer
 
-from relay import delivery, errors
-from relay.config import Config
+from relay import delivery
+from relay.config import Config, check_keys
 from relay.delivery import Message
 from relay.errors import ConfigError
 from relay.protocol import STATUSES
-from relay.store import make_data_dir
+from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
-from relay.store.interface import IMessageStore
+from relay.store.records import Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
 SCHEMA_VERSION = 2
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
-EXPIRE_BATCH = 2000
 CHECKPOINT_SECONDS = 1.0
 WAL_AUTOCHECKPOINT_PAGES = 8192
 
@@ -86,29 +85,20 @@ _SAVE_STATE = (
     "recovery = ? WHERE seq = ?"
 )
 
-# Every statement an operation runs, by operation; tests check their query plans.
+# Every statement a primitive runs, by primitive; tests check their query plans.
 STATEMENTS = {
-    "add": [_INSERT],
-    "find": [f"{_SELECT} WHERE id = ?"],
-    "get_since": [
-        "SELECT seq FROM messages WHERE id = ?",
-        f"{_SELECT} WHERE recipient = ? AND recovery = 1 AND seq <= ? ORDER BY seq LIMIT ?",
-        f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > ? ORDER BY seq LIMIT ?",
-        _SAVE_STATE,
+    "insert": [_INSERT],
+    "get": [f"{_SELECT} WHERE id = ?"],
+    "seq_of": ["SELECT seq FROM messages WHERE id = ?"],
+    "save": [_SAVE_STATE],
+    "queued": [
+        f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > ? ORDER BY seq LIMIT ?"
     ],
-    "pull": [
-        f"{_SELECT} WHERE recipient = ? AND status = 'queued' ORDER BY seq LIMIT ?",
-        _SAVE_STATE,
+    "recovered": [
+        f"{_SELECT} WHERE recipient = ? AND recovery = 1 AND seq <= ? ORDER BY seq LIMIT ?"
     ],
-    "ack": [f"{_SELECT} WHERE id = ?", _SAVE_STATE],
-    "status": [
-        "SELECT id, status, attempts, ts, sender, recipient, kind FROM messages WHERE id = ?"
-    ],
-    "sweep_leases": [
-        f"{_SELECT} WHERE status = 'leased' AND lease_until <= ?",
-        _SAVE_STATE,
-    ],
-    "sweep_expired": [
+    "lapsed": [f"{_SELECT} WHERE status = 'leased' AND lease_until <= ?"],
+    "expire": [
         "SELECT seq, created FROM messages WHERE seq > 0 ORDER BY seq LIMIT ?",
         "INSERT INTO meta (key, value) SELECT 'last_seq', max(seq) FROM messages "
         "WHERE true ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)",
@@ -139,8 +129,7 @@ def _query_statement(kind: Optional[str], status: Optional[str],
     return sql, names
 
 
-STATEMENTS["recent"] = [_query_statement(None, "queued", None)[0]]
-STATEMENTS["query"] = [
+STATEMENTS["inbox"] = [
     _query_statement(kind, "queued", sender)[0]
     for kind in (None, "request")
     for sender in (None, "x")
@@ -291,30 +280,22 @@ class Checkpointer:
         return d
 
 
-@implementer(IMessageStore)
-class SQLiteStore:
-    """Messages and peers in one SQLite database, committed in groups."""
+class SQLiteRecords(Records):
+    """The primitives as statements on one connection, inside the turn's transaction."""
 
-    name = "sqlite"
-
-    def __init__(self, db: sqlite3.Connection, clock: IReactorTime, path: str,
-                 sync: str = "normal") -> None:
+    def __init__(self, db: sqlite3.Connection, commits: GroupCommit) -> None:
+        super().__init__()
         self.db = db
+        self.commits = commits
         # One cursor for every statement: a cursor per statement costs several
         # microseconds each on PyPy. Each result is read whole before the next.
         self.cursor = db.cursor()
-        self.path = path
         (last,) = db.execute(
             "SELECT max(coalesce((SELECT max(seq) FROM messages), 0), "
             "coalesce((SELECT value FROM meta WHERE key = 'last_seq'), 0))"
         ).fetchone()
         self.next_seq = last + 1
         self.registered = {row[0] for row in db.execute("SELECT agent FROM peers")}
-        self.commits = GroupCommit(clock, self._commit, "sqlite")
-        self.checkpointer = Checkpointer(path, sync, clock, lambda: self.commits.commits)
-        self.checkpointer.start()
-
-    # -- transactions ----------------------------------------------------------
 
     def _begin(self) -> None:
         """Open the turn's transaction (if needed) before a write."""
@@ -322,7 +303,7 @@ class SQLiteStore:
             self.cursor.execute("BEGIN IMMEDIATE")
         self.commits.touch()
 
-    def _commit(self) -> None:
+    def commit(self) -> None:
         if not self.db.in_transaction:
             return
         try:
@@ -332,16 +313,12 @@ class SQLiteStore:
                 self.cursor.execute("ROLLBACK")
             raise
 
-    def _save(self, messages: Sequence[Message]) -> None:
-        self._begin()
-        self.cursor.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
-
     def _select(self, sql: str, *args: Any) -> List[Message]:
         return [_message(row) for row in self.cursor.execute(sql, args)]
 
-    # -- operations (synchronous) ---------------------------------------------
+    # -- Records ---------------------------------------------------------------------
 
-    def _add(self, message: Message) -> bool:
+    def insert(self, message: Message) -> bool:
         self._begin()
         message.seq = self.next_seq
         cursor = self.cursor.execute(_INSERT, _row(message))
@@ -351,127 +328,46 @@ class SQLiteStore:
         self.next_seq += 1
         return True
 
-    def _find(self, message_id: str) -> Optional[Message]:
-        row = self.cursor.execute(STATEMENTS["find"][0], (message_id,)).fetchone()
+    def get(self, message_id: str) -> Optional[Message]:
+        row = self.cursor.execute(STATEMENTS["get"][0], (message_id,)).fetchone()
         return None if row is None else _message(row)
 
-    def _expire_due(self, now: float) -> Set[str]:
-        expired = self._select(STATEMENTS["sweep_leases"][0], delivery.now_ms(now))
-        for message in expired:
-            delivery.expire_lease(message)
-        if expired:
-            self._save(expired)
-        return {m.to for m in expired}
+    def seq_of(self, message_id: str) -> int:
+        row = self.cursor.execute(STATEMENTS["seq_of"][0], (message_id,)).fetchone()
+        return 0 if row is None else row[0]
 
-    def _get_since(
-        self, agent: str, since_id: Optional[str], limit: int, now: float
-    ) -> Tuple[List[Message], Optional[str]]:
-        self._expire_due(now)
-        since_seq = 0
-        if since_id:
-            row = self.cursor.execute(STATEMENTS["get_since"][0], (since_id,)).fetchone()
-            since_seq = row[0] if row is not None else 0
-        out: List[Message] = []
-        if since_seq:
-            out = self._select(STATEMENTS["get_since"][1], agent, since_seq, limit)
-        fresh = self._select(STATEMENTS["get_since"][2], agent, since_seq, limit - len(out))
-        out.extend(fresh)
-        marked = [m for m in out if m.recovery]
-        for message in marked:
-            message.recovery = False
-        if marked:
-            self._save(marked)
-        cursor = fresh[-1].id if fresh else (since_id or None)
-        return out, cursor
+    def save(self, messages: Sequence[Message]) -> None:
+        self._begin()
+        self.cursor.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
 
-    def _pull(self, agent: str, limit: int, lease_seconds: int, now: float) -> List[Message]:
-        self._expire_due(now)
-        out = self._select(STATEMENTS["pull"][0], agent, limit)
-        for message in out:
-            delivery.lease(message, lease_seconds, now)
-        if out:
-            self._save(out)
-        return out
+    def queued(self, agent: str, after_seq: int, limit: int) -> List[Message]:
+        return self._select(STATEMENTS["queued"][0], agent, after_seq, limit)
 
-    def _ack(
-        self,
-        message_id: str,
-        agent: str,
-        lease_id: str,
-        outcome: str,
-        error: Optional[str],
-        now: float,
-        max_attempts: int,
-    ) -> dict:
-        message = self._find(message_id)
-        if message is None:
-            raise errors.no_such_message()
-        before = message.state()
-        try:
-            return delivery.settle(message, agent, lease_id, outcome, error, now, max_attempts)
-        finally:
-            if message.state() != before:
-                self._save([message])
+    def recovered(self, agent: str, upto_seq: int, limit: int) -> List[Message]:
+        return self._select(STATEMENTS["recovered"][0], agent, upto_seq, limit)
 
-    def _status(self, message_ids: Iterable[str], agent: str) -> List[dict]:
-        out = []
-        sql = STATEMENTS["status"][0]
-        for message_id in message_ids:
-            row = self.cursor.execute(sql, (message_id,)).fetchone()
-            if row is None or agent not in (row[4], row[5]):
-                out.append(delivery.not_found_status(message_id))
-            else:
-                out.append(
-                    {
-                        "id": row[0],
-                        "status": row[1],
-                        "attempts": row[2],
-                        "ts": row[3],
-                        "from": row[4],
-                        "to": row[5],
-                        "kind": row[6],
-                    }
-                )
-        return out
+    def lapsed(self, now: float) -> List[Message]:
+        return self._select(STATEMENTS["lapsed"][0], delivery.now_ms(now))
 
-    def _recent(self, agent: str, limit: int) -> List[Message]:
-        return self._inbox(agent, limit, None, None, None)
-
-    def _inbox(self, agent: str, limit: int, kind: Optional[str], status: Optional[str],
-               sender: Optional[str]) -> List[Message]:
-        """The newest ``limit`` messages to ``agent`` that match the filters.
-
-        The inbox index is by status: without a status filter, the newest of
-        each status are read and merged.
-        """
+    def inbox(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> List[Message]:
+        """The inbox index is by status: without a status filter, the newest of
+        each status are read and merged."""
+        kind, status, sender = filters.get("kind"), filters.get("status"), filters.get("from")
         if status is None:
-            parts = [self._inbox(agent, limit, kind, s, sender) for s in STATUSES]
+            parts = [self.inbox(agent, limit, dict(filters, status=s)) for s in STATUSES]
             return _newest(parts, limit)
         sql, names = _query_statement(kind, status, sender)
         values = {"sender": sender, "kind": kind, "status": status}
         return self._select(sql, agent, *[values[n] for n in names], limit)
 
-    def _query(
-        self,
-        agent: str,
-        limit: int,
-        kind: Optional[str],
-        status: Optional[str],
-        sender: Optional[str],
-        recipient: Optional[str],
-    ) -> List[Message]:
-        if recipient is not None and recipient != agent:
-            return []  # the inbox holds only messages to ``agent``
-        return self._inbox(agent, limit, kind, status, sender)
-
-    def _expire_batch(self, cutoff: float, batch: int) -> int:
+    def expire(self, cutoff: float, batch: int) -> int:
         """Remove the oldest messages (in seq order) stored before ``cutoff``, up to ``batch``."""
         last = None
         # Its own cursor, closed at once: this scan stops early, and a statement left
         # half-read would hold a read snapshot (and the WAL) until the next request.
         scan = self.db.cursor()
         try:
-            for seq, created in scan.execute(STATEMENTS["sweep_expired"][0], (batch,)):
+            for seq, created in scan.execute(STATEMENTS["expire"][0], (batch,)):
                 if created >= cutoff:
                     break
                 last = seq
@@ -480,70 +376,44 @@ class SQLiteStore:
         if last is None:
             return 0
         self._begin()
-        self.cursor.execute(STATEMENTS["sweep_expired"][1])
-        return self.cursor.execute(STATEMENTS["sweep_expired"][2], (last,)).rowcount
+        self.cursor.execute(STATEMENTS["expire"][1])
+        return self.cursor.execute(STATEMENTS["expire"][2], (last,)).rowcount
 
-    def _register(self, agent: str, now: float) -> None:
+    def register(self, agent: str, now: float) -> None:
         self.registered.add(agent)
         self._begin()
         self.cursor.execute(STATEMENTS["register"][0], (agent, int(now)))
 
-    def _at_once(self, operation: Callable[..., Any], *args: Any) -> Deferred:
-        try:
-            return succeed(operation(*args))
-        except Exception:
-            return fail()
-
-    # -- IMessageStore -----------------------------------------------------------
-
-    def add(self, message: Message) -> Deferred:
-        return self.commits.run(self._add, message)
-
-    def find(self, message_id: str) -> Deferred:
-        return self.commits.run(self._find, message_id)
-
-    def get_since(self, agent: str, since_id: Optional[str], limit: int, now: float) -> Deferred:
-        return self.commits.run(self._get_since, agent, since_id, limit, now)
-
-    def pull(self, agent: str, limit: int, lease_seconds: int, now: float) -> Deferred:
-        return self.commits.run(self._pull, agent, limit, lease_seconds, now)
-
-    def ack(self, message_id, agent, lease_id, outcome, error, now, max_attempts) -> Deferred:
-        return self.commits.run(
-            self._ack, message_id, agent, lease_id, outcome, error, now, max_attempts
-        )
-
-    def status(self, message_ids, agent: str) -> Deferred:
-        return self.commits.run(self._status, message_ids, agent)
-
-    def recent(self, agent: str, limit: int) -> Deferred:
-        return self.commits.run(self._recent, agent, limit)
-
-    def query(self, agent, limit, kind, status, sender, recipient) -> Deferred:
-        return self.commits.run(self._query, agent, limit, kind, status, sender, recipient)
-
-    def register(self, agent: str, now: float) -> Deferred:
-        return self.commits.run(self._register, agent, now)
-
     def is_registered(self, agent: str) -> bool:
         return agent in self.registered
 
+    def peers(self) -> List[Tuple[str, int]]:
+        return [tuple(row) for row in self.cursor.execute(LISTINGS[0])]
+
+
+class SQLiteStore(RecordStore):
+    """Messages and peers in one SQLite database, committed in groups."""
+
+    name = "sqlite"
+
+    def __init__(self, db: sqlite3.Connection, clock: IReactorTime, path: str,
+                 sync: str = "normal") -> None:
+        self.db = db
+        self.path = path
+        commits = GroupCommit(clock, self._commit, "sqlite")
+        super().__init__(SQLiteRecords(db, commits), commits)
+        self.checkpointer = Checkpointer(path, sync, clock, lambda: commits.commits)
+        self.checkpointer.start()
+
+    def _commit(self) -> None:
+        self.records.commit()
+
     def peers(self) -> Deferred:
-        sql = LISTINGS[0]
-        return self._at_once(lambda: [tuple(row) for row in self.cursor.execute(sql)])
-
-    def sweep_leases(self, now: float) -> Deferred:
-        return self.commits.run(self._expire_due, now)
-
-    @inlineCallbacks
-    def sweep_expired(self, cutoff: float):
-        """Removes in batches, one per reactor turn, so a large expiry never stalls requests."""
-        total = 0
-        while True:
-            removed = yield self.commits.run(self._expire_batch, cutoff, EXPIRE_BATCH)
-            total += removed
-            if removed < EXPIRE_BATCH:
-                return total
+        """Answered at once: registrations are known before their commit."""
+        try:
+            return succeed(self.records.peers())
+        except sqlite3.Error:
+            return fail()
 
     def close(self) -> Deferred:
         """Commit what is pending, let a running checkpoint end, checkpoint, close."""
@@ -668,15 +538,29 @@ def open_database(path: str, data_dir: str, sync: str, now: float) -> sqlite3.Co
     return db
 
 
-def open_store(config: Config, clock: IReactorTime) -> SQLiteStore:
+@dataclass(frozen=True)
+class SQLiteOptions:
+    """``broker.sqlite``: ``sync`` (``broker.sync`` when absent)."""
+
+    sync: str = "normal"
+
+
+def parse_options(section: Mapping[str, Any], config: Config) -> SQLiteOptions:
+    """Validate ``broker.sqlite`` (the IStoreFactory entry point)."""
+    check_keys(section, "broker.sqlite", frozenset({"sync"}), frozenset())
+    return SQLiteOptions(sync=sync_option(section, "sqlite", config.sync))
+
+
+def open_store(config: Config, options: SQLiteOptions, clock: IReactorTime) -> SQLiteStore:
     """Open ``dataDir/relay.db`` (the IStoreFactory entry point); ConfigError if impossible."""
     data_dir = make_data_dir(config.data_dir)
     path = os.path.join(data_dir, DB_NAME)
     try:
-        db = open_database(path, data_dir, config.sync, clock.seconds())
+        db = open_database(path, data_dir, options.sync, clock.seconds())
     except sqlite3.Error as e:
         raise ConfigError("broker.dataDir", f"cannot open database {path}: {e}") from None
-    return SQLiteStore(db, clock, path, config.sync)
+    return SQLiteStore(db, clock, path, options.sync)
 
 
-__all__ = ["SQLiteStore", "open_store", "open_database", "upgrade", "SCHEMA_VERSION"]
+__all__ = ["SQLiteStore", "open_store", "open_database", "parse_options", "upgrade",
+           "SCHEMA_VERSION"]

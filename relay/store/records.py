@@ -1,0 +1,297 @@
+"""The store contract written once, over a backend's synchronous primitives.
+
+A backend provides :class:`Records`: a few indexed, synchronous reads and writes
+of message rows and peers. The operations below apply the rules of
+:mod:`relay.delivery` to them — the lapsed-lease release before every read, the
+v1.0 page with its recovery deliveries, leasing, "persist whatever a transition
+changed", and what each change means for waiting requests — so no backend
+writes a delivery rule of its own. :class:`RecordStore` runs them as an
+:class:`~relay.store.interface.IMessageStore`, either at once (memory) or
+through a :class:`~relay.store.grouped.GroupCommit` (the persistent backends).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from zope.interface import implementer
+
+from relay import delivery, errors
+from relay.delivery import Changes, Message, Rules, Transition
+from relay.store.grouped import GroupCommit
+from relay.store.interface import IMessageStore
+
+EXPIRE_BATCH = 2000
+
+Listener = Callable[[Changes], None]
+
+
+class Records:
+    """A backend's synchronous primitives. Messages handed out are copies owned by
+    the caller; :meth:`save` writes their delivery state back.
+
+    ``changes`` collects what the operations' writes mean for waiting requests
+    until the store reports them.
+    """
+
+    def __init__(self) -> None:
+        self.changes = Changes()
+
+    def insert(self, message: Message) -> bool:
+        """Store a new message under the next sequence number (set on ``message``);
+        False when its id exists."""
+        raise NotImplementedError
+
+    def get(self, message_id: str) -> Optional[Message]:
+        """The message of that id, or None."""
+        raise NotImplementedError
+
+    def seq_of(self, message_id: str) -> int:
+        """The sequence number of that id; 0 when unknown."""
+        raise NotImplementedError
+
+    def save(self, messages: Sequence[Message]) -> None:
+        """Persist the delivery state (:meth:`Message.state`) of messages got from here."""
+        raise NotImplementedError
+
+    def queued(self, agent: str, after_seq: int, limit: int) -> List[Message]:
+        """Queued messages to ``agent`` with a sequence after ``after_seq``, in order."""
+        raise NotImplementedError
+
+    def recovered(self, agent: str, upto_seq: int, limit: int) -> List[Message]:
+        """Queued messages to ``agent`` at or before ``upto_seq`` that carry the v1.0
+        recovery mark, in order."""
+        raise NotImplementedError
+
+    def lapsed(self, now: float) -> List[Message]:
+        """Leased messages whose lease deadline has passed."""
+        raise NotImplementedError
+
+    def inbox(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> List[Message]:
+        """The newest ``limit`` messages to ``agent`` matching the ``kind``, ``status``
+        and ``from`` of ``filters`` (None matches anything), newest first."""
+        raise NotImplementedError
+
+    def expire(self, cutoff: float, batch: int) -> int:
+        """Remove up to ``batch`` of the oldest messages stored before ``cutoff``."""
+        raise NotImplementedError
+
+    def register(self, agent: str, now: float) -> None:
+        raise NotImplementedError
+
+    def is_registered(self, agent: str) -> bool:
+        raise NotImplementedError
+
+    def peers(self) -> List[Tuple[str, int]]:
+        """``[(agent, last_seen)]`` sorted by name."""
+        raise NotImplementedError
+
+
+# -- the operations, once for every backend -------------------------------------------
+
+
+def _saved(records: Records, befores: Iterable[Tuple[Any, ...]], messages: List[Message]) -> None:
+    records.save(messages)
+    for before, message in zip(befores, messages):
+        delivery.wakes(records.changes, before, message)
+
+
+def release_lapsed(records: Records, now: float, rules: Rules) -> int:
+    """Release every lease past its deadline, so reads report it truthfully."""
+    lapsed = records.lapsed(now)
+    if not lapsed:
+        return 0
+    befores = [m.state() for m in lapsed]
+    for message in lapsed:
+        delivery.catch_up(message, now, rules)
+    _saved(records, befores, lapsed)
+    return len(lapsed)
+
+
+def add(records: Records, message: Message) -> bool:
+    if not records.insert(message):
+        return False
+    delivery.wakes(records.changes, None, message)
+    return True
+
+
+def find(records: Records, message_id: str) -> Optional[Message]:
+    return records.get(message_id)
+
+
+def poll(records: Records, agent: str, since_id: Optional[str], limit: int, now: float,
+         rules: Rules) -> Tuple[List[Message], Optional[str]]:
+    release_lapsed(records, now, rules)
+    since_seq = records.seq_of(since_id) if since_id else 0
+    recovered = records.recovered(agent, since_seq, limit) if since_seq else []
+    room = limit - len(recovered)
+    fresh = records.queued(agent, since_seq, room) if room > 0 else []
+    messages, cursor, unmarked = delivery.poll_page(recovered, fresh, limit, since_id)
+    if unmarked:
+        records.save(unmarked)
+    return messages, cursor
+
+
+def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: float,
+         rules: Rules) -> List[Message]:
+    release_lapsed(records, now, rules)
+    messages = records.queued(agent, 0, limit)
+    if messages:
+        befores = [m.state() for m in messages]
+        for message in messages:
+            delivery.lease(message, lease_seconds, now)
+        _saved(records, befores, messages)
+    return messages
+
+
+def settle(records: Records, message_id: str, transition: Transition, now: float,
+           rules: Rules) -> Any:
+    message = records.get(message_id)
+    if message is None:
+        raise errors.no_such_message()
+    before = message.state()
+    try:
+        return transition(message, now)
+    finally:
+        if message.state() != before:
+            _saved(records, [before], [message])
+
+
+def status(records: Records, message_ids: Iterable[str], agent: str, now: float,
+           rules: Rules) -> List[Dict[str, Any]]:
+    release_lapsed(records, now, rules)
+    out = []
+    for message_id in message_ids:
+        message = records.get(message_id)
+        if message is None or agent not in (message.sender, message.to):
+            out.append(delivery.not_found_status(message_id))
+        else:
+            out.append(message.status_entry())
+    return out
+
+
+def recent(records: Records, agent: str, limit: int, now: float, rules: Rules) -> List[Message]:
+    release_lapsed(records, now, rules)
+    return records.inbox(agent, limit, {})
+
+
+def query(records: Records, agent: str, limit: int, filters: Mapping[str, Optional[str]],
+          now: float, rules: Rules) -> List[Message]:
+    release_lapsed(records, now, rules)
+    recipient = filters.get("to")
+    if recipient is not None and recipient != agent:
+        return []  # the inbox holds only messages to ``agent``
+    return records.inbox(agent, limit, filters)
+
+
+def register(records: Records, agent: str, now: float) -> None:
+    records.register(agent, now)
+
+
+def peers(records: Records) -> List[Tuple[str, int]]:
+    return records.peers()
+
+
+def expire(records: Records, cutoff: float, batch: int) -> int:
+    return records.expire(cutoff, batch)
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+@implementer(IMessageStore)
+class RecordStore:
+    """An IMessageStore over :class:`Records`.
+
+    Without ``commits`` every operation's Deferred fires at once; with a
+    :class:`GroupCommit` results wait for the commit that makes them durable.
+    Changes are reported to the subscribers after the commit that holds them.
+    """
+
+    name = "records"
+
+    def __init__(self, records: Records, commits: Optional[GroupCommit] = None) -> None:
+        self.records = records
+        self.commits = commits
+        self._listeners: List[Listener] = []
+        if commits is not None:
+            commits.on_commit = self._report
+
+    def _run(self, operation: Callable[..., Any], *args: Any) -> Deferred:
+        if self.commits is not None:
+            return self.commits.run(operation, self.records, *args)
+        try:
+            d = succeed(operation(self.records, *args))
+        except Exception:
+            d = fail()
+        self._report()
+        return d
+
+    def _report(self) -> None:
+        changes = self.records.changes
+        if changes:
+            self.records.changes = Changes()
+            for listener in self._listeners:
+                listener(changes)
+
+    # -- IMessageStore -----------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def add(self, message: Message) -> Deferred:
+        return self._run(add, message)
+
+    def find(self, message_id: str) -> Deferred:
+        return self._run(find, message_id)
+
+    def poll(self, agent: str, since_id: Optional[str], limit: int, now: float,
+             rules: Rules) -> Deferred:
+        return self._run(poll, agent, since_id, limit, now, rules)
+
+    def pull(self, agent: str, limit: int, lease_seconds: float, now: float,
+             rules: Rules) -> Deferred:
+        return self._run(pull, agent, limit, lease_seconds, now, rules)
+
+    def settle(self, message_id: str, transition: Transition, now: float,
+               rules: Rules) -> Deferred:
+        return self._run(settle, message_id, transition, now, rules)
+
+    def status(self, message_ids: Sequence[str], agent: str, now: float,
+               rules: Rules) -> Deferred:
+        return self._run(status, message_ids, agent, now, rules)
+
+    def recent(self, agent: str, limit: int, now: float, rules: Rules) -> Deferred:
+        return self._run(recent, agent, limit, now, rules)
+
+    def query(self, agent: str, limit: int, filters: Mapping[str, Optional[str]], now: float,
+              rules: Rules) -> Deferred:
+        return self._run(query, agent, limit, filters, now, rules)
+
+    def register(self, agent: str, now: float) -> Deferred:
+        return self._run(register, agent, now)
+
+    def is_registered(self, agent: str) -> bool:
+        return self.records.is_registered(agent)
+
+    def peers(self) -> Deferred:
+        return self._run(peers)
+
+    def sweep_leases(self, now: float, rules: Rules) -> Deferred:
+        return self._run(release_lapsed, now, rules)
+
+    @inlineCallbacks
+    def sweep_expired(self, cutoff: float):
+        """Removes in batches, one per run, so a large expiry never stalls requests."""
+        total = 0
+        while True:
+            removed = yield self._run(expire, cutoff, EXPIRE_BATCH)
+            total += removed
+            if removed < EXPIRE_BATCH:
+                return total
+
+    def close(self) -> Deferred:
+        if self.commits is not None:
+            self.commits.close()
+        return succeed(None)
