@@ -29,6 +29,7 @@ from twisted.python.failure import Failure
 
 from relay.client import RelayClient
 from relay.errors import RelayError
+from relay.files import read_json, write_json_atomic
 
 RECEIPT_TTL_SECONDS = 24 * 60 * 60
 HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
@@ -42,32 +43,6 @@ MAX_ERROR_TEXT = 500
 
 Message = Dict[str, Any]
 Handler = Callable[[Message], Any]
-
-
-# -- small file helpers ------------------------------------------------------------
-
-
-def read_json(path: Path) -> Any:
-    """The JSON document in ``path``."""
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def write_json_atomic(path: Path, document: Any, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``document`` atomically (temp file, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, ensure_ascii=False, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
 
 
 # -- receipts ------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextI
 from twisted.internet import defer
 from twisted.internet.task import deferLater
 
-from relay.agent import read_json, write_json_atomic
 from relay.client import (
     DEFAULT_BROKER_URL,
     ENV_CA_FILE,
@@ -34,6 +33,7 @@ from relay.client import (
     RelayClient,
 )
 from relay.errors import RelayError
+from relay.files import read_json, write_atomic, write_json_atomic
 
 SETTINGS_FILE = ".dsh-relay.json"
 STATE_FILE = ".dsh-relay-state.json"
@@ -699,11 +699,7 @@ def cmd_init(inv: Invocation, console: Console) -> int:
         raise UsageError(f"relay init: {path} exists; pass --force to overwrite it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
     except OSError as error:
         raise RelayError(0, "io_error", f"cannot write {path}: {error.strerror}") from None
     broker_url = f"http://127.0.0.1:{args.port}"
