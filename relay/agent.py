@@ -18,7 +18,7 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional, Sequence, Set
 
 from twisted.application.service import Service
 from twisted.internet import defer, error, protocol
@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 from relay.client import RelayClient
 from relay.errors import RelayError
 from relay.files import read_json, write_json_atomic
+from relay.polling import poll
 
 RECEIPT_TTL_SECONDS = 24 * 60 * 60
 HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
@@ -308,32 +309,42 @@ class AgentService(Service):
         return d
 
     async def _lease_loop(self) -> None:
-        wait = self.client.long_poll_seconds
-        while not self._stopping:
-            free = self.concurrency - len(self._inflight)
-            if free <= 0:
-                self._slot = defer.Deferred()
-                await self._pause(self._slot)
-                continue
-            started = self._clock.seconds()
-            try:
-                answer = await self._pause(
-                    self.client.pull(limit=free, lease_seconds=self.lease_seconds, wait=wait)
-                )
-            except RelayError as failure:
-                self.log.warn(
-                    "agent {agent}: pull failed ({code}: {message})",
-                    agent=self.client.agent,
-                    code=failure.code,
-                    message=failure.message,
-                )
-                await self._sleep(self.poll_interval)
-                continue
-            messages = answer.get("messages") or [] if isinstance(answer, dict) else []
-            for message in messages:
-                self._dispatch(message)
-            if not messages and (not wait or self._clock.seconds() - started < 1):
-                await self._sleep(self.poll_interval)
+        await poll(
+            self._lease,
+            self._dispatch_all,
+            clock=self._clock,
+            wait=self.client.long_poll_seconds,
+            interval=self.poll_interval,
+            running=lambda: not self._stopping,
+            on_error=self._pull_failed,
+            sleep=self._sleep,
+        )
+
+    async def _lease(self, wait: Optional[float]) -> Sequence[Message]:
+        answer = await self._pause(
+            self.client.pull(
+                limit=self.concurrency - len(self._inflight),
+                lease_seconds=self.lease_seconds,
+                wait=wait,
+            )
+        )
+        return answer.get("messages") or [] if isinstance(answer, dict) else []
+
+    def _pull_failed(self, failure: RelayError) -> None:
+        self.log.warn(
+            "agent {agent}: pull failed ({code}: {message})",
+            agent=self.client.agent,
+            code=failure.code,
+            message=failure.message,
+        )
+
+    async def _dispatch_all(self, messages: Sequence[Message]) -> None:
+        """Start handling ``messages``; return once a handler slot is free again."""
+        for message in messages:
+            self._dispatch(message)
+        while len(self._inflight) >= self.concurrency:
+            self._slot = defer.Deferred()
+            await self._pause(self._slot)
 
     # -- one message --
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 from twisted.internet import defer
-from twisted.internet.task import deferLater
 
 from relay.client import (
     DEFAULT_BROKER_URL,
@@ -34,6 +33,7 @@ from relay.client import (
 )
 from relay.errors import RelayError
 from relay.files import read_json, write_atomic, write_json_atomic
+from relay.polling import drain, poll
 
 SETTINGS_FILE = ".dsh-relay.json"
 STATE_FILE = ".dsh-relay-state.json"
@@ -544,15 +544,12 @@ async def cmd_recv(client: RelayClient, inv: Invocation, console: Console, home:
     if args.reset:
         state.set(None)
     client.cursor = state.get()
-    received: List[Dict[str, Any]] = []
-    seen = set()
-    for _ in range(1 if args.once else MAX_DRAIN_PAGES):
+
+    async def page() -> Sequence[Dict[str, Any]]:
         answer = await client.recv(limit=args.limit)
-        batch = [m for m in answer.get("messages") or [] if m.get("id") not in seen]
-        seen.update(m.get("id") for m in batch)
-        received.extend(batch)
-        if not batch:
-            break
+        return answer.get("messages") or []
+
+    received = await drain(page, 1 if args.once else MAX_DRAIN_PAGES)
     await _receipts(client, console, received)
     state.set(client.cursor)
     console.emit(
@@ -602,18 +599,18 @@ async def cmd_watch(
         mode = f"long-poll up to {wait:g}s" if wait else f"every {args.interval:g}s"
         console.warn(f"watching {client.agent} at {client.broker_url} ({mode}); Ctrl+C to stop")
     shown = 0
-    while args.count is None or shown < args.count:
-        started = clock.seconds()
-        try:
-            if started - last_heartbeat >= WATCH_HEARTBEAT_SECONDS:
-                await client.register()
-                last_heartbeat = started
-            answer = await client.recv(limit=50, wait=wait)
-        except RelayError as error:
-            console.warn(f"warning: {error.code}: {error.message}")
-            await deferLater(clock, args.interval)
-            continue
-        messages = answer.get("messages") or []
+
+    async def fetch(wait: Optional[float]) -> Sequence[Dict[str, Any]]:
+        nonlocal last_heartbeat
+        now = clock.seconds()
+        if now - last_heartbeat >= WATCH_HEARTBEAT_SECONDS:
+            await client.register()
+            last_heartbeat = now
+        answer = await client.recv(limit=50, wait=wait)
+        return answer.get("messages") or []
+
+    async def show(messages: Sequence[Dict[str, Any]]) -> None:
+        nonlocal shown
         for message in messages[: None if args.count is None else args.count - shown]:
             if inv.json:
                 console.document(message)
@@ -622,8 +619,16 @@ async def cmd_watch(
             shown += 1
         await _receipts(client, console, messages)
         state.set(client.cursor)
-        if not messages and (not wait or clock.seconds() - started < 1):
-            await deferLater(clock, args.interval)
+
+    await poll(
+        fetch,
+        show,
+        clock=clock,
+        wait=wait,
+        interval=args.interval,
+        running=lambda: args.count is None or shown < args.count,
+        on_error=lambda error: console.warn(f"warning: {error.code}: {error.message}"),
+    )
     return 0
 
 
