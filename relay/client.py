@@ -35,18 +35,14 @@ from zope.interface import implementer
 from relay import pem
 from relay.errors import RelayError
 from relay.protocol import PROTOCOL_VERSION
+from relay.settings import ENV_CA_FILE, ENV_CLIENT_CERT
 from relay.signing import auth_headers
 
-DEFAULT_BROKER_URL = "http://127.0.0.1:19121"
 RETRY_DELAYS_SECONDS: Tuple[float, ...] = (2.0, 4.0, 8.0)
 DEFAULT_TIMEOUT_SECONDS = 15.0
 RETRYABLE_STATUSES = frozenset({408, 429})
 # How much longer than the requested wait a long-poll request may take.
 LONG_POLL_GRACE_SECONDS = 10.0
-
-ENV_CA_FILE = "DSH_RELAY_CA_FILE"
-ENV_CLIENT_CERT = "DSH_RELAY_CLIENT_CERT"
-ENV_CLIENT_KEY = "DSH_RELAY_CLIENT_KEY"
 
 
 class _TimedOut(Exception):

@@ -25,9 +25,10 @@ from twisted.internet.task import Clock, deferLater
 from twisted.python import usage
 
 from relay import agent_tap
-from relay.cli import UsageError, resolve_settings, run
+from relay.cli import run
 from relay.client import RelayClient, make_http_client
 from relay.errors import RelayError
+from relay.settings import UsageError, resolve_settings
 from tests.test_cli import python_relay
 from tests.test_tls import (
     SECRET,
