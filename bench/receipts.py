@@ -3,12 +3,14 @@
     .venv/bin/python bench/receipts.py                    # 1,000 and 10,000 held
     .venv/bin/python bench/receipts.py --held 100,1000 --puts 50 --dir /var/tmp
 
-For each N, a receipts file holding N one-hour-old receipts (the format
-``~/.dsh-agent-relay-receipts-<hash>.json`` of the agent runtime) is written
-into a fresh directory, opened with ``ReceiptStore``, and then ``put`` is timed
-for ``--puts`` new receipts, each with a ~200-byte reply body. Prints the time
-to open the store and the mean and worst ``put``. The directory should be on
-the disk the agent's home directory is on (fsync costs differ per file system).
+For each N, a receipts file of the earlier JSON format
+(``~/.dsh-agent-relay-receipts-<hash>.json``) holding N one-hour-old receipts
+is written into a fresh directory and opened with ``ReceiptStore.for_agent``,
+which moves them into its SQLite file; then ``put`` is timed for ``--puts``
+new receipts, each with a ~200-byte reply body. Prints the time to open the
+store (the one-time move included) and the mean, median and worst ``put``.
+The directory should be on the disk the agent's home directory is on (write
+and fsync costs differ per file system).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from twisted.internet.task import Clock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from relay.agent import ReceiptStore, receipts_path  # noqa: E402
+from relay.receipts import ReceiptStore, legacy_receipts_path  # noqa: E402
 
 AGENT = "bench-worker"
 NOW = 1_700_000_000.0
@@ -62,11 +64,11 @@ def measure(directory: Path, held: int, puts: int) -> Dict[str, float]:
 
 
 def measure_in(home: Path, held: int, puts: int) -> Dict[str, float]:
-    write_old_file(receipts_path(AGENT, home), held)
+    write_old_file(legacy_receipts_path(AGENT, home), held)
     clock = Clock()
     clock.advance(NOW)
     started = time.perf_counter()
-    store = ReceiptStore(receipts_path(AGENT, home), clock)
+    store = ReceiptStore.for_agent(AGENT, home, clock)
     opened = time.perf_counter() - started
     if len(store) != held:
         raise SystemExit(f"the store holds {len(store)} receipts, expected {held}")
@@ -77,6 +79,7 @@ def measure_in(home: Path, held: int, puts: int) -> Dict[str, float]:
         started = time.perf_counter()
         store.put(request_id, body)
         timings.append(time.perf_counter() - started)
+    store.close()
     return {
         "held": held,
         "open_ms": opened * 1e3,

@@ -3,9 +3,9 @@
 :class:`AgentService` handshakes once, heartbeats well within the broker's 90 s
 TTL, leases messages with ``POST /v1/pull`` (long-polling when the broker
 advertises it) and, for each request, calls a handler. A completed reply is
-persisted in a per-agent :class:`ReceiptStore` before it is sent, so a request
-that is delivered again (lost ack, restart) gets the same reply re-sent and is
-never handled twice (spec §5.1, "Receipts").
+persisted in a per-agent :class:`relay.receipts.ReceiptStore` before it is
+sent, so a request that is delivered again (lost ack, restart) gets the same
+reply re-sent and is never handled twice (spec §5.1, "Receipts").
 
 Only ids and events are logged, never message bodies.
 """
@@ -13,11 +13,9 @@ Only ids and events are logged, never message bodies.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import uuid
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Set
 
 from twisted.application.service import Service
@@ -29,10 +27,9 @@ from twisted.python.failure import Failure
 
 from relay.client import RelayClient
 from relay.errors import RelayError
-from relay.files import read_json, write_json_atomic
 from relay.polling import poll
+from relay.receipts import ReceiptStore
 
-RECEIPT_TTL_SECONDS = 24 * 60 * 60
 HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
 POLL_INTERVAL_SECONDS = 2.0
 SHUTDOWN_GRACE_SECONDS = 30.0
@@ -44,81 +41,6 @@ MAX_ERROR_TEXT = 500
 
 Message = Dict[str, Any]
 Handler = Callable[[Message], Any]
-
-
-# -- receipts ------------------------------------------------------------------------
-
-
-def receipts_path(agent: str, home: Path) -> Path:
-    """``~/.dsh-agent-relay-receipts-<hash>.json``, the hash derived from the agent name."""
-    digest = hashlib.sha256(agent.encode("utf-8")).hexdigest()[:16]
-    return Path(home) / f".dsh-agent-relay-receipts-{digest}.json"
-
-
-class ReceiptStore:
-    """Completed replies by request id, kept on disk for :data:`RECEIPT_TTL_SECONDS`.
-
-    Each entry holds the reply envelope exactly as sent (its id included), so a
-    replay is idempotent at the broker.
-    """
-
-    log = Logger()
-
-    def __init__(self, path: Path, clock: IReactorTime, ttl: float = RECEIPT_TTL_SECONDS) -> None:
-        self.path = Path(path)
-        self._clock = clock
-        self._ttl = ttl
-        self._entries: Dict[str, Dict[str, Any]] = {}
-        try:
-            loaded = read_json(self.path)
-        except FileNotFoundError:
-            loaded = {}
-        except (OSError, ValueError):
-            self.log.warn("receipts file {path} is unreadable; starting empty", path=str(path))
-            loaded = {}
-        entries = loaded.get("receipts") if isinstance(loaded, dict) else None
-        if isinstance(entries, dict):
-            self._entries = {
-                key: value
-                for key, value in entries.items()
-                if isinstance(value, dict) and isinstance(value.get("reply"), dict)
-            }
-        self._prune()
-
-    def _prune(self) -> bool:
-        oldest = self._clock.seconds() - self._ttl
-        expired = [key for key, entry in self._entries.items() if entry.get("at", 0) < oldest]
-        for key in expired:
-            del self._entries[key]
-        return bool(expired)
-
-    def _save(self) -> None:
-        write_json_atomic(self.path, {"version": 1, "receipts": self._entries})
-
-    def get(self, request_id: str) -> Optional[Dict[str, Any]]:
-        """The receipt for ``request_id`` (``{"at", "reply", ...}``), unless expired."""
-        entry = self._entries.get(request_id)
-        if entry is None or entry.get("at", 0) < self._clock.seconds() - self._ttl:
-            return None
-        return entry
-
-    def put(self, request_id: str, reply: Dict[str, Any]) -> Dict[str, Any]:
-        """Persist the reply for ``request_id`` (before it is sent)."""
-        self._prune()
-        entry = {"at": self._clock.seconds(), "reply": reply}
-        self._entries[request_id] = entry
-        self._save()
-        return entry
-
-    def mark(self, request_id: str, **facts: Any) -> None:
-        """Record more facts about a receipt (e.g. that the v1.0 receipt went out)."""
-        entry = self._entries.get(request_id)
-        if entry is not None:
-            entry.update(facts)
-            self._save()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 # -- the runtime ---------------------------------------------------------------------

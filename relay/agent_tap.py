@@ -29,11 +29,10 @@ from relay.agent import (
     SHUTDOWN_GRACE_SECONDS,
     AgentService,
     ExecHandler,
-    ReceiptStore,
-    receipts_path,
 )
 from relay.client import client_tls_policy
 from relay.errors import RelayError
+from relay.receipts import ReceiptStore
 from relay.settings import (
     ENV_AGENT,
     ENV_SECRET,
@@ -183,7 +182,8 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
     else:
         handler = options.handler
     home = Path(options["receipts-dir"]).expanduser() if options["receipts-dir"] else Path.home()
-    receipts = ReceiptStore(receipts_path(client.agent, home), reactor)
+    receipts = ReceiptStore.for_agent(client.agent, home, reactor)
+    reactor.addSystemEventTrigger("after", "shutdown", receipts.close)
 
     def fatal(error: Exception) -> None:
         if reactor.running:
