@@ -43,6 +43,8 @@ DEFAULT_TIMEOUT_SECONDS = 15.0
 RETRYABLE_STATUSES = frozenset({408, 429})
 # How much longer than the requested wait a long-poll request may take.
 LONG_POLL_GRACE_SECONDS = 10.0
+# The wait of a broker that advertises long polling without a maximum.
+DEFAULT_LONG_POLL_SECONDS = 20.0
 
 
 class _TimedOut(Exception):
@@ -65,8 +67,6 @@ def _is_cancellation(failure: BaseException) -> bool:
         return True
     reasons = getattr(failure, "reasons", None) or []
     return any(reason.check(defer.CancelledError) for reason in reasons)
-
-Message = Dict[str, Any]
 
 
 def _is_retryable_status(status: int) -> bool:
@@ -120,8 +120,6 @@ def long_poll_limit(info: Optional[Dict[str, Any]]) -> Optional[float]:
         return DEFAULT_LONG_POLL_SECONDS
     return None
 
-
-DEFAULT_LONG_POLL_SECONDS = 20.0
 
 
 # -- TLS ------------------------------------------------------------------------
