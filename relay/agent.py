@@ -3,9 +3,9 @@
 :class:`AgentService` handshakes once, heartbeats well within the broker's 90 s
 TTL, leases messages with ``POST /v1/pull`` (long-polling when the broker
 advertises it) and, for each request, calls a handler. A completed reply is
-persisted in a per-agent :class:`ReceiptStore` before it is sent, so a request
-that is delivered again (lost ack, restart) gets the same reply re-sent and is
-never handled twice (spec §5.1, "Receipts").
+persisted in a per-agent :class:`relay.receipts.ReceiptStore` before it is
+sent, so a request that is delivered again (lost ack, restart) gets the same
+reply re-sent and is never handled twice (spec §5.1, "Receipts").
 
 Only ids and events are logged, never message bodies.
 """
@@ -13,12 +13,10 @@ Only ids and events are logged, never message bodies.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import uuid
-from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional, Sequence, Set
 
 from twisted.application.service import Service
 from twisted.internet import defer, error, protocol
@@ -29,8 +27,9 @@ from twisted.python.failure import Failure
 
 from relay.client import RelayClient
 from relay.errors import RelayError
+from relay.polling import poll
+from relay.receipts import ReceiptStore
 
-RECEIPT_TTL_SECONDS = 24 * 60 * 60
 HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
 POLL_INTERVAL_SECONDS = 2.0
 SHUTDOWN_GRACE_SECONDS = 30.0
@@ -42,107 +41,6 @@ MAX_ERROR_TEXT = 500
 
 Message = Dict[str, Any]
 Handler = Callable[[Message], Any]
-
-
-# -- small file helpers ------------------------------------------------------------
-
-
-def read_json(path: Path) -> Any:
-    """The JSON document in ``path``."""
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def write_json_atomic(path: Path, document: Any, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``document`` atomically (temp file, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, ensure_ascii=False, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
-
-
-# -- receipts ------------------------------------------------------------------------
-
-
-def receipts_path(agent: str, home: Path) -> Path:
-    """``~/.dsh-agent-relay-receipts-<hash>.json``, the hash derived from the agent name."""
-    digest = hashlib.sha256(agent.encode("utf-8")).hexdigest()[:16]
-    return Path(home) / f".dsh-agent-relay-receipts-{digest}.json"
-
-
-class ReceiptStore:
-    """Completed replies by request id, kept on disk for :data:`RECEIPT_TTL_SECONDS`.
-
-    Each entry holds the reply envelope exactly as sent (its id included), so a
-    replay is idempotent at the broker.
-    """
-
-    log = Logger()
-
-    def __init__(self, path: Path, clock: IReactorTime, ttl: float = RECEIPT_TTL_SECONDS) -> None:
-        self.path = Path(path)
-        self._clock = clock
-        self._ttl = ttl
-        self._entries: Dict[str, Dict[str, Any]] = {}
-        try:
-            loaded = read_json(self.path)
-        except FileNotFoundError:
-            loaded = {}
-        except (OSError, ValueError):
-            self.log.warn("receipts file {path} is unreadable; starting empty", path=str(path))
-            loaded = {}
-        entries = loaded.get("receipts") if isinstance(loaded, dict) else None
-        if isinstance(entries, dict):
-            self._entries = {
-                key: value
-                for key, value in entries.items()
-                if isinstance(value, dict) and isinstance(value.get("reply"), dict)
-            }
-        self._prune()
-
-    def _prune(self) -> bool:
-        oldest = self._clock.seconds() - self._ttl
-        expired = [key for key, entry in self._entries.items() if entry.get("at", 0) < oldest]
-        for key in expired:
-            del self._entries[key]
-        return bool(expired)
-
-    def _save(self) -> None:
-        write_json_atomic(self.path, {"version": 1, "receipts": self._entries})
-
-    def get(self, request_id: str) -> Optional[Dict[str, Any]]:
-        """The receipt for ``request_id`` (``{"at", "reply", ...}``), unless expired."""
-        entry = self._entries.get(request_id)
-        if entry is None or entry.get("at", 0) < self._clock.seconds() - self._ttl:
-            return None
-        return entry
-
-    def put(self, request_id: str, reply: Dict[str, Any]) -> Dict[str, Any]:
-        """Persist the reply for ``request_id`` (before it is sent)."""
-        self._prune()
-        entry = {"at": self._clock.seconds(), "reply": reply}
-        self._entries[request_id] = entry
-        self._save()
-        return entry
-
-    def mark(self, request_id: str, **facts: Any) -> None:
-        """Record more facts about a receipt (e.g. that the v1.0 receipt went out)."""
-        entry = self._entries.get(request_id)
-        if entry is not None:
-            entry.update(facts)
-            self._save()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 # -- the runtime ---------------------------------------------------------------------
@@ -333,32 +231,42 @@ class AgentService(Service):
         return d
 
     async def _lease_loop(self) -> None:
-        wait = self.client.long_poll_seconds
-        while not self._stopping:
-            free = self.concurrency - len(self._inflight)
-            if free <= 0:
-                self._slot = defer.Deferred()
-                await self._pause(self._slot)
-                continue
-            started = self._clock.seconds()
-            try:
-                answer = await self._pause(
-                    self.client.pull(limit=free, lease_seconds=self.lease_seconds, wait=wait)
-                )
-            except RelayError as failure:
-                self.log.warn(
-                    "agent {agent}: pull failed ({code}: {message})",
-                    agent=self.client.agent,
-                    code=failure.code,
-                    message=failure.message,
-                )
-                await self._sleep(self.poll_interval)
-                continue
-            messages = answer.get("messages") or [] if isinstance(answer, dict) else []
-            for message in messages:
-                self._dispatch(message)
-            if not messages and (not wait or self._clock.seconds() - started < 1):
-                await self._sleep(self.poll_interval)
+        await poll(
+            self._lease,
+            self._dispatch_all,
+            clock=self._clock,
+            wait=self.client.long_poll_seconds,
+            interval=self.poll_interval,
+            running=lambda: not self._stopping,
+            on_error=self._pull_failed,
+            sleep=self._sleep,
+        )
+
+    async def _lease(self, wait: Optional[float]) -> Sequence[Message]:
+        answer = await self._pause(
+            self.client.pull(
+                limit=self.concurrency - len(self._inflight),
+                lease_seconds=self.lease_seconds,
+                wait=wait,
+            )
+        )
+        return answer.get("messages") or [] if isinstance(answer, dict) else []
+
+    def _pull_failed(self, failure: RelayError) -> None:
+        self.log.warn(
+            "agent {agent}: pull failed ({code}: {message})",
+            agent=self.client.agent,
+            code=failure.code,
+            message=failure.message,
+        )
+
+    async def _dispatch_all(self, messages: Sequence[Message]) -> None:
+        """Start handling ``messages``; return once a handler slot is free again."""
+        for message in messages:
+            self._dispatch(message)
+        while len(self._inflight) >= self.concurrency:
+            self._slot = defer.Deferred()
+            await self._pause(self._slot)
 
     # -- one message --
 

@@ -29,12 +29,18 @@ from relay.agent import (
     SHUTDOWN_GRACE_SECONDS,
     AgentService,
     ExecHandler,
-    ReceiptStore,
-    receipts_path,
 )
-from relay.cli import FLAG_KEYS, Settings, UsageError, resolve_settings
 from relay.client import client_tls_policy
 from relay.errors import RelayError
+from relay.receipts import ReceiptStore
+from relay.settings import (
+    ENV_AGENT,
+    ENV_SECRET,
+    FLAG_KEYS,
+    Settings,
+    UsageError,
+    resolve_settings,
+)
 
 
 def _positive(kind: Any) -> Any:
@@ -133,12 +139,10 @@ class Options(usage.Options):
                 client_tls_policy(settings.ca_file, settings.client_cert, settings.client_key)
             except RelayError as error:
                 raise usage.UsageError(f"{error.code}: {error.message}") from None
-        if not self.settings.agent:
-            raise usage.UsageError("no agent name: pass --agent NAME or set DSH_RELAY_AGENT")
-        if not self.settings.secret:
-            raise usage.UsageError(
-                "no secret: pass --secret, --secret-file or set DSH_RELAY_SECRET"
-            )
+        if not settings.agent:
+            raise usage.UsageError(f"no agent name: pass --agent NAME or set {ENV_AGENT}")
+        if not settings.secret:
+            raise usage.UsageError(f"no secret: pass --secret, --secret-file or set {ENV_SECRET}")
         if (self["handler"] is None) == (self["exec"] is None):
             raise usage.UsageError("give exactly one of --handler and --exec")
         if self["handler"] is not None:
@@ -178,7 +182,8 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
     else:
         handler = options.handler
     home = Path(options["receipts-dir"]).expanduser() if options["receipts-dir"] else Path.home()
-    receipts = ReceiptStore(receipts_path(client.agent, home), reactor)
+    receipts = ReceiptStore.for_agent(client.agent, home, reactor)
+    reactor.addSystemEventTrigger("after", "shutdown", receipts.close)
 
     def fatal(error: Exception) -> None:
         if reactor.running:

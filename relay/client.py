@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import uuid
 from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from urllib.parse import quote, urlsplit
@@ -33,20 +32,19 @@ from twisted.web.client import RequestTransmissionFailed, ResponseFailed
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from relay import pem
 from relay.errors import RelayError
 from relay.protocol import PROTOCOL_VERSION
+from relay.settings import ENV_CA_FILE, ENV_CLIENT_CERT
 from relay.signing import auth_headers
 
-DEFAULT_BROKER_URL = "http://127.0.0.1:19121"
 RETRY_DELAYS_SECONDS: Tuple[float, ...] = (2.0, 4.0, 8.0)
 DEFAULT_TIMEOUT_SECONDS = 15.0
 RETRYABLE_STATUSES = frozenset({408, 429})
 # How much longer than the requested wait a long-poll request may take.
 LONG_POLL_GRACE_SECONDS = 10.0
-
-ENV_CA_FILE = "DSH_RELAY_CA_FILE"
-ENV_CLIENT_CERT = "DSH_RELAY_CLIENT_CERT"
-ENV_CLIENT_KEY = "DSH_RELAY_CLIENT_KEY"
+# The wait of a broker that advertises long polling without a maximum.
+DEFAULT_LONG_POLL_SECONDS = 20.0
 
 
 class _TimedOut(Exception):
@@ -69,8 +67,6 @@ def _is_cancellation(failure: BaseException) -> bool:
         return True
     reasons = getattr(failure, "reasons", None) or []
     return any(reason.check(defer.CancelledError) for reason in reasons)
-
-Message = Dict[str, Any]
 
 
 def _is_retryable_status(status: int) -> bool:
@@ -125,17 +121,9 @@ def long_poll_limit(info: Optional[Dict[str, Any]]) -> Optional[float]:
     return None
 
 
-DEFAULT_LONG_POLL_SECONDS = 20.0
-
 
 # -- TLS ------------------------------------------------------------------------
 
-_PEM_CERTIFICATE = re.compile(
-    rb"-----BEGIN CERTIFICATE-----\r?\n.*?-----END CERTIFICATE-----", re.DOTALL
-)
-_PEM_PRIVATE_KEY = re.compile(
-    rb"-----BEGIN ((?:[A-Z0-9]+ )*)PRIVATE KEY-----\r?\n.*?-----END \1PRIVATE KEY-----", re.DOTALL
-)
 # TLS alerts from a broker that refused this client's certificate (or its absence).
 _CLIENT_CERTIFICATE_ALERTS = (
     "certificate required",
@@ -149,27 +137,25 @@ _CLIENT_CERTIFICATE_ALERTS = (
 )
 
 
-def _read_pem(path: str, code: str, what: str) -> bytes:
-    """The bytes of ``path``; a RelayError naming the file when it cannot be read."""
-    try:
-        with open(os.path.expanduser(path), "rb") as handle:
-            return handle.read()
-    except OSError as error:
-        reason = error.strerror or error.__class__.__name__
-        raise RelayError(0, code, f"cannot read {what} {path}: {reason}") from None
+def _bad_file(code: str, what: str, path: str, problem: pem.PEMError) -> RelayError:
+    """The RelayError for ``problem`` with the file ``path``.
 
-
-def _load_certificates(data: bytes, path: str, code: str, what: str) -> List[Any]:
-    """Every PEM certificate in ``data`` as a ``cryptography`` certificate."""
-    from cryptography import x509
-
-    blocks = _PEM_CERTIFICATE.findall(data)
-    if not blocks:
-        raise RelayError(0, code, f"no PEM certificate found in {what} {path}")
-    try:
-        return [x509.load_pem_x509_certificate(block) for block in blocks]
-    except ValueError as error:
-        raise RelayError(0, code, f"malformed certificate in {what} {path}: {error}") from None
+    ``what`` names the file (``CA file``, ``client key``) for a read failure or a
+    certificate problem.
+    """
+    if isinstance(problem, pem.Unreadable):
+        text = f"cannot read {what} {path}: {problem.reason}"
+    elif isinstance(problem, pem.NoCertificate):
+        text = f"no PEM certificate found in {what} {path}"
+    elif isinstance(problem, pem.MalformedCertificate):
+        text = f"malformed certificate in {what} {path}: {problem}"
+    elif isinstance(problem, pem.NoPrivateKey):
+        text = f"no PEM private key found in {path}"
+    elif isinstance(problem, pem.EncryptedKey):
+        text = f"the private key in {path} is encrypted; the client needs it unencrypted"
+    else:
+        text = f"malformed private key in {path}: {problem}"
+    return RelayError(0, code, text)
 
 
 def load_trust_root(ca_file: str) -> Any:
@@ -178,14 +164,10 @@ def load_trust_root(ca_file: str) -> Any:
     An unreadable file, or one without a well-formed PEM certificate, is a
     ``RelayError(0, "bad_ca_file", ...)`` naming the path.
     """
-    from OpenSSL import crypto
-    from twisted.internet.ssl import Certificate, trustRootFromCertificates
-
-    data = _read_pem(ca_file, "bad_ca_file", "CA file")
-    certificates = _load_certificates(data, ca_file, "bad_ca_file", "CA file")
-    return trustRootFromCertificates(
-        [Certificate(crypto.X509.from_cryptography(c)) for c in certificates]
-    )
+    try:
+        return pem.trust_root(pem.certificates(pem.read(os.path.expanduser(ca_file))))
+    except pem.PEMError as problem:
+        raise _bad_file("bad_ca_file", "CA file", ca_file, problem) from None
 
 
 def load_client_certificate(
@@ -199,34 +181,32 @@ def load_client_certificate(
     of pyOpenSSL ``X509`` intermediates. Every problem is a
     ``RelayError(0, "bad_client_cert", ...)`` naming the path.
     """
-    from cryptography.hazmat.primitives import serialization
     from OpenSSL import crypto
     from twisted.internet.ssl import Certificate, KeyPair, PrivateCertificate
 
     code = "bad_client_cert"
-    cert_data = _read_pem(cert_file, code, "client certificate")
-    chain = _load_certificates(cert_data, cert_file, code, "client certificate")
-    key_path = cert_file if key_file is None else key_file
-    key_data = cert_data if key_file is None else _read_pem(key_file, code, "client key")
-    block = _PEM_PRIVATE_KEY.search(key_data)
-    if block is None:
-        hint = "" if key_file is not None else "; give the key with --client-key"
-        raise RelayError(0, code, f"no PEM private key found in {key_path}{hint}")
     try:
-        key = serialization.load_pem_private_key(block.group(0), password=None)
-    except TypeError:
-        raise RelayError(
-            0, code, f"the private key in {key_path} is encrypted; the client needs it unencrypted"
-        ) from None
-    except (ValueError, serialization.UnsupportedAlgorithm) as error:
-        raise RelayError(0, code, f"malformed private key in {key_path}: {error}") from None
-
-    def spki(public_key: Any) -> bytes:
-        return public_key.public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-
-    if spki(chain[0].public_key()) != spki(key.public_key()):
+        cert_data = pem.read(os.path.expanduser(cert_file))
+        chain = pem.certificates(cert_data)
+    except pem.PEMError as problem:
+        raise _bad_file(code, "client certificate", cert_file, problem) from None
+    if key_file is None:
+        key_path = cert_file
+        try:
+            key = pem.private_key(cert_data)
+        except pem.NoPrivateKey:
+            raise RelayError(
+                0, code, f"no PEM private key found in {cert_file}; give the key with --client-key"
+            ) from None
+        except pem.PEMError as problem:
+            raise _bad_file(code, "client certificate", cert_file, problem) from None
+    else:
+        key_path = key_file
+        try:
+            key = pem.private_key(pem.read(os.path.expanduser(key_file)))
+        except pem.PEMError as problem:
+            raise _bad_file(code, "client key", key_file, problem) from None
+    if not pem.matches(chain[0], key):
         raise RelayError(
             0, code, f"the client certificate {cert_file} does not match the key in {key_path}"
         )

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from OpenSSL import SSL, crypto
 from twisted.internet import ssl
 from twisted.internet.endpoints import SSL4ServerEndpoint, serverFromString
@@ -26,6 +25,7 @@ from twisted.internet.interfaces import IStreamServerEndpoint
 from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
+from relay import pem
 from relay.config import _unescape, split_endpoint
 from relay.errors import ConfigError
 
@@ -130,44 +130,40 @@ def _number(
     return int(raw)
 
 
-def _read(key: str, path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise ConfigError(key, f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise ConfigError(key, f"{path}: is a directory, not a file") from None
-    except OSError as e:
-        raise ConfigError(key, f"{path}: cannot read: {e.strerror}") from None
+def _config_error(key: str, path: str, problem: pem.PEMError, what: str = "") -> ConfigError:
+    """``problem`` with the file ``path``, worded for the broker's config error line."""
+    if isinstance(problem, pem.Unreadable):
+        if isinstance(problem.error, FileNotFoundError):
+            reason = "file not found"
+        elif isinstance(problem.error, IsADirectoryError):
+            reason = "is a directory, not a file"
+        else:
+            reason = f"cannot read: {problem.reason}"
+    elif isinstance(problem, pem.NoPrivateKey):
+        reason = "no PEM private key found"
+    elif isinstance(problem, pem.EncryptedKey):
+        reason = "the private key is encrypted; the broker needs it unencrypted"
+    elif isinstance(problem, pem.MalformedKey):
+        reason = f"malformed PEM private key: {problem}"
+    elif isinstance(problem, pem.NoCertificate):
+        reason = f"no PEM certificate found ({what})"
+    else:
+        reason = f"malformed PEM certificate ({what})"
+    return ConfigError(key, f"{path}: {reason}")
 
 
-def _load_private_key(path: str):
-    data = _read(LISTEN_KEY, path)
+def _load_private_key(path: str) -> Any:
     try:
-        return serialization.load_pem_private_key(data, password=None)
-    except TypeError:
-        raise ConfigError(
-            LISTEN_KEY, f"{path}: the private key is encrypted; the broker needs it unencrypted"
-        ) from None
-    except (ValueError, serialization.UnsupportedAlgorithm):
-        raise ConfigError(LISTEN_KEY, f"{path}: no PEM private key found") from None
+        return pem.private_key(pem.read(path))
+    except pem.PEMError as problem:
+        raise _config_error(LISTEN_KEY, path, problem) from None
 
 
 def _load_certificates(key: str, path: str, what: str) -> List[x509.Certificate]:
-    data = _read(key, path)
-    if b"-----BEGIN CERTIFICATE-----" not in data:
-        raise ConfigError(key, f"{path}: no PEM certificate found ({what})")
     try:
-        return x509.load_pem_x509_certificates(data)
-    except ValueError:
-        raise ConfigError(key, f"{path}: malformed PEM certificate ({what})") from None
-
-
-def _spki(public_key) -> bytes:
-    return public_key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+        return pem.certificates(pem.read(path))
+    except pem.PEMError as problem:
+        raise _config_error(key, path, problem, what) from None
 
 
 def _validity(certificate: x509.Certificate) -> Tuple[datetime.datetime, datetime.datetime]:
@@ -198,10 +194,7 @@ def _warn_validity(path: str, certificate: x509.Certificate, now: datetime.datet
 
 def load_client_ca(path: str) -> Any:
     """The trust root for client certificates: every certificate in the PEM file ``path``."""
-    certificates = _load_certificates(CLIENT_CA_KEY, path, "client CA")
-    return ssl.trustRootFromCertificates(
-        [ssl.Certificate(crypto.X509.from_cryptography(c)) for c in certificates]
-    )
+    return pem.trust_root(_load_certificates(CLIENT_CA_KEY, path, "client CA"))
 
 
 def certificate_options(
@@ -216,7 +209,7 @@ def certificate_options(
     """
     key = _load_private_key(listener.private_key)
     certificate = _load_certificates(LISTEN_KEY, listener.cert_key, "server certificate")[0]
-    if _spki(certificate.public_key()) != _spki(key.public_key()):
+    if not pem.matches(certificate, key):
         raise ConfigError(
             LISTEN_KEY,
             f"{listener.cert_key}: the certificate does not match the private key "
@@ -235,7 +228,10 @@ def certificate_options(
         ]
     kwargs: Dict[str, object] = {}
     if listener.dh_parameters is not None:
-        _read(LISTEN_KEY, listener.dh_parameters)
+        try:
+            pem.read(listener.dh_parameters)
+        except pem.Unreadable as problem:
+            raise _config_error(LISTEN_KEY, listener.dh_parameters, problem) from None
         kwargs["dhParameters"] = ssl.DiffieHellmanParameters.fromFile(
             FilePath(listener.dh_parameters)
         )

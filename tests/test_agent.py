@@ -1,10 +1,10 @@
-"""The agent runtime against the in-memory broker, driven by a Clock; the receipts
-store; the ``--exec`` handler with real processes; the twistd plugin options."""
+"""The agent runtime against the in-memory broker, driven by a Clock; the ``--exec``
+handler with real processes; the twistd plugin options. The receipt store itself is
+tested in test_receipts."""
 
 from __future__ import annotations
 
 import json
-import stat
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -17,63 +17,10 @@ from twisted.internet.task import Clock
 from twisted.python import usage
 from twisted.python.failure import Failure
 
-from relay.agent import (
-    RECEIPT_TTL_SECONDS,
-    AgentService,
-    ExecFailed,
-    ExecHandler,
-    ReceiptStore,
-    exec_input,
-    receipts_path,
-    reply_body,
-)
+from relay.agent import AgentService, ExecFailed, ExecHandler, exec_input, reply_body
 from relay.client import RelayClient
 from relay.errors import RelayError
-
-# -- receipts --------------------------------------------------------------------
-
-
-def test_receipts_path_is_per_agent_and_stable(tmp_path: Path) -> None:
-    one = receipts_path("alpha", tmp_path)
-    assert one == receipts_path("alpha", tmp_path)
-    assert one != receipts_path("beta", tmp_path)
-    assert one.parent == tmp_path
-    assert one.name.startswith(".dsh-agent-relay-receipts-") and one.suffix == ".json"
-    assert "alpha" not in one.name
-
-
-def test_receipts_persist_expire_after_a_day_and_are_private(tmp_path: Path) -> None:
-    clock = Clock()
-    clock.advance(1000)
-    path = tmp_path / "receipts.json"
-    store = ReceiptStore(path, clock)
-    assert store.get("q1") is None
-    store.put("q1", {"id": "r1", "to": "alpha", "body": {"text": "x"}})
-    store.mark("q1", receiptSent=True)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert [p.name for p in tmp_path.iterdir()] == ["receipts.json"]
-
-    reopened = ReceiptStore(path, clock)
-    entry = reopened.get("q1")
-    assert entry is not None
-    assert entry["reply"]["id"] == "r1" and entry["receiptSent"] is True
-
-    clock.advance(RECEIPT_TTL_SECONDS - 1)
-    assert reopened.get("q1") is not None
-    clock.advance(2)
-    assert reopened.get("q1") is None
-    reopened.put("q2", {"id": "r2"})
-    on_disk = json.loads(path.read_text())["receipts"]
-    assert list(on_disk) == ["q2"]  # the expired entry is dropped on the next write
-
-
-def test_unreadable_receipts_start_empty(tmp_path: Path) -> None:
-    path = tmp_path / "receipts.json"
-    path.write_text("{broken", encoding="utf-8")
-    store = ReceiptStore(path, Clock())
-    assert len(store) == 0
-    store.put("q", {"id": "r"})
-    assert ReceiptStore(path, Clock()).get("q") is not None
+from relay.receipts import ReceiptStore, legacy_receipts_path, receipts_path
 
 
 def test_reply_body_shapes() -> None:
@@ -114,7 +61,7 @@ class World:
         self, handler: Any, client: Optional[RelayClient] = None, **kwargs: Any
     ) -> AgentService:
         client = client or self.client("worker")
-        receipts = ReceiptStore(receipts_path(client.agent, self.home), self.clock)
+        receipts = ReceiptStore.for_agent(client.agent, self.home, self.clock)
         return AgentService(client, handler, clock=self.clock, receipts=receipts, **kwargs)
 
     def settle(self, seconds: float = 0.0) -> None:
@@ -307,6 +254,37 @@ def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
     stop(world, second)
 
 
+def test_a_receipt_from_the_old_json_file_is_replayed_after_an_upgrade(tmp_path: Path) -> None:
+    """A request answered by an earlier release, whose ack was lost, is not run again."""
+    world = World(tmp_path)
+    world.run(world.client("worker").register())
+    request = world.request("answered before the upgrade")
+    earlier = {
+        "id": "reply-before-upgrade",
+        "to": "alpha",
+        "body": {"text": "EARLIER"},
+        "replyTo": request,
+        "parentId": request,
+        "rootId": request,
+    }
+    legacy = legacy_receipts_path("worker", tmp_path)
+    legacy.write_text(
+        json.dumps({"version": 1, "receipts": {request: {"at": world.clock.seconds(),
+                                                         "reply": earlier}}}),
+        encoding="utf-8",
+    )
+    handler = Recorder()
+    service = world.runtime(handler)
+    assert not legacy.exists()
+    start(world, service)
+    world.settle()
+    assert handler.calls == []
+    assert world.status(request)[0] == "done"
+    (reply,) = world.replies()
+    assert (reply["id"], reply["body"]) == ("reply-before-upgrade", {"text": "EARLIER"})
+    stop(world, service)
+
+
 def test_receipts_and_replies_are_surfaced_not_run(tmp_path: Path) -> None:
     world = World(tmp_path)
     handler = Recorder()
@@ -412,7 +390,7 @@ def test_protocol_mismatch_is_fatal(tmp_path: Path) -> None:
         client,
         Recorder(),
         clock=clock,
-        receipts=ReceiptStore(tmp_path / "r.json", clock),
+        receipts=ReceiptStore(tmp_path / "r.sqlite3", clock),
         on_fatal=fatal.append,
     )
     service.startService()

@@ -16,18 +16,12 @@ import pytest_twisted
 import yaml
 from twisted.internet import defer
 
-from relay.cli import (
-    CursorState,
-    Settings,
-    UsageError,
-    body_text,
-    message_block,
-    parse,
-    resolve_settings,
-    run,
-    table,
-    watch_line,
-)
+from relay.cli import run
+from relay.cli.commands import COMMANDS
+from relay.cli.output import body_text, message_block, table, watch_line
+from relay.cli.parser import Exit, build_parser, parse
+from relay.cli.state import CursorState
+from relay.settings import Settings, UsageError, resolve_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,7 +103,7 @@ def test_unreadable_settings_are_usage_errors(tmp_path: Path) -> None:
 )
 def test_global_flags_before_or_after_the_subcommand(argv: List[str], tmp_path: Path) -> None:
     inv = parse(argv, {}, tmp_path)
-    assert (inv.command, inv.json) == ("send", True)
+    assert (inv.command.name, inv.json) == ("send", True)
     assert (inv.args.target, inv.args.content) == ("beta", "hi")
     assert (inv.settings.agent, inv.settings.secret) == ("alpha", "s")
 
@@ -169,8 +163,22 @@ def test_missing_identity_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no secret"):
         parse(["peers", "--agent", "a"], {}, tmp_path)
     # handshake needs neither; selfcheck needs only the secret
-    assert parse(["handshake"], {}, tmp_path).command == "handshake"
-    assert parse(["selfcheck", "--secret", "s"], {}, tmp_path).command == "selfcheck"
+    assert parse(["handshake"], {}, tmp_path).command.name == "handshake"
+    assert parse(["selfcheck", "--secret", "s"], {}, tmp_path).command.name == "selfcheck"
+
+
+def test_every_table_entry_is_a_subcommand_in_table_order(tmp_path: Path) -> None:
+    parser, parsers = build_parser(COMMANDS)
+    names = [command.name for command in COMMANDS]
+    assert list(parsers) == names
+    listing = parser.format_help()
+    assert [listing.index(f"    {name} ") for name in names] == sorted(
+        listing.index(f"    {name} ") for name in names
+    )
+    for command in COMMANDS:
+        with pytest.raises(Exit) as done:
+            parse([command.name, "--help"], {}, tmp_path)
+        assert done.value.status == 0
 
 
 # -- formatting --------------------------------------------------------------------

@@ -25,9 +25,10 @@ from twisted.internet.task import Clock, deferLater
 from twisted.python import usage
 
 from relay import agent_tap
-from relay.cli import UsageError, resolve_settings, run
+from relay.cli import run
 from relay.client import RelayClient, make_http_client
 from relay.errors import RelayError
+from relay.settings import UsageError, resolve_settings
 from tests.test_cli import python_relay
 from tests.test_tls import (
     SECRET,
@@ -277,6 +278,7 @@ def test_bad_ca_file_is_a_relay_error_naming_the_path(pki: Path, name: str, reas
         ("junk.crt", None, "no PEM certificate found in client certificate {cert}"),
         ("client.crt", None, "no PEM private key found in {cert}; give the key with --client-key"),
         ("client.crt", "encrypted.key", "the private key in {key} is encrypted"),
+        ("client.crt", "broken.key", "malformed private key in {key}: "),
         ("client.crt", "other-client.key", "the client certificate {cert} does not match"),
     ],
 )
@@ -285,6 +287,10 @@ def test_bad_client_certificate_is_a_relay_error_naming_the_path(
 ) -> None:
     cert_path = str(pki / cert)
     key_path = str(pki / key) if key else None
+    if key == "broken.key":
+        (pki / key).write_text(
+            "-----BEGIN PRIVATE KEY-----\nbm90IGRlcg==\n-----END PRIVATE KEY-----\n"
+        )
     with pytest.raises(RelayError) as caught:
         make_http_client(Clock(), client_cert=cert_path, client_key=key_path)
     assert caught.value.code == "bad_client_cert"

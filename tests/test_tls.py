@@ -542,6 +542,18 @@ def test_encrypted_key_and_unreadable_file_refused(tmp_path: Path, pki: Path) ->
         server_endpoints(MemoryReactor(), [description])
 
 
+def test_malformed_or_missing_key_refused_with_the_path(tmp_path: Path, pki: Path) -> None:
+    broken = tmp_path / "broken.key"
+    broken.write_text("-----BEGIN PRIVATE KEY-----\nbm90IGRlcg==\n-----END PRIVATE KEY-----\n")
+    certificate = pki / "server.crt"
+    with pytest.raises(ConfigError) as caught:
+        server_endpoints(MemoryReactor(), [f"ssl:1:privateKey={broken}:certKey={certificate}"])
+    assert caught.value.reason.startswith(f"{broken}: malformed PEM private key")
+    with pytest.raises(ConfigError) as caught:
+        server_endpoints(MemoryReactor(), [f"ssl:1:privateKey={certificate}"])
+    assert caught.value.reason == f"{certificate}: no PEM private key found"
+
+
 def test_expired_certificate_logs_a_warning(tmp_path: Path) -> None:
     key = _new_key()
     ca_key = _new_key()

@@ -1,0 +1,194 @@
+"""Commands for a new broker: ``init`` writes its config, ``selfcheck`` proves it works."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from relay.cli.command import Context, positive_int
+from relay.cli.output import Console
+from relay.errors import RelayError
+from relay.files import write_atomic
+from relay.settings import ENV_BROKER, ENV_SECRET, UsageError
+
+DEFAULT_INIT_CONFIG = "relay.yaml"
+DEFAULT_PORT = 19121
+
+
+def init_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where to write the config, whether to overwrite it, and the broker's port."""
+    parser.add_argument("--config", metavar="PATH", default=DEFAULT_INIT_CONFIG)
+    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
+    parser.add_argument("--port", type=positive_int, default=DEFAULT_PORT)
+
+
+async def init(ctx: Context) -> int:
+    """Write a broker config with a fresh secret (mode 0600)."""
+    args, console = ctx.args, ctx.console
+    path = Path(args.config).expanduser()
+    secret = secrets.token_hex(32)
+    text = (
+        "# dsh-agent-relay broker configuration, written by `relay init`.\n"
+        "# Keep this file private: the secret authenticates every agent.\n"
+        "broker:\n"
+        "  host: 127.0.0.1\n"
+        f"  port: {args.port}\n"
+        f"  secret: {secret}\n"
+    )
+    if path.exists() and not args.force:
+        raise UsageError(f"relay init: {path} exists; pass --force to overwrite it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text)
+    except OSError as error:
+        raise RelayError(0, "io_error", f"cannot write {path}: {error.strerror}") from None
+    broker_url = f"http://127.0.0.1:{args.port}"
+    steps = [
+        f"twistd -n relay --config {path}",
+        f"export {ENV_BROKER}={broker_url} {ENV_SECRET}={secret}",
+        "relay selfcheck",
+    ]
+    console.emit(
+        {"config": str(path), "brokerUrl": broker_url, "secret": secret, "nextSteps": steps},
+        lambda: _print_init(console, path, steps),
+    )
+    return 0
+
+
+def _print_init(console: Console, path: Path, steps: Sequence[str]) -> None:
+    console.line(f"wrote {path} (mode 0600) with a fresh secret")
+    console.line("next steps:")
+    console.line(f"  1. start the broker:        {steps[0]}")
+    console.line(f"  2. point clients at it:     {steps[1]}")
+    console.line("     (or save brokerUrl/agent/secret in ~/.dsh-relay.json)")
+    console.line(f"  3. check the round trip:    {steps[2]}")
+
+
+async def selfcheck(ctx: Context) -> int:
+    """Round-trip a message over v1.0 and over v1.1 between two throwaway agents."""
+    console = ctx.console
+    tag = uuid.uuid4().hex[:8]
+    alice = ctx.new_client(f"selfcheck-{tag}-a")
+    bob = ctx.new_client(f"selfcheck-{tag}-b")
+    report: List[Dict[str, Any]] = []
+    context: Dict[str, Any] = {}
+
+    async def handshake() -> str:
+        info = await alice.handshake()
+        return f"broker {info.get('broker', '?')} {info.get('version', '?')}, protocol 1.0"
+
+    async def register() -> str:
+        await alice.register()
+        await bob.register()
+        return f"registered {alice.agent} and {bob.agent}"
+
+    async def v10_send() -> str:
+        answer = await alice.send(bob.agent, {"text": "selfcheck v1.0"}, ack=True)
+        context["v10"] = answer["id"]
+        return f"sent {answer['id']}"
+
+    async def v10_recv() -> str:
+        answer = await bob.recv()
+        ids = [m.get("id") for m in answer.get("messages") or []]
+        _check(context["v10"] in ids, f"{context['v10']} not in {bob.agent}'s inbox")
+        await bob.ack(context["v10"], "ok")
+        return f"{bob.agent} received it and sent a receipt"
+
+    async def v10_receipt() -> str:
+        answer = await alice.recv()
+        receipts = [
+            m
+            for m in answer.get("messages") or []
+            if m.get("type") == "ack" and m.get("replyTo") == context["v10"]
+        ]
+        _check(bool(receipts), "no receipt came back to the sender")
+        return f"{alice.agent} got the receipt"
+
+    async def v11_request() -> str:
+        answer = await alice.send(bob.agent, {"text": "selfcheck v1.1"}, kind="request")
+        context["request"] = answer["id"]
+        return f"sent request {answer['id']}"
+
+    async def v11_pull_reply_ack() -> str:
+        answer = await bob.pull(limit=50)
+        leased = {m.get("id"): m for m in answer.get("messages") or []}
+        _check(context["request"] in leased, "the request was not leased to the recipient")
+        request = leased[context["request"]]
+        _check(bool(request.get("leaseId")), "the leased envelope carries no leaseId")
+        reply = await bob.send(
+            alice.agent,
+            {"text": "selfcheck reply"},
+            kind="reply",
+            reply_to=request["id"],
+            parent_id=request["id"],
+            root_id=request.get("rootId") or request["id"],
+        )
+        context["reply"] = reply["id"]
+        for message in leased.values():
+            outcome = await bob.ack_outcome(
+                str(message["id"]), str(message["leaseId"]), "completed"
+            )
+            if message["id"] == request["id"]:
+                _check(outcome.get("status") == "done", f"ack gave status {outcome.get('status')}")
+        return "leased, replied and acked completed"
+
+    async def v11_status() -> str:
+        answer = await alice.status([context["request"]])
+        statuses = {m.get("id"): m.get("status") for m in answer.get("messages") or []}
+        _check(statuses.get(context["request"]) == "done", f"status is {statuses}")
+        return "the request is done"
+
+    async def v11_reply() -> str:
+        answer = await alice.pull(limit=50)
+        replies = [m for m in answer.get("messages") or [] if m.get("id") == context["reply"]]
+        for message in answer.get("messages") or []:
+            await alice.ack_outcome(str(message["id"]), str(message["leaseId"]), "completed")
+        _check(bool(replies), "the reply did not reach the requester")
+        _check(replies[0].get("parentId") == context["request"], "the reply lost its parentId")
+        return f"{alice.agent} got the reply"
+
+    steps = [
+        ("handshake", handshake),
+        ("register", register),
+        ("v1.0 send", v10_send),
+        ("v1.0 recv + receipt", v10_recv),
+        ("v1.0 receipt delivered", v10_receipt),
+        ("v1.1 request", v11_request),
+        ("v1.1 pull, reply, ack", v11_pull_reply_ack),
+        ("v1.1 status", v11_status),
+        ("v1.1 reply delivered", v11_reply),
+    ]
+    failed = False
+    for name, step in steps:
+        if failed:
+            report.append({"check": name, "ok": None, "detail": "skipped"})
+            continue
+        try:
+            detail = await step()
+        except (RelayError, _CheckFailed, KeyError, TypeError) as error:
+            failed = True
+            text = f"{error.code}: {error.message}" if isinstance(error, RelayError) else str(error)
+            report.append({"check": name, "ok": False, "detail": text})
+        else:
+            report.append({"check": name, "ok": True, "detail": detail})
+
+    def readable() -> None:
+        for entry in report:
+            mark = {True: "ok  ", False: "FAIL", None: "skip"}[entry["ok"]]
+            console.line(f"{mark} {entry['check']}: {entry['detail']}")
+        console.line("selfcheck failed" if failed else "selfcheck passed")
+
+    console.emit({"ok": not failed, "checks": report}, readable)
+    return 1 if failed else 0
+
+
+class _CheckFailed(Exception):
+    pass
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise _CheckFailed(message)
