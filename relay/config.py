@@ -211,7 +211,8 @@ def split_endpoint(description: str) -> List[str]:
     return parts
 
 
-def _unescape(value: str) -> str:
+def unescape_endpoint_value(value: str) -> str:
+    """An endpoint-string value with its ``\\:`` and ``\\\\`` escapes undone."""
     return value.replace("\\:", ":").replace("\\\\", "\\")
 
 
@@ -226,7 +227,7 @@ def resolve_endpoint_paths(description: str, base_dir: str) -> str:
     for part in parts[1:]:
         name, sep, value = part.partition("=")
         if sep and name in _PATH_OPTIONS and value:
-            value = _escape(_resolve(base_dir, _unescape(value)))
+            value = _escape(_resolve(base_dir, unescape_endpoint_value(value)))
             part = f"{name}={value}"
         out.append(part)
     return ":".join(out)
@@ -247,11 +248,11 @@ def plaintext_remote(description: str) -> Optional[str]:
         name, sep, value = part.partition("=")
         if sep:
             if name == "interface":
-                interface = _unescape(value)
+                interface = unescape_endpoint_value(value)
         else:
             positional += 1
             if positional == 3:
-                interface = _unescape(part)
+                interface = unescape_endpoint_value(part)
     if interface is None:
         return "::" if parts[0] == "tcp6" else "0.0.0.0"
     return None if is_loopback_host(interface) else interface

@@ -26,7 +26,7 @@ from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
 from relay import pem
-from relay.config import _unescape, split_endpoint
+from relay.config import split_endpoint, unescape_endpoint_value
 from relay.errors import ConfigError
 
 __all__ = ["TLSListener", "parse_ssl_endpoint", "server_endpoints"]
@@ -92,7 +92,7 @@ def parse_ssl_endpoint(description: str) -> TLSListener:
             positional += 1
         if name in values:
             raise ConfigError(LISTEN_KEY, f"{description!r}: {name} is given twice")
-        values[name] = _unescape(value)
+        values[name] = unescape_endpoint_value(value)
 
     port = _number(description, values, "port", None, 0, 65535)
     private_key = values.get("privateKey")
