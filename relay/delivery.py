@@ -25,6 +25,7 @@ from relay import errors
 from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
 
 _UNDECODED = object()  # Message._body before its stored JSON text is read
+_new_message = object.__new__
 
 
 class Message:
@@ -123,12 +124,28 @@ class Message:
 
     def copy(self) -> Message:
         """An independent copy: changing it (its body included) changes nothing here."""
-        other = Message.__new__(Message)
-        for name in _COPIED:
-            setattr(other, name, getattr(self, name))
+        other = _new_message(Message)
+        other.seq = self.seq
+        other.id = self.id
+        other.sender = self.sender
+        other.to = self.to
+        other.created = self.created
+        other.ts = self.ts
+        other.type = self.type
         # The body travels as its JSON text, which no one can change in place.
         other._body = _UNDECODED
         other._body_json = self.body_json()
+        other.reply_to = self.reply_to
+        other.ack = self.ack
+        other.kind = self.kind
+        other.root_id = self.root_id
+        other.parent_id = self.parent_id
+        other.status = self.status
+        other.attempts = self.attempts
+        other.lease_until = self.lease_until
+        other.lease_id = self.lease_id
+        other.error = self.error
+        other.recovery = self.recovery
         return other
 
     @classmethod
@@ -205,8 +222,6 @@ class Message:
     def __repr__(self) -> str:  # ids and state only: never the body
         return f"<Message seq={self.seq} id={self.id!r} {self.status} attempts={self.attempts}>"
 
-
-_COPIED = tuple(name for name in Message.__slots__ if name not in ("_body", "_body_json"))
 
 Transition = Callable[[Message, float], Any]
 
