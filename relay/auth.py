@@ -8,16 +8,17 @@ names or source addresses cannot grow the broker's memory.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 from collections import OrderedDict
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 
 from relay import errors
 from relay.config import AgentConfig, Config
 from relay.protocol import MAX_CLOCK_SKEW_SECONDS, is_loopback_host, is_valid_agent_name
-from relay.signing import signing_string
+from relay.signing import NONCE, signing_string
 
 RATE_WINDOW_SECONDS = 60.0
 MAX_TRACKED = 50_000
@@ -129,8 +130,50 @@ class Lockout:
         return len(self._failures), len(self._locked)
 
 
+MAX_NONCES = 200_000
+
+
+class NonceTable:
+    """The nonces seen within the skew window (EXTENSIONS.md §9), each accepted once.
+
+    An entry lives as long as a request carrying it could still pass the timestamp
+    check. The table is bounded: when it is full of live entries, a nonce request
+    is refused (``503 busy``) rather than an entry forgotten early.
+    """
+
+    def __init__(self, clock: IReactorTime, max_entries: int = MAX_NONCES) -> None:
+        self.clock = clock
+        self.max_entries = max_entries
+        self._seen: Dict[Tuple[str, str], int] = {}
+        self._expiry: List[Tuple[int, Tuple[str, str]]] = []
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _purge(self, now: int) -> None:
+        expiry = self._expiry
+        while expiry and expiry[0][0] < now:
+            until, key = heapq.heappop(expiry)
+            if self._seen.get(key) == until:
+                del self._seen[key]
+
+    def use(self, agent: str, nonce: str, timestamp: int) -> None:
+        """Accept ``nonce`` of ``agent`` once; 401 when it was used, 503 when full."""
+        now = int(self.clock.seconds())
+        self._purge(now)
+        key = (agent, nonce)
+        if key in self._seen:
+            raise errors.unauthenticated("replayed request (this nonce was used)")
+        if len(self._seen) >= self.max_entries:
+            raise errors.busy("too many requests with nonces in the skew window")
+        until = timestamp + MAX_CLOCK_SKEW_SECONDS
+        self._seen[key] = until
+        heapq.heappush(self._expiry, (until, key))
+
+
 class Authenticator:
-    """Checks the §3 headers of a request and names the agent that signed it."""
+    """Checks the §3 headers of a request (and the §9 nonce) and names the agent that
+    signed it."""
 
     def __init__(
         self,
@@ -141,9 +184,13 @@ class Authenticator:
         lock_seconds: float = 300.0,
         max_tracked: int = MAX_TRACKED,
         on_lock: Optional[Callable[[str], None]] = None,
+        require_nonce: bool = False,
+        max_nonces: int = MAX_NONCES,
     ) -> None:
         self.clock = clock
         self.on_lock = on_lock
+        self.require_nonce = require_nonce
+        self.nonces = NonceTable(clock, max_nonces)
         self.per_agent = any(a.secret for a in agents.values())
         self._keys: Dict[str, hmac.HMAC] = {}
         if self.per_agent:
@@ -165,6 +212,7 @@ class Authenticator:
             config.lock_after_failures,
             config.lock_minutes * 60.0,
             on_lock=on_lock,
+            require_nonce=config.require_nonce,
         )
 
     def _failed(self, agent: str, error: errors.RelayError) -> errors.RelayError:
@@ -185,10 +233,27 @@ class Authenticator:
         timestamp_header: Optional[bytes],
         signature_header: Optional[bytes],
         raw_body: bytes,
+        nonce_header: Optional[bytes] = None,
     ) -> str:
-        """The authenticated agent name, or a RelayError (401 or 403 ``locked``)."""
+        """The authenticated agent name, or a RelayError (401, 403 ``locked``, or 503
+        when the nonce table is full).
+
+        With ``X-Relay-Nonce`` the signing string covers the agent and the nonce,
+        and each nonce is accepted once; a replay is refused without counting
+        toward the lockout. ``require_nonce`` refuses requests without one.
+        """
         if not agent_header or not timestamp_header or not signature_header:
             raise errors.unauthenticated("missing authentication headers")
+        nonce = None
+        if nonce_header is not None:
+            try:
+                nonce = nonce_header.decode("ascii")
+            except UnicodeDecodeError:
+                nonce = ""
+            if not NONCE.match(nonce):
+                raise errors.unauthenticated("invalid X-Relay-Nonce (16 to 64 of A-Z a-z 0-9 _ -)")
+        elif self.require_nonce:
+            raise errors.unauthenticated("this broker requires X-Relay-Nonce (signed nonce)")
         try:
             agent = agent_header.decode("ascii")
         except UnicodeDecodeError:
@@ -206,9 +271,15 @@ class Authenticator:
         if abs(int(self.clock.seconds()) - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
             raise self._failed(agent, errors.unauthenticated("timestamp skew"))
         mac = key.copy()
-        mac.update(signing_string(method, path, timestamp_header, raw_body))
+        if nonce is None:
+            mac.update(signing_string(method, path, timestamp_header, raw_body))
+        else:
+            mac.update(signing_string(method, path, timestamp_header, raw_body, agent_header,
+                                      nonce_header))
         if not hmac.compare_digest(mac.hexdigest().encode("ascii"), signature_header.lower()):
             raise self._failed(agent, errors.unauthenticated("invalid signature"))
+        if nonce is not None:
+            self.nonces.use(agent, nonce, int(timestamp_header))
         self.lockout.succeeded(agent)
         return agent
 

@@ -164,6 +164,8 @@ class RelayService(MultiService):
             log.info("created a new shared secret in {path}", path=self.config.secret_file)
         for key in self.config.ignored_keys:
             log.warn("config key {key} has no effect in this broker", key=key)
+        for warning in self.config.warnings:
+            log.warn("config: {warning}", warning=warning)
         if self.config.allow_insecure_remote:
             log.warn(
                 "broker.allowInsecureRemote is set: plaintext HTTP may be reachable beyond "

@@ -74,7 +74,8 @@ def write_config(tmp_path, text: str) -> str:
 def test_make_service_listens_on_every_endpoint(tmp_path):
     conf = write_config(
         tmp_path,
-        "broker: {secret: s, storage: memory, listen: ['tcp:19991:interface=127.0.0.1', "
+        "broker: {secret: s0123456789abcdef, storage: memory, "
+        "listen: ['tcp:19991:interface=127.0.0.1', "
         "'tcp6:19992:interface=\\:\\:1']}\n",
     )
     reactor = MemoryReactorClock()
@@ -88,7 +89,7 @@ def test_make_service_listens_on_every_endpoint(tmp_path):
 
 
 def test_command_line_listen_overrides_the_file(tmp_path):
-    conf = write_config(tmp_path, "broker: {secret: s, storage: memory}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: memory}\n")
     reactor = MemoryReactorClock()
     service = makeService(
         options("--config", conf, "--listen", "tcp:19993:interface=127.0.0.1"), reactor
@@ -101,7 +102,7 @@ def test_command_line_listen_overrides_the_file(tmp_path):
 
 
 def test_config_error_exits_with_one_line(tmp_path, capsys):
-    conf = write_config(tmp_path, "broker: {secret: s, port: nope}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, port: nope}\n")
     with pytest.raises(SystemExit) as info:
         makeService(options("--config", conf), MemoryReactorClock())
     assert info.value.code == 1
@@ -286,13 +287,14 @@ def test_open_files_limit_is_left_alone_when_it_cannot_or_should_not_change():
 
 
 def test_a_backend_section_is_validated_by_its_factory(tmp_path, capsys):
-    conf = write_config(tmp_path, "broker: {secret: s, storage: memory, "
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, "
                                   "sqlite: {sync: sometimes}}\n")
     with pytest.raises(SystemExit):
         makeService(options("--config", conf), MemoryReactorClock())
     err = capsys.readouterr().err
     assert err == "relay: config error: broker.sqlite.sync: must be one of off, normal, full\n"
-    conf = write_config(tmp_path, "broker: {secret: s, storage: jsonl, jsonl: {compact: 1}}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: jsonl, "
+                                  "jsonl: {compact: 1}}\n")
     with pytest.raises(SystemExit):
         makeService(options("--config", conf), MemoryReactorClock())
     assert "broker.jsonl.compact: unknown key" in capsys.readouterr().err
@@ -340,12 +342,12 @@ def test_a_dropin_backend_gets_its_own_section_without_touching_the_config_modul
             return MemoryStore()
 
     factories = dict(store_factories(), remote=RemoteFactory())
-    conf = write_config(tmp_path, "broker: {secret: s, storage: remote, "
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: remote, "
                                   "remote: {dsn: 'host=db', poolSize: 8}}\n")
     config, _ = load_config(conf, backends=factories)
     open_configured_store(config, MemoryReactorClock(), factories)
     assert opened == [{"dsn": "host=db", "pool": 8}]
-    conf = write_config(tmp_path, "broker: {secret: s, storage: remote}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: remote}\n")
     config, _ = load_config(conf, backends=factories)
     with pytest.raises(ConfigError) as info:
         open_configured_store(config, MemoryReactorClock(), factories)
