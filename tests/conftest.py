@@ -69,6 +69,14 @@ def backend_options(name: str) -> dict:
     return {}
 
 
+def broker_storage(name: str) -> dict:
+    """The ``broker.*`` keys of a real broker process on backend ``name``; a postgres
+    broker gets a database with no relay tables."""
+    if name == "postgres":
+        reset_postgres()
+    return dict(backend_options(name), storage=name)
+
+
 def open_backend(name: str, data_dir: str, **broker):
     """Open backend ``name`` on ``data_dir`` (``broker`` are extra ``broker.*`` keys).
 

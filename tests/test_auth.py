@@ -359,3 +359,41 @@ def test_rate_windows_are_bounded():
     for i in range(100_000):
         limiter.hit(f"2001:db8::{i:x}")
     assert limiter.tracked() <= 50_000
+
+
+class Reports:
+    """A SharedLockouts that records what a Lockout reports."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def failed(self, agent: str) -> None:
+        self.seen.append(("failed", agent))
+
+    def succeeded(self, agent: str) -> None:
+        self.seen.append(("succeeded", agent))
+
+
+def test_a_shared_lockout_reports_and_takes_locks_decided_elsewhere():
+    clock = clock_at()
+    shared = Reports()
+    lockout = Lockout(clock, after=3, seconds=300, shared=shared)
+    lockout.failed("a")
+    lockout.succeeded("a")
+    assert shared.seen == [("failed", "a"), ("succeeded", "a")]
+    lockout.failed("b")
+    lockout.lock("b", clock.seconds() + 60)  # another broker's count reached 3
+    assert lockout.is_locked("b") and lockout.tracked() == (0, 1)
+    lockout.lock("b", clock.seconds() + 10)  # an earlier end changes nothing
+    lockout.lock("c", clock.seconds() - 1)  # nor a lock already over
+    clock.advance(59)
+    assert lockout.is_locked("b") and not lockout.is_locked("c")
+    clock.advance(1)
+    assert not lockout.is_locked("b")
+    lockout.failed("d")
+    lockout.failed("d")
+    lockout.clear("d")  # another broker saw d succeed: the count starts over here too
+    lockout.failed("d")
+    lockout.failed("d")
+    assert not lockout.is_locked("d")
+    assert ("succeeded", "d") not in shared.seen, "a remote success is not reported back"

@@ -24,6 +24,7 @@ import pytest
 
 from relay.signing import sign
 from tests.broker_proc import BrokerProcess
+from tests.conftest import broker_storage
 
 WORKERS = 8
 SENDERS = 2
@@ -203,7 +204,7 @@ def check(broker: BrokerProcess, ledger: Ledger, per_sender: int) -> Dict[str, i
 
 
 def start(tmp_path, storage: str, lease_seconds: int) -> BrokerProcess:
-    b = BrokerProcess(str(tmp_path), storage=storage, leaseSeconds=lease_seconds,
+    b = BrokerProcess(str(tmp_path), **broker_storage(storage), leaseSeconds=lease_seconds,
                       sweepSeconds=0.2, maxAttempts=1000)
     b.start()
     for agent in (RECIPIENT, "sender0", "sender1"):
@@ -211,7 +212,7 @@ def start(tmp_path, storage: str, lease_seconds: int) -> BrokerProcess:
     return b
 
 
-@pytest.mark.parametrize("storage", ["memory", "sqlite", "jsonl"])
+@pytest.mark.parametrize("storage", ["memory", "sqlite", "jsonl", "postgres"])
 def test_all_workers_ack_every_message_completed_once(tmp_path, storage):
     broker = start(tmp_path, storage, 30)
     try:
@@ -223,7 +224,7 @@ def test_all_workers_ack_every_message_completed_once(tmp_path, storage):
         broker.kill()
 
 
-@pytest.mark.parametrize("storage", ["memory", "sqlite", "jsonl"])
+@pytest.mark.parametrize("storage", ["memory", "sqlite", "jsonl", "postgres"])
 def test_dying_workers_every_message_completed_after_expiry(tmp_path, storage):
     broker = start(tmp_path, storage, 1)
     try:

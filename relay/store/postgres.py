@@ -519,7 +519,8 @@ class Connections:
                     committing = True
                     conn.commit()
                 return _Outcome(result, error, records)
-            except (Conflict, psycopg.errors.TransactionRollbackError):
+            except (Conflict, psycopg.errors.TransactionRollback):
+                # another broker won a race, or PostgreSQL broke a deadlock: run it again
                 self._rollback(conn)
                 if attempt + 1 < MAX_TRIES:
                     _pause(attempt)
@@ -534,6 +535,11 @@ class Connections:
                 else:
                     self._rollback(conn)
                 raise Unavailable(_reason(e)) from None
+            except psycopg.DataError:
+                self._rollback(conn)
+                raise errors.bad_request(
+                    "a field holds a value this store cannot keep (such as U+0000 in text)"
+                ) from None
             except BaseException:
                 self._rollback(conn)
                 raise
