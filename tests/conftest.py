@@ -16,6 +16,8 @@ from relay.testing import START, make_config
 BACKENDS = tuple(sorted(store_factories()))
 
 POSTGRES_ENV = "RELAY_TEST_POSTGRES_DSN"
+# Set by .ci/run: a PostgreSQL test that would skip fails instead.
+POSTGRES_REQUIRED_ENV = "RELAY_TEST_POSTGRES_REQUIRED"
 POSTGRES_SKIP = (
     f"PostgreSQL tests need {POSTGRES_ENV}, a libpq connection string of a server where "
     "they may create and drop a database, e.g. "
@@ -24,16 +26,24 @@ POSTGRES_SKIP = (
 _postgres = {}
 
 
+def skip_postgres(reason: str) -> None:
+    """Skip the calling PostgreSQL test, or fail it where they are required."""
+    if os.environ.get(POSTGRES_REQUIRED_ENV):
+        pytest.fail(f"{POSTGRES_REQUIRED_ENV} is set, but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def postgres_dsn() -> str:
     """The DSN of this run's own database, created on first use (dropped at exit);
     skips the calling test when ``RELAY_TEST_POSTGRES_DSN`` is not set."""
     admin = os.environ.get(POSTGRES_ENV)
     if not admin:
-        pytest.skip(POSTGRES_SKIP)
+        skip_postgres(POSTGRES_SKIP)
     if "dsn" not in _postgres:
-        psycopg = pytest.importorskip(
-            "psycopg", reason="the postgres extra is not installed: "
-                              "pip install -e '.[test,postgres]'")
+        try:
+            import psycopg
+        except ImportError:
+            skip_postgres("the postgres extra is not installed: pip install -e '.[test,postgres]'")
         from psycopg.conninfo import make_conninfo
 
         name = f"relay_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"

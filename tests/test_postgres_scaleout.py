@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 from tests.broker_proc import BrokerProcess
-from tests.conftest import reset_postgres
+from tests.conftest import reset_postgres, skip_postgres
 from tests.test_concurrency import Client, Ledger, check, sender, worker
 
 RESTART_ENV = "RELAY_TEST_POSTGRES_RESTART"
@@ -264,7 +264,7 @@ def test_sigkill_of_a_under_load_loses_nothing(tmp_path):
 def _restart_command() -> List[str]:
     command = os.environ.get(RESTART_ENV)
     if not command:
-        pytest.skip(f"restarting PostgreSQL needs {RESTART_ENV}, the command that restarts "
+        skip_postgres(f"restarting PostgreSQL needs {RESTART_ENV}, the command that restarts "
                     "the server of RELAY_TEST_POSTGRES_DSN (e.g. pg_ctlcluster "
                     "--skip-systemctl-redirect 15 main restart); .ci/run sets it")
     return shlex.split(command)

@@ -22,7 +22,7 @@ from relay.protocol import LEASED
 from relay.store import postgres
 from relay.store.plugins import open_configured_store
 from relay.testing import RULES, START, Recorder, make_config, new_message
-from tests.conftest import open_backend, reset_postgres
+from tests.conftest import open_backend, postgres_dsn, reset_postgres
 
 # -- options (no driver, no server) ----------------------------------------------------
 
@@ -70,7 +70,7 @@ def test_a_missing_driver_stops_the_start_with_the_install_command(monkeypatch):
 
 
 def test_an_unreachable_server_stops_the_start_with_one_line(tmp_path):
-    pytest.importorskip("psycopg")
+    postgres_dsn()  # the driver is there, or the test skips as every postgres test does
     from tests.broker_proc import free_port
 
     dsn = f"postgresql://relay@127.0.0.1:{free_port()}/relay"
