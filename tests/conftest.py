@@ -39,6 +39,8 @@ def postgres_dsn() -> str:
     admin = os.environ.get(POSTGRES_ENV)
     if not admin:
         skip_postgres(POSTGRES_SKIP)
+    if "unusable" in _postgres:
+        skip_postgres(_postgres["unusable"])
     if "dsn" not in _postgres:
         try:
             import psycopg
@@ -47,7 +49,13 @@ def postgres_dsn() -> str:
         from psycopg.conninfo import make_conninfo
 
         name = f"relay_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(admin, autocommit=True) as conn:
+        try:
+            conn = psycopg.connect(admin, autocommit=True)
+        except TypeError as e:  # psycopg's ctypes libpq binding on PyPy 7.3.11
+            _postgres["unusable"] = (f"psycopg cannot connect on this interpreter ({e}): "
+                                     "the postgres backend runs on CPython")
+            skip_postgres(_postgres["unusable"])
+        with conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         _postgres.update(admin=admin, name=name, dsn=make_conninfo(admin, dbname=name))
     return _postgres["dsn"]

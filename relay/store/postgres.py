@@ -1075,6 +1075,12 @@ def open_store(config: Config, options: PostgresOptions, clock: IReactorTime) ->
         conn = connect(conninfo, autocommit=True)
     except psycopg.Error as e:
         raise ConfigError("broker.postgres.dsn", f"cannot connect: {_reason(e)}") from None
+    except TypeError as e:  # psycopg's ctypes binding of libpq on PyPy 7.3.11
+        raise ConfigError(
+            "broker.storage",
+            f"postgres: the psycopg driver cannot run on this interpreter ({e}); "
+            "run this broker on CPython",
+        ) from None
     try:
         migrate(conn)
     except psycopg.Error as e:
