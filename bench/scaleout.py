@@ -66,16 +66,22 @@ def split(run: Callable[[loadgen.Target, int], JsonDict], targets: Sequence[load
           total: int) -> JsonDict:
     """Run ``run(target, share)`` on every target at once; rates summed."""
     docs: List[Optional[JsonDict]] = [None] * len(targets)
+    failures: List[BaseException] = []
     shares = [total // len(targets) + (i < total % len(targets)) for i in range(len(targets))]
 
     def one(i: int) -> None:
-        docs[i] = run(targets[i], shares[i])
+        try:
+            docs[i] = run(targets[i], shares[i])
+        except Exception as e:  # noqa: BLE001 (raised again below)
+            failures.append(e)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(targets))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if failures:
+        raise failures[0]
     done = [d for d in docs if d is not None]
     out = dict(done[0])
     out["rate"] = round(sum(d["rate"] for d in done), 1)

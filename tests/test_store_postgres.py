@@ -226,7 +226,7 @@ async def test_a_claim_gives_the_lease_of_delivery_lease(tmp_path, dsn):
     try:
         sent = new_message("alpha", "beta", START, id="m")
         assert await store.add(sent)
-        queued = await store.find("m")
+        queued = await store.find("m", START)
         (claimed,) = await store.pull("beta", 5, 30, START, RULES)
         expected = queued.copy()
         delivery.lease(expected, 30, START)

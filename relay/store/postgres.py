@@ -69,14 +69,14 @@ from relay import delivery, errors
 from relay.config import Config, check_keys, read_int, read_str
 from relay.delivery import Changes, Message, Rules, Transition
 from relay.errors import ConfigError, RelayError
-from relay.protocol import QUEUED
+from relay.protocol import KEEP_CARD, QUEUED
 from relay.store import records as ops
 from relay.store.interface import IMessageStore, ISharedLockouts
 from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 CHANNEL = "relay_changes"
 INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
 
@@ -126,6 +126,8 @@ ENVELOPE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("root_id", "root_id", "text"),
     ("parent_id", "parent_id", "text"),
     ("created", "created", "double precision"),
+    ("delay_until", "delay_until", "double precision"),
+    ("expires_at", "expires_at", "double precision"),
 )
 STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("status", "status", "text"),
@@ -134,6 +136,9 @@ STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("lease_id", "lease_id", "text"),
     ("error", "error", "text"),
     ("recovery", "recovery", "boolean"),
+    ("deliveries", "deliveries", "integer"),
+    ("not_before", "not_before", "double precision"),
+    ("dead_reason", "dead_reason", "text"),
 )
 _STORED = ENVELOPE_COLUMNS + STATE_COLUMNS
 COLUMNS = ", ".join(["seq", "version"] + [c for c, _, _ in _STORED])
@@ -157,15 +162,21 @@ _SAVE = (
     "WHERE m.seq = v.seq AND m.version = v.version"
 )
 # The lease of delivery.lease, given to up to ``limit`` queued messages at once.
+# Deliverable at now: not held back and not past its TTL (relay.delivery.deliverable).
+_DUE = ("(not_before IS NULL OR not_before <= %(now)s) "
+        "AND (expires_at IS NULL OR expires_at > %(now)s)")
+_LIVE = "(expires_at IS NULL OR expires_at > %(now)s)"
+_PARENT = "(parent_id = %(parent)s OR reply_to = %(parent)s)"
 _CLAIM = (
     "WITH candidates AS ("
     " SELECT seq FROM relay_messages WHERE recipient = %(agent)s AND status = 'queued'"
-    " ORDER BY seq LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+    f" AND {_DUE} {{parent}} ORDER BY seq LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
     "), numbered AS ("
     " SELECT seq, row_number() OVER (ORDER BY seq) AS n FROM candidates"
     ") UPDATE relay_messages AS m SET status = 'leased',"
     " lease_id = (%(lease_ids)s::text[])[numbered.n], lease_until = %(until)s,"
-    " recovery = false, version = m.version + 1"
+    " recovery = false, deliveries = m.deliveries + 1, not_before = NULL,"
+    " version = m.version + 1"
     f" FROM numbered WHERE m.seq = numbered.seq RETURNING {_M_COLUMNS}"
 )
 
@@ -174,25 +185,39 @@ STATEMENTS = {
     "get": f"{_SELECT} WHERE id = %s",
     "seq_of": "SELECT seq FROM relay_messages WHERE id = %s",
     "save": _SAVE,
-    "claim": _CLAIM,
-    "queued": (f"{_SELECT} WHERE recipient = %s AND status = 'queued' AND seq > %s "
-               "ORDER BY seq LIMIT %s"),
-    "recovered": f"{_SELECT} WHERE recipient = %s AND recovery AND seq <= %s ORDER BY seq LIMIT %s",
+    "claim": _CLAIM.format(parent=""),
+    "claim_parent": _CLAIM.format(parent=f"AND {_PARENT}"),
+    "queued": (f"{_SELECT} WHERE recipient = %(agent)s AND status = 'queued' "
+               f"AND seq > %(after)s AND {_DUE} ORDER BY seq LIMIT %(limit)s"),
+    "queued_parent": (f"{_SELECT} WHERE recipient = %(agent)s AND status = 'queued' "
+                      f"AND seq > %(after)s AND {_DUE} AND {_PARENT} ORDER BY seq LIMIT %(limit)s"),
+    "recovered": (f"{_SELECT} WHERE recipient = %(agent)s AND recovery AND seq <= %(upto)s "
+                  f"AND status = 'queued' AND {_DUE} ORDER BY seq LIMIT %(limit)s"),
+    "thread": (f"{_SELECT} WHERE (id = %(root)s OR root_id = %(root)s) AND seq > %(after)s "
+               f"AND (sender = %(agent)s OR recipient = %(agent)s) AND {_LIVE} "
+               "ORDER BY seq LIMIT %(limit)s"),
     # Locked, skipping rows another transaction holds: overlapping sweeps and
     # reads on several brokers each release a lapsed lease once.
     "lapsed": (f"{_SELECT} WHERE status = 'leased' AND lease_until <= %s "
                "ORDER BY lease_until FOR UPDATE SKIP LOCKED"),
+    # Locked, skipping rows another sweep holds: each expired row is removed (and
+    # its failure notice stored) by one broker.
     "expire": (
-        "WITH doomed AS (SELECT seq FROM relay_messages WHERE created < %s LIMIT %s "
-        "FOR UPDATE SKIP LOCKED) DELETE FROM relay_messages AS m USING doomed "
-        "WHERE m.seq = doomed.seq"
+        "WITH doomed AS (SELECT seq FROM relay_messages WHERE created < %s OR expires_at <= %s "
+        "LIMIT %s FOR UPDATE SKIP LOCKED) DELETE FROM relay_messages AS m USING doomed "
+        f"WHERE m.seq = doomed.seq RETURNING {_M_COLUMNS}"
     ),
     "register": (
         "INSERT INTO relay_peers AS p (agent, last_seen) VALUES (%s, %s) "
         "ON CONFLICT (agent) DO UPDATE SET last_seen = greatest(p.last_seen, excluded.last_seen)"
     ),
+    "register_card": (
+        "INSERT INTO relay_peers AS p (agent, last_seen, card) VALUES (%s, %s, %s) "
+        "ON CONFLICT (agent) DO UPDATE SET "
+        "last_seen = greatest(p.last_seen, excluded.last_seen), card = excluded.card"
+    ),
     "is_registered": "SELECT 1 FROM relay_peers WHERE agent = %s",
-    "peers": "SELECT agent, last_seen FROM relay_peers ORDER BY agent",
+    "peers": "SELECT agent, last_seen, card FROM relay_peers ORDER BY agent",
     "notify": "SELECT pg_notify(%s, %s)",
     "lapsed_agents": (
         "SELECT DISTINCT recipient FROM relay_messages WHERE status = 'leased' "
@@ -225,15 +250,20 @@ STATEMENTS = {
 }
 
 
-def _inbox_statement(sender: Optional[str], kind: Optional[str], status: Optional[str]) -> str:
-    where = ["recipient = %s"]
-    if sender is not None:
-        where.append("sender = %s")
-    if kind is not None:
-        where.append("kind = %s")
-    if status is not None:
-        where.append("status = %s")
-    return f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT %s"
+_BOXES = {"inbox": "recipient = %(agent)s", "sent": "sender = %(agent)s",
+          "all": "(recipient = %(agent)s OR sender = %(agent)s)"}
+_FILTERS = (("status", "status = %(status)s"), ("from", "sender = %(from)s"),
+            ("to", "recipient = %(to)s"), ("kind", "kind = %(kind)s"),
+            ("rootId", "(id = %(rootId)s OR root_id = %(rootId)s)"),
+            ("parentId", "(parent_id = %(parentId)s OR reply_to = %(parentId)s)"))
+
+
+def _listing_statement(box: str, filters: Mapping[str, Optional[str]]) -> str:
+    """The SELECT of one box of an agent narrowed by the filters that are set."""
+    where = [_BOXES[box]] + [clause for name, clause in _FILTERS
+                             if filters.get(name) is not None]
+    where.append(_LIVE)
+    return f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT %(limit)s"
 
 
 def _message(row: Sequence[Any]) -> Message:
@@ -310,47 +340,72 @@ class PostgresRecords(Records):
         for seq in seqs:
             self.versions[seq] += 1
 
-    def claim(self, agent: str, limit: int, lease_seconds: float, now: float) -> List[Message]:
-        """Lease up to ``limit`` queued messages of ``agent``, oldest first, in one
-        statement (:func:`relay.delivery.lease`'s state); notes their deadlines."""
+    def claim(self, agent: str, limit: int, lease_seconds: float, now: float,
+              parent_id: Optional[str] = None) -> List[Message]:
+        """Lease up to ``limit`` deliverable messages of ``agent`` (with ``parent_id``:
+        those answering it), oldest first, in one statement: the state
+        :func:`relay.delivery.lease` gives; notes their deadlines."""
         until = delivery.now_ms(now) + int(lease_seconds * 1000)
         lease_ids = [delivery.new_lease_id() for _ in range(limit)]
-        params = {"agent": agent, "limit": limit, "lease_ids": lease_ids, "until": until}
-        claimed = sorted(self._rows(_CLAIM, params), key=lambda m: m.seq)
+        params = {"agent": agent, "limit": limit, "lease_ids": lease_ids, "until": until,
+                  "now": now, "parent": parent_id}
+        sql = STATEMENTS["claim" if parent_id is None else "claim_parent"]
+        claimed = sorted(self._rows(sql, params), key=lambda m: m.seq)
+        queued = (QUEUED,) + (None,) * (len(STATE_COLUMNS) - 1)
         for message in claimed:
-            before = (QUEUED, message.attempts, None, None, message.error, False)
-            delivery.wakes(self.changes, before, message)
+            delivery.wakes(self.changes, queued, message)
         return claimed
 
-    def queued(self, agent: str, after_seq: int, limit: int) -> List[Message]:
-        return self._rows(STATEMENTS["queued"], (agent, after_seq, limit))
+    def queued(self, agent: str, after_seq: int, limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        params = {"agent": agent, "after": after_seq, "limit": limit, "now": now,
+                  "parent": parent_id}
+        return self._rows(STATEMENTS["queued" if parent_id is None else "queued_parent"],
+                          params)
 
-    def recovered(self, agent: str, upto_seq: int, limit: int) -> List[Message]:
-        return self._rows(STATEMENTS["recovered"], (agent, upto_seq, limit))
+    def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
+        params = {"agent": agent, "upto": upto_seq, "limit": limit, "now": now}
+        return self._rows(STATEMENTS["recovered"], params)
 
     def lapsed(self, now: float) -> List[Message]:
         return self._rows(STATEMENTS["lapsed"], (delivery.now_ms(now),))
 
-    def inbox(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> List[Message]:
-        sender, kind, status = filters.get("from"), filters.get("kind"), filters.get("status")
-        values = [v for v in (agent, sender, kind, status) if v is not None]
-        return self._rows(_inbox_statement(sender, kind, status), values + [limit])
+    def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
+                now: float) -> List[Message]:
+        params = {name: filters.get(name) for name, _ in _FILTERS}
+        params.update(agent=agent, limit=limit, now=now)
+        return self._rows(_listing_statement(box, filters), params)
 
-    def expire(self, cutoff: float, batch: int) -> int:
-        self.cursor.execute(STATEMENTS["expire"], (cutoff, batch))
-        return self.cursor.rowcount
+    def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
+               now: float) -> List[Message]:
+        params = {"agent": agent, "root": root_id, "after": after_seq, "limit": limit,
+                  "now": now}
+        return self._rows(STATEMENTS["thread"], params)
 
-    def register(self, agent: str, now: float) -> None:
-        self.cursor.execute(STATEMENTS["register"], (agent, int(now)))
+    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
+        """Remove up to ``batch`` messages stored before ``cutoff`` or past their TTL;
+        also returns the removed requests that were still queued or leased."""
+        removed = self._rows(STATEMENTS["expire"], (cutoff, now, batch))
+        unprocessed = [m for m in removed
+                       if m.kind == "request" and m.status in ("queued", "leased")]
+        return len(removed), sorted(unprocessed, key=lambda m: m.seq)
+
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
+        if card is KEEP_CARD:
+            self.cursor.execute(STATEMENTS["register"], (agent, int(now)))
+        else:
+            text = None if card is None else json.dumps(card, separators=(",", ":"))
+            self.cursor.execute(STATEMENTS["register_card"], (agent, int(now), text))
         self.registered.add(agent)
 
     def is_registered(self, agent: str) -> bool:
         self.cursor.execute(STATEMENTS["is_registered"], (agent,))
         return self.cursor.fetchone() is not None
 
-    def peers(self) -> List[Tuple[str, int]]:
+    def peers(self) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
         self.cursor.execute(STATEMENTS["peers"])
-        return [(agent, seen) for agent, seen in self.cursor.fetchall()]
+        return [(agent, seen, None if card is None else json.loads(card))
+                for agent, seen, card in self.cursor.fetchall()]
 
     def notification(self, token: str) -> Optional[str]:
         """The payload that tells other brokers what this transaction changed, or None."""
@@ -393,10 +448,10 @@ def heard(payload: str) -> Tuple[Optional[str], Changes, bool, Dict[str, Any]]:
 
 
 def pull(records: PostgresRecords, agent: str, limit: int, lease_seconds: float, now: float,
-         rules: Rules) -> List[Message]:
+         rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
     """Release lapsed leases (the rules of relay.delivery), then claim in one statement."""
     ops.release_lapsed(records, now, rules)
-    return records.claim(agent, limit, lease_seconds, now)
+    return records.claim(agent, limit, lease_seconds, now, parent_id)
 
 
 def is_registered(records: PostgresRecords, agent: str) -> bool:
@@ -800,16 +855,16 @@ class PostgresStore:
     def add(self, message: Message) -> Deferred:
         return self._run(ops.add, message)
 
-    def find(self, message_id: str) -> Deferred:
-        return self._run(ops.find, message_id)
+    def find(self, message_id: str, now: float) -> Deferred:
+        return self._run(ops.find, message_id, now)
 
     def poll(self, agent: str, since_id: Optional[str], limit: int, now: float,
              rules: Rules) -> Deferred:
         return self._run(ops.poll, agent, since_id, limit, now, rules)
 
-    def pull(self, agent: str, limit: int, lease_seconds: float, now: float,
-             rules: Rules) -> Deferred:
-        return self._run(pull, agent, limit, lease_seconds, now, rules)
+    def pull(self, agent: str, limit: int, lease_seconds: float, now: float, rules: Rules,
+             parent_id: Optional[str] = None) -> Deferred:
+        return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id)
 
     def settle(self, message_id: str, transition: Transition, now: float,
                rules: Rules) -> Deferred:
@@ -826,8 +881,12 @@ class PostgresStore:
               rules: Rules) -> Deferred:
         return self._run(ops.query, agent, limit, filters, now, rules)
 
-    def register(self, agent: str, now: float) -> Deferred:
-        return self._run(ops.register, agent, now)
+    def thread(self, agent: str, root_id: str, since_id: Optional[str], limit: int,
+               now: float, rules: Rules) -> Deferred:
+        return self._run(ops.thread, agent, root_id, since_id, limit, now, rules)
+
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> Deferred:
+        return self._run(ops.register, agent, now, card)
 
     def is_registered(self, agent: str):
         """True at once for an agent known to have registered (registration is never
@@ -851,11 +910,12 @@ class PostgresStore:
         return self._run(ops.release_lapsed, now, rules)
 
     @inlineCallbacks
-    def sweep_expired(self, cutoff: float):
-        """Removes in batches of EXPIRE_BATCH, one transaction each."""
+    def sweep_expired(self, cutoff: float, now: float, rules: Rules):
+        """Removes in batches of EXPIRE_BATCH, one transaction each (with the failure
+        notices of the requests it removed unprocessed)."""
         total = 0
         while True:
-            removed = yield self._run(ops.expire, cutoff, EXPIRE_BATCH)
+            removed = yield self._run(ops.expire, cutoff, now, rules, EXPIRE_BATCH)
             total += removed
             if removed < EXPIRE_BATCH:
                 return total
