@@ -17,7 +17,7 @@ export PYPY_GC_NURSERY ?= 4MB
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,postgres]'
 	touch $(STAMP)
 
 ## run: start the broker on the shipped config (loopback, sqlite)
@@ -32,7 +32,7 @@ test: $(STAMP)
 $(PYPY_STAMP): setup.cfg pyproject.toml
 	$(PYPY) -m venv $(PYPY_VENV)
 	$(PYPY_VENV)/bin/pip install -q --upgrade pip
-	$(PYPY_VENV)/bin/pip install -q -e '.[test]'
+	$(PYPY_VENV)/bin/pip install -q -e '.[test,postgres]'
 	touch $(PYPY_STAMP)
 
 ## run-pypy: the broker on PyPy, about twice as fast (needs pypy3: apt-get install pypy3)

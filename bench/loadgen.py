@@ -792,8 +792,12 @@ def scenario_poll(target: Target, workers: int = 2, duration: float = 10.0,
 
 def scenario_e2e(target: Target, rate: float = 200.0, duration: float = 10.0,
                  warmup: float = 1.0, poll_interval: float = 0.1,
-                 force_interval: bool = False) -> JsonDict:
+                 force_interval: bool = False,
+                 receive_target: Optional[Target] = None) -> JsonDict:
     """``e2e-latency``: one sender at ``rate`` msg/s, one receiver; delivery latency.
+
+    With ``receive_target`` the receiver uses that broker (another broker on the
+    same database) and the sender ``target``.
 
     The receiver long-polls ``POST /v1/pull`` with ``waitSeconds`` when ``GET /``
     advertises ``capabilities.longPoll``, otherwise it pulls every ``poll_interval``
@@ -816,8 +820,8 @@ def scenario_e2e(target: Target, rate: float = 200.0, duration: float = 10.0,
     total = ctx.Value("l", -1)
     deadline = end + wait + 5.0
     sender_args = (target, sender, receiver, rate, start, end, BODY_BYTES, total)
-    receiver_args = (target, receiver, wait, poll_interval, start, deadline, total, use_pull,
-                     end)
+    receiver_args = (receive_target or target, receiver, wait, poll_interval, start, deadline,
+                     total, use_pull, end)
     queue = ctx.Queue()
     procs = [
         ctx.Process(target=_worker_main, args=(0, _latency_sender, sender_args, queue)),

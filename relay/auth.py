@@ -11,7 +11,7 @@ import hashlib
 import heapq
 import hmac
 from collections import OrderedDict
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -85,17 +85,40 @@ class RateLimiter:
         return len(self._windows)
 
 
+class SharedLockouts(Protocol):
+    """Where a :class:`Lockout` also reports, when several brokers share its counts
+    (see :class:`relay.store.interface.ISharedLockouts`). Both calls return at once."""
+
+    def failed(self, agent: str) -> None:
+        """Count a failure of ``agent`` for every broker."""
+
+    def succeeded(self, agent: str) -> None:
+        """``agent`` authenticated: reset its count for every broker."""
+
+
 class Lockout:
-    """Consecutive authentication failures per agent, and the locks they cause."""
+    """Consecutive authentication failures per agent, and the locks they cause.
+
+    Answers from its own tables, at once. With ``shared`` (brokers sharing one
+    store), failures and successes are also reported there, and locks decided
+    by another broker arrive through :meth:`lock`.
+    """
 
     def __init__(
-        self, clock: IReactorTime, after: int, seconds: float, max_tracked: int = MAX_TRACKED
+        self, clock: IReactorTime, after: int, seconds: float, max_tracked: int = MAX_TRACKED,
+        shared: Optional[SharedLockouts] = None,
     ) -> None:
         self.clock = clock
         self.after = after
         self.seconds = seconds
+        self.max_tracked = max_tracked
+        self.shared = shared
         self._failures: _Bounded = _Bounded(max_tracked)
         self._locked: _Bounded = _Bounded(max_tracked)
+
+    def share(self, shared: SharedLockouts) -> None:
+        """Report failures and successes to ``shared`` from now on."""
+        self.shared = shared
 
     def is_locked(self, agent: str) -> bool:
         """True while ``agent`` is locked out."""
@@ -112,6 +135,8 @@ class Lockout:
 
         Returns True when this failure locked the agent.
         """
+        if self.shared is not None:
+            self.shared.failed(agent)
         count = self._failures.get(agent, 0) + 1
         if count >= self.after:
             self._failures.pop(agent, None)
@@ -124,6 +149,20 @@ class Lockout:
         """A valid request resets the agent's failure count."""
         if agent in self._failures:
             del self._failures[agent]
+        if self.shared is not None:
+            self.shared.succeeded(agent)
+
+    def lock(self, agent: str, until: float) -> None:
+        """Lock ``agent`` until ``until`` (epoch seconds): a lock another broker decided.
+        An existing lock that ends later stays."""
+        if until <= max(self._locked.get(agent, 0.0), self.clock.seconds()):
+            return
+        self._failures.pop(agent, None)
+        self._locked.put(agent, until)
+
+    def clear(self, agent: str) -> None:
+        """Forget ``agent``'s failure count here only (another broker saw it succeed)."""
+        self._failures.pop(agent, None)
 
     def tracked(self) -> Tuple[int, int]:
         """How many agents have failure counts and locks (for tests and stats)."""

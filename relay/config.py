@@ -28,7 +28,7 @@ __all__ = ["AgentConfig", "Config", "ConfigError", "load_config", "parse_config"
 
 # The storage backends shipped with the relay; a dropin adds its own name (see
 # relay.store.plugins.store_factories, which load_config's callers pass in).
-BUILTIN_BACKENDS = ("memory", "sqlite", "jsonl")
+BUILTIN_BACKENDS = ("memory", "sqlite", "jsonl", "postgres")
 # A secret shorter than this is refused: HMAC is only as strong as its key.
 MIN_SECRET_BYTES = 16
 PLACEHOLDER_SECRETS = frozenset({"CHANGE_ME_RUN_SETUP_INIT", "CHANGE_ME"})

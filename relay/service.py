@@ -16,6 +16,7 @@ from relay.auth import Authenticator, RateLimiter
 from relay.broker import Broker, Policy
 from relay.config import Config
 from relay.http import RelaySite
+from relay.store.interface import ISharedLockouts
 from relay.tls import server_endpoints
 from relay.web import RelayAPI
 
@@ -105,6 +106,8 @@ def make_api(config: Config, store, clock: IReactorTime) -> RelayAPI:
     """The broker over ``store`` under ``config``'s policy, and its HTTP API."""
     broker = Broker(store, clock, Policy.from_config(config))
     auth = Authenticator.from_config(config, clock, _log_lock)
+    if ISharedLockouts.providedBy(store):  # several brokers count failures together
+        auth.lockout.share(store.share_lockouts(auth.lockout))
     limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote)
     return RelayAPI(broker, auth, limiter)
 

@@ -1,6 +1,9 @@
-"""Shared fixtures: a store per registered backend, a clock."""
+"""Shared fixtures: a store per registered backend, a clock, a PostgreSQL database."""
 
 from __future__ import annotations
+
+import os
+import uuid
 
 import pytest
 import pytest_twisted
@@ -11,6 +14,85 @@ from relay.testing import START, make_config
 
 # Every registered backend plugin runs the store contract.
 BACKENDS = tuple(sorted(store_factories()))
+
+POSTGRES_ENV = "RELAY_TEST_POSTGRES_DSN"
+# Set by .ci/run: a PostgreSQL test that would skip fails instead.
+POSTGRES_REQUIRED_ENV = "RELAY_TEST_POSTGRES_REQUIRED"
+POSTGRES_SKIP = (
+    f"PostgreSQL tests need {POSTGRES_ENV}, a libpq connection string of a server where "
+    "they may create and drop a database, e.g. "
+    f"{POSTGRES_ENV}=postgresql://postgres@127.0.0.1:5432/postgres"
+)
+_postgres = {}
+
+
+def skip_postgres(reason: str) -> None:
+    """Skip the calling PostgreSQL test, or fail it where they are required."""
+    if os.environ.get(POSTGRES_REQUIRED_ENV):
+        pytest.fail(f"{POSTGRES_REQUIRED_ENV} is set, but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def postgres_dsn() -> str:
+    """The DSN of this run's own database, created on first use (dropped at exit);
+    skips the calling test when ``RELAY_TEST_POSTGRES_DSN`` is not set."""
+    admin = os.environ.get(POSTGRES_ENV)
+    if not admin:
+        skip_postgres(POSTGRES_SKIP)
+    if "unusable" in _postgres:
+        skip_postgres(_postgres["unusable"])
+    if "dsn" not in _postgres:
+        try:
+            import psycopg
+        except ImportError:
+            skip_postgres("the postgres extra is not installed: pip install -e '.[test,postgres]'")
+        from psycopg.conninfo import make_conninfo
+
+        name = f"relay_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        try:
+            conn = psycopg.connect(admin, autocommit=True)
+        except TypeError as e:  # psycopg's ctypes libpq binding on PyPy 7.3.11
+            _postgres["unusable"] = (f"psycopg cannot connect on this interpreter ({e}): "
+                                     "the postgres backend runs on CPython")
+            skip_postgres(_postgres["unusable"])
+        with conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        _postgres.update(admin=admin, name=name, dsn=make_conninfo(admin, dbname=name))
+    return _postgres["dsn"]
+
+
+def reset_postgres() -> str:
+    """This run's database with no relay tables (the next store migrates from scratch)."""
+    import psycopg
+
+    dsn = postgres_dsn()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS relay_messages, relay_peers, relay_lockouts, "
+                     "relay_schema")
+    return dsn
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if "dsn" in _postgres:
+        import psycopg
+
+        with psycopg.connect(_postgres["admin"], autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{_postgres["name"]}" WITH (FORCE)')
+
+
+def backend_options(name: str) -> dict:
+    """The extra ``broker.*`` keys a backend needs in tests (its own section)."""
+    if name == "postgres":
+        return {"postgres": {"dsn": postgres_dsn(), "poolSize": 4}}
+    return {}
+
+
+def broker_storage(name: str) -> dict:
+    """The ``broker.*`` keys of a real broker process on backend ``name``; a postgres
+    broker gets a database with no relay tables."""
+    if name == "postgres":
+        reset_postgres()
+    return dict(backend_options(name), storage=name)
 
 
 def open_backend(name: str, data_dir: str, **broker):
@@ -23,7 +105,8 @@ def open_backend(name: str, data_dir: str, **broker):
 
     from relay.store.plugins import open_configured_store
 
-    config = make_config(storage=name, dataDir=str(data_dir), **broker)
+    options = dict(backend_options(name), **broker)
+    config = make_config(storage=name, dataDir=str(data_dir), **options)
     return open_configured_store(config, reactor)
 
 
@@ -41,6 +124,8 @@ def backend(request) -> str:
 
 @pytest.fixture
 def store(backend, tmp_path):
+    if backend == "postgres":
+        reset_postgres()
     s = open_backend(backend, tmp_path)
     yield s
     pytest_twisted.blockon(s.close())

@@ -425,3 +425,41 @@ def test_seen_nonces_expire_with_the_window_and_a_full_table_is_503():
     assert len(auth.nonces) == 1, "expired entries were dropped"
     e = refused(check_nonce, auth, nonce=f"{NONCE}0", timestamp=NOW)
     assert e.message == "timestamp skew", "an old nonce is refused by the window itself"
+
+
+class Reports:
+    """A SharedLockouts that records what a Lockout reports."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def failed(self, agent: str) -> None:
+        self.seen.append(("failed", agent))
+
+    def succeeded(self, agent: str) -> None:
+        self.seen.append(("succeeded", agent))
+
+
+def test_a_shared_lockout_reports_and_takes_locks_decided_elsewhere():
+    clock = clock_at()
+    shared = Reports()
+    lockout = Lockout(clock, after=3, seconds=300, shared=shared)
+    lockout.failed("a")
+    lockout.succeeded("a")
+    assert shared.seen == [("failed", "a"), ("succeeded", "a")]
+    lockout.failed("b")
+    lockout.lock("b", clock.seconds() + 60)  # another broker's count reached 3
+    assert lockout.is_locked("b") and lockout.tracked() == (0, 1)
+    lockout.lock("b", clock.seconds() + 10)  # an earlier end changes nothing
+    lockout.lock("c", clock.seconds() - 1)  # nor a lock already over
+    clock.advance(59)
+    assert lockout.is_locked("b") and not lockout.is_locked("c")
+    clock.advance(1)
+    assert not lockout.is_locked("b")
+    lockout.failed("d")
+    lockout.failed("d")
+    lockout.clear("d")  # another broker saw d succeed: the count starts over here too
+    lockout.failed("d")
+    lockout.failed("d")
+    assert not lockout.is_locked("d")
+    assert ("succeeded", "d") not in shared.seen, "a remote success is not reported back"

@@ -10,6 +10,7 @@ from typing import Dict, List, Set
 import pytest
 
 from tests.broker_proc import BrokerProcess
+from tests.conftest import broker_storage
 
 SENDERS = 4
 TARGET_SENT = 300
@@ -88,9 +89,9 @@ def statuses(broker: BrokerProcess, ids: List[str]) -> Dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("storage", ["sqlite", "jsonl"])
+@pytest.mark.parametrize("storage", ["sqlite", "jsonl", "postgres"])
 def test_sigkill_loses_no_acknowledged_message(tmp_path, storage):
-    broker = BrokerProcess(str(tmp_path), storage=storage)
+    broker = BrokerProcess(str(tmp_path), **broker_storage(storage))
     burst = Burst(broker)
     try:
         broker.start()

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from tests.broker_proc import TWISTD, BrokerProcess
+from tests.conftest import broker_storage
 
 
 @pytest.fixture
@@ -16,9 +17,18 @@ def broker(tmp_path):
     b.kill()
 
 
-def test_message_round_trip(broker):
+@pytest.mark.parametrize("storage", ["memory", "postgres"])
+def test_message_round_trip(tmp_path, storage):
+    broker = BrokerProcess(str(tmp_path), **broker_storage(storage)).start()
+    try:
+        round_trip(broker, storage)
+    finally:
+        broker.kill()
+
+
+def round_trip(broker: BrokerProcess, storage: str) -> None:
     status, info = broker.request("alpha", "GET", "/")
-    assert status == 200 and info["protocol"] == "1.0" and info["storage"] == "memory"
+    assert status == 200 and info["protocol"] == "1.0" and info["storage"] == storage
     assert broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
     status, sent = broker.request("alpha", "POST", "/messages",
                                   {"to": "beta", "body": {"text": "hi"}, "kind": "request"})

@@ -40,7 +40,7 @@ def test_twistd_lists_relay():
 
 def test_store_factories_are_plugins():
     factories = store_factories()
-    assert {"memory", "sqlite", "jsonl"} <= set(factories)
+    assert {"memory", "sqlite", "jsonl", "postgres"} <= set(factories)
     for factory in factories.values():
         assert verifyObject(IPlugin, factory)
         assert verifyObject(IStoreFactory, factory)
@@ -54,7 +54,7 @@ def test_unknown_backend_lists_the_names():
     from relay.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        find_store_factory("postgres")
+        find_store_factory("oracle")
     assert info.value.key == "broker.storage"
     assert "memory" in info.value.reason and "sqlite" in info.value.reason
 

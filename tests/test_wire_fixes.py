@@ -17,6 +17,7 @@ import pytest
 
 from relay.signing import sign
 from tests.broker_proc import BrokerProcess
+from tests.conftest import broker_storage
 
 SENT_TS = "1999-01-01T00:00:00.000Z"
 
@@ -37,9 +38,9 @@ def raw_request(broker: BrokerProcess, agent: str, method: str, path: str, body=
         connection.close()
 
 
-@pytest.fixture(params=["sqlite", "jsonl"])
+@pytest.fixture(params=["sqlite", "jsonl", "postgres"])
 def persistent(request, tmp_path):
-    broker = BrokerProcess(str(tmp_path), storage=request.param).start()
+    broker = BrokerProcess(str(tmp_path), **broker_storage(request.param)).start()
     yield broker
     broker.kill()
 

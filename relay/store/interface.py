@@ -124,6 +124,16 @@ class IMessageStore(Interface):
         """Flush and release the backend; fires when done."""
 
 
+class ISharedLockouts(Interface):
+    """A store shared by several brokers that keeps their lockout counters too, so
+    N brokers do not give an attacker N times the attempts (spec §3 lockout)."""
+
+    def share_lockouts(lockout):
+        """Count the failures of ``lockout`` (a :class:`relay.auth.Lockout`) for every
+        broker and apply to it the locks other brokers decide; returns the object
+        ``lockout`` reports to (:class:`relay.auth.SharedLockouts`)."""
+
+
 class IStoreFactory(Interface):
     """A plugin that opens one kind of store."""
 

@@ -39,6 +39,8 @@ class ModuleStoreFactory:
 memory = ModuleStoreFactory("memory", "relay.store.memory", "in memory; lost on restart")
 sqlite = ModuleStoreFactory("sqlite", "relay.store.sqlite", "SQLite database dataDir/relay.db")
 jsonl = ModuleStoreFactory("jsonl", "relay.store.jsonl", "append-only log dataDir/messages.jsonl")
+postgres = ModuleStoreFactory("postgres", "relay.store.postgres",
+                              "PostgreSQL database broker.postgres.dsn, shared by several brokers")
 
 
 def store_factories() -> Dict[str, IStoreFactory]:

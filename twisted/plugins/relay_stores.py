@@ -1,5 +1,5 @@
 """The built-in storage backends of the relay, as IStoreFactory plugins."""
 
-from relay.store.plugins import jsonl, memory, sqlite
+from relay.store.plugins import jsonl, memory, postgres, sqlite
 
-__all__ = ["memory", "sqlite", "jsonl"]
+__all__ = ["memory", "sqlite", "jsonl", "postgres"]

@@ -1,0 +1,1155 @@
+"""The PostgreSQL backend (``broker.storage: postgres``): one database, several brokers.
+
+Several brokers behind a load balancer share one database; each is an ordinary
+broker whose store is that database. The operations are those of
+:mod:`relay.store.records`, run over :class:`PostgresRecords` (primitives bound
+to one transaction) in a worker thread, so the reactor never waits for the
+database and the delivery rules stay written once. What must hold across
+brokers is done in SQL:
+
+- **Pull** claims its messages in one statement: the locking
+  ``SELECT … FOR UPDATE SKIP LOCKED`` in a ``WITH`` query, joined to the
+  ``UPDATE … RETURNING`` that leases them (not ``WHERE seq IN (subquery)``,
+  which may claim more rows than the limit: PostgreSQL bug #15715). Two brokers
+  never lease one message at once; lapsed leases are released first, by the
+  rules of :mod:`relay.delivery`, in the same transaction.
+- **Sequence numbers** are taken under a transaction-scoped advisory lock on the
+  recipient: the next number for an agent is taken only after the previous
+  transaction that took one for that agent has ended, so a lower number never
+  becomes visible after a higher one and the v1.0 cursor (the last message id)
+  never skips a message.
+- **Every other read-modify-write** (acks, lease releases, the v1.0 recovery
+  mark) is optimistic: each row has a ``version``; a save that finds another
+  version lost a race with another broker, and the whole operation is run
+  again on fresh rows.
+- **Wake-ups** cross brokers by ``LISTEN/NOTIFY``: a transaction that changes
+  what waiters wait for sends one notification (the agents concerned, and lease
+  deadlines) that commits with it; every other broker turns it into the same
+  :class:`relay.delivery.Changes` its own writes give, lease deadlines included,
+  so a broker wakes its waiters at a deadline another broker set. One dedicated
+  autocommit connection per broker listens, reconnecting by itself.
+  Notifications are lost only while it is down: then a fallback look every
+  ``FALLBACK_SECONDS``, and one after it is back, wake every agent with a
+  queued message or a lapsed lease.
+
+Connections: ``poolSize`` worker threads, each with its own connection, opened
+when first needed and again after it broke. A request that meets a broken
+database gets ``503 busy``; an operation that failed before its ``COMMIT`` was
+sent is retried once on a fresh connection (nothing of it was committed), and
+one whose ``COMMIT`` got no answer is not (it may have committed). Statements,
+connects and silent networks are bounded by timeouts, so nothing waits longer
+than ``OPERATION_SECONDS``.
+
+The schema is created and migrated at start by the numbered scripts
+``postgres-migration-N.sql`` in one transaction each, under an advisory lock,
+so several brokers may start at once. The psycopg 3 driver is imported only
+when this backend is opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+from twisted.internet.defer import Deferred, inlineCallbacks, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+from zope.interface import implementer
+
+from relay import delivery, errors
+from relay.config import Config, check_keys, read_int, read_str
+from relay.delivery import Changes, Message, Rules, Transition
+from relay.errors import ConfigError, RelayError
+from relay.protocol import KEEP_CARD, QUEUED
+from relay.store import records as ops
+from relay.store.interface import IMessageStore, ISharedLockouts
+from relay.store.records import EXPIRE_BATCH, Records
+
+log = Logger(namespace="relay.store.postgres")
+
+SCHEMA_VERSION = 2
+CHANNEL = "relay_changes"
+INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
+
+DEFAULT_POOL_SIZE = 10
+STATEMENT_TIMEOUT_MS = 5000
+OPERATION_SECONDS = 10.0
+FALLBACK_SECONDS = 1.0
+LISTEN_PROBE_SECONDS = 2.0
+LISTEN_WAIT_SECONDS = 0.2
+LISTEN_START_SECONDS = 5.0
+RECONNECT_SECONDS = (0.2, 0.5, 1.0, 2.0)
+MAX_TRIES = 8
+NOTIFY_BYTES = 7900  # PostgreSQL's limit is 8000 bytes per payload
+LOCKOUT_FORGET_SECONDS = 86400.0
+LOCKOUT_SWEEP_SECONDS = 60.0
+
+# Advisory lock keys (the two-int form): a class, then the key within it.
+_LOCK_CLASS_MIGRATION = 0x72656C00  # "rel\0"
+_LOCK_CLASS_RECIPIENT = 0x72656C01
+
+# Connection settings the broker needs; any of them set in the dsn wins.
+CONNECTION_DEFAULTS = {
+    "application_name": "dsh-agent-relay",
+    "connect_timeout": "3",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "3",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "5000",
+}
+
+# -- rows -------------------------------------------------------------------------------
+
+# (column, Message attribute, SQL type) of what a message is stored with, the
+# delivery state last, in the order of Message.state(). A new field is one
+# entry here and one migration.
+ENVELOPE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
+    ("id", "id", "text"),
+    ("sender", "sender", "text"),
+    ("recipient", "to", "text"),
+    ("ts", "ts", "text"),
+    ("type", "type", "text"),
+    ("body", "body_json", "text"),
+    ("reply_to", "reply_to", "text"),
+    ("ack", "ack", "boolean"),
+    ("kind", "kind", "text"),
+    ("root_id", "root_id", "text"),
+    ("parent_id", "parent_id", "text"),
+    ("created", "created", "double precision"),
+    ("delay_until", "delay_until", "double precision"),
+    ("expires_at", "expires_at", "double precision"),
+)
+STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
+    ("status", "status", "text"),
+    ("attempts", "attempts", "integer"),
+    ("lease_until", "lease_until", "bigint"),
+    ("lease_id", "lease_id", "text"),
+    ("error", "error", "text"),
+    ("recovery", "recovery", "boolean"),
+    ("deliveries", "deliveries", "integer"),
+    ("not_before", "not_before", "double precision"),
+    ("dead_reason", "dead_reason", "text"),
+)
+_STORED = ENVELOPE_COLUMNS + STATE_COLUMNS
+COLUMNS = ", ".join(["seq", "version"] + [c for c, _, _ in _STORED])
+_M_COLUMNS = ", ".join(f"m.{c}" for c in ["seq", "version"] + [c for c, _, _ in _STORED])
+
+_SELECT = f"SELECT {COLUMNS} FROM relay_messages"
+_INSERT = (
+    # The recipient's lock is taken before the row (and its identity number) is
+    # made, and held until the transaction ends.
+    "WITH recipient_lock AS (SELECT pg_advisory_xact_lock(%s, hashtext(%s))) "
+    f"INSERT INTO relay_messages ({', '.join(c for c, _, _ in _STORED)}) "
+    f"SELECT {', '.join(f'%s::{t}' for _, _, t in _STORED)} FROM recipient_lock "
+    "ON CONFLICT (id) DO NOTHING RETURNING seq"
+)
+_SAVE = (
+    "UPDATE relay_messages AS m SET "
+    + ", ".join(f"{c} = v.{c}" for c, _, _ in STATE_COLUMNS)
+    + ", version = m.version + 1 FROM unnest(%s::bigint[], %s::integer[], "
+    + ", ".join(f"%s::{t}[]" for _, _, t in STATE_COLUMNS)
+    + f") AS v(seq, version, {', '.join(c for c, _, _ in STATE_COLUMNS)}) "
+    "WHERE m.seq = v.seq AND m.version = v.version"
+)
+# The lease of delivery.lease, given to up to ``limit`` queued messages at once.
+# Deliverable at now: not held back and not past its TTL (relay.delivery.deliverable).
+_DUE = ("(not_before IS NULL OR not_before <= %(now)s) "
+        "AND (expires_at IS NULL OR expires_at > %(now)s)")
+_LIVE = "(expires_at IS NULL OR expires_at > %(now)s)"
+_PARENT = "(parent_id = %(parent)s OR reply_to = %(parent)s)"
+_CLAIM = (
+    "WITH candidates AS ("
+    " SELECT seq FROM relay_messages WHERE recipient = %(agent)s AND status = 'queued'"
+    f" AND {_DUE} {{parent}} ORDER BY seq LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+    "), numbered AS ("
+    " SELECT seq, row_number() OVER (ORDER BY seq) AS n FROM candidates"
+    ") UPDATE relay_messages AS m SET status = 'leased',"
+    " lease_id = (%(lease_ids)s::text[])[numbered.n], lease_until = %(until)s,"
+    " recovery = false, deliveries = m.deliveries + 1, not_before = NULL,"
+    " version = m.version + 1"
+    f" FROM numbered WHERE m.seq = numbered.seq RETURNING {_M_COLUMNS}"
+)
+
+STATEMENTS = {
+    "insert": _INSERT,
+    "get": f"{_SELECT} WHERE id = %s",
+    "seq_of": "SELECT seq FROM relay_messages WHERE id = %s",
+    "save": _SAVE,
+    "claim": _CLAIM.format(parent=""),
+    "claim_parent": _CLAIM.format(parent=f"AND {_PARENT}"),
+    "queued": (f"{_SELECT} WHERE recipient = %(agent)s AND status = 'queued' "
+               f"AND seq > %(after)s AND {_DUE} ORDER BY seq LIMIT %(limit)s"),
+    "queued_parent": (f"{_SELECT} WHERE recipient = %(agent)s AND status = 'queued' "
+                      f"AND seq > %(after)s AND {_DUE} AND {_PARENT} ORDER BY seq LIMIT %(limit)s"),
+    "recovered": (f"{_SELECT} WHERE recipient = %(agent)s AND recovery AND seq <= %(upto)s "
+                  f"AND status = 'queued' AND {_DUE} ORDER BY seq LIMIT %(limit)s"),
+    "thread": (f"{_SELECT} WHERE (id = %(root)s OR root_id = %(root)s) AND seq > %(after)s "
+               f"AND (sender = %(agent)s OR recipient = %(agent)s) AND {_LIVE} "
+               "ORDER BY seq LIMIT %(limit)s"),
+    # Locked, skipping rows another transaction holds: overlapping sweeps and
+    # reads on several brokers each release a lapsed lease once.
+    "lapsed": (f"{_SELECT} WHERE status = 'leased' AND lease_until <= %s "
+               "ORDER BY lease_until FOR UPDATE SKIP LOCKED"),
+    # Locked, skipping rows another sweep holds: each expired row is removed (and
+    # its failure notice stored) by one broker.
+    "expire": (
+        "WITH doomed AS (SELECT seq FROM relay_messages WHERE created < %s OR expires_at <= %s "
+        "LIMIT %s FOR UPDATE SKIP LOCKED) DELETE FROM relay_messages AS m USING doomed "
+        f"WHERE m.seq = doomed.seq RETURNING {_M_COLUMNS}"
+    ),
+    "register": (
+        "INSERT INTO relay_peers AS p (agent, last_seen) VALUES (%s, %s) "
+        "ON CONFLICT (agent) DO UPDATE SET last_seen = greatest(p.last_seen, excluded.last_seen)"
+    ),
+    "register_card": (
+        "INSERT INTO relay_peers AS p (agent, last_seen, card) VALUES (%s, %s, %s) "
+        "ON CONFLICT (agent) DO UPDATE SET "
+        "last_seen = greatest(p.last_seen, excluded.last_seen), card = excluded.card"
+    ),
+    "is_registered": "SELECT 1 FROM relay_peers WHERE agent = %s",
+    "peers": "SELECT agent, last_seen, card FROM relay_peers ORDER BY agent",
+    "notify": "SELECT pg_notify(%s, %s)",
+    "lapsed_agents": (
+        "SELECT DISTINCT recipient FROM relay_messages WHERE status = 'leased' "
+        "AND lease_until <= %s"
+    ),
+    # Every agent with a queued message, one index probe per agent (a loose index scan).
+    "queued_agents": (
+        "WITH RECURSIVE agents (recipient) AS ("
+        " (SELECT recipient FROM relay_messages WHERE status = 'queued' ORDER BY recipient LIMIT 1)"
+        " UNION ALL SELECT (SELECT m.recipient FROM relay_messages AS m"
+        "  WHERE m.status = 'queued' AND m.recipient > a.recipient ORDER BY m.recipient LIMIT 1)"
+        " FROM agents AS a WHERE a.recipient IS NOT NULL"
+        ") SELECT recipient FROM agents WHERE recipient IS NOT NULL"
+    ),
+    "lockout_failed": (
+        "INSERT INTO relay_lockouts AS l (agent, failures, locked_until, updated) "
+        "VALUES (%s, 1, NULL, %s) ON CONFLICT (agent) DO UPDATE "
+        "SET failures = l.failures + 1, updated = excluded.updated RETURNING failures"
+    ),
+    "lockout_lock": (
+        "UPDATE relay_lockouts SET failures = 0, locked_until = %s, updated = %s WHERE agent = %s"
+    ),
+    "lockout_reset": "DELETE FROM relay_lockouts WHERE agent = %s AND locked_until IS NULL",
+    "lockout_clear": "UPDATE relay_lockouts SET failures = 0 WHERE agent = %s",
+    "lockout_load": "SELECT agent, failures, locked_until FROM relay_lockouts",
+    "lockout_forget": (
+        "DELETE FROM relay_lockouts WHERE updated < %s "
+        "AND (locked_until IS NULL OR locked_until < %s)"
+    ),
+}
+
+
+_BOXES = {"inbox": "recipient = %(agent)s", "sent": "sender = %(agent)s",
+          "all": "(recipient = %(agent)s OR sender = %(agent)s)"}
+_FILTERS = (("status", "status = %(status)s"), ("from", "sender = %(from)s"),
+            ("to", "recipient = %(to)s"), ("kind", "kind = %(kind)s"),
+            ("rootId", "(id = %(rootId)s OR root_id = %(rootId)s)"),
+            ("parentId", "(parent_id = %(parentId)s OR reply_to = %(parentId)s)"))
+
+
+def _listing_statement(box: str, filters: Mapping[str, Optional[str]]) -> str:
+    """The SELECT of one box of an agent narrowed by the filters that are set."""
+    where = [_BOXES[box]] + [clause for name, clause in _FILTERS
+                             if filters.get(name) is not None]
+    where.append(_LIVE)
+    return f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT %(limit)s"
+
+
+def _message(row: Sequence[Any]) -> Message:
+    values = dict(zip((a for _, a, _ in _STORED), row[2:]))
+    return Message(seq=row[0], **values)
+
+
+def _insert_values(message: Message) -> List[Any]:
+    return [message.body_json() if a == "body_json" else getattr(message, a) for _, a, _ in _STORED]
+
+
+class Conflict(Exception):
+    """A row changed under this transaction (another broker won a race): run it again."""
+
+
+class Unavailable(Exception):
+    """The database cannot be reached or did not answer in time."""
+
+
+# -- the primitives --------------------------------------------------------------------
+
+
+class PostgresRecords(Records):
+    """The :class:`Records` primitives as statements of one transaction (one cursor).
+
+    Remembers the ``version`` of every row it hands out; :meth:`save` writes a
+    row only at that version and raises :class:`Conflict` otherwise.
+    """
+
+    def __init__(self, cursor: Any) -> None:
+        super().__init__()
+        self.cursor = cursor
+        self.versions: Dict[int, int] = {}
+        self.registered: Set[str] = set()
+        self.notice: Dict[str, Any] = {}
+
+    def _rows(self, sql: str, params: Sequence[Any]) -> List[Message]:
+        self.cursor.execute(sql, params)
+        out = []
+        for row in self.cursor.fetchall():
+            self.versions[row[0]] = row[1]
+            out.append(_message(row))
+        return out
+
+    def insert(self, message: Message) -> bool:
+        params = [_LOCK_CLASS_RECIPIENT, message.to] + _insert_values(message)
+        self.cursor.execute(_INSERT, params)
+        row = self.cursor.fetchone()
+        if row is None:
+            return False
+        message.seq = row[0]
+        self.versions[row[0]] = 0
+        return True
+
+    def get(self, message_id: str) -> Optional[Message]:
+        found = self._rows(STATEMENTS["get"], (message_id,))
+        return found[0] if found else None
+
+    def seq_of(self, message_id: str) -> int:
+        self.cursor.execute(STATEMENTS["seq_of"], (message_id,))
+        row = self.cursor.fetchone()
+        return 0 if row is None else row[0]
+
+    def save(self, messages: Sequence[Message]) -> None:
+        if not messages:
+            return
+        seqs = [m.seq for m in messages]
+        columns: List[List[Any]] = [seqs, [self.versions[s] for s in seqs]]
+        states = [m.state() for m in messages]
+        columns.extend([state[i] for state in states] for i in range(len(STATE_COLUMNS)))
+        self.cursor.execute(_SAVE, columns)
+        if self.cursor.rowcount != len(messages):
+            raise Conflict()
+        for seq in seqs:
+            self.versions[seq] += 1
+
+    def claim(self, agent: str, limit: int, lease_seconds: float, now: float,
+              parent_id: Optional[str] = None) -> List[Message]:
+        """Lease up to ``limit`` deliverable messages of ``agent`` (with ``parent_id``:
+        those answering it), oldest first, in one statement: the state
+        :func:`relay.delivery.lease` gives; notes their deadlines."""
+        until = delivery.now_ms(now) + int(lease_seconds * 1000)
+        lease_ids = [delivery.new_lease_id() for _ in range(limit)]
+        params = {"agent": agent, "limit": limit, "lease_ids": lease_ids, "until": until,
+                  "now": now, "parent": parent_id}
+        sql = STATEMENTS["claim" if parent_id is None else "claim_parent"]
+        claimed = sorted(self._rows(sql, params), key=lambda m: m.seq)
+        queued = (QUEUED,) + (None,) * (len(STATE_COLUMNS) - 1)
+        for message in claimed:
+            delivery.wakes(self.changes, queued, message)
+        return claimed
+
+    def queued(self, agent: str, after_seq: int, limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        params = {"agent": agent, "after": after_seq, "limit": limit, "now": now,
+                  "parent": parent_id}
+        return self._rows(STATEMENTS["queued" if parent_id is None else "queued_parent"],
+                          params)
+
+    def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
+        params = {"agent": agent, "upto": upto_seq, "limit": limit, "now": now}
+        return self._rows(STATEMENTS["recovered"], params)
+
+    def lapsed(self, now: float) -> List[Message]:
+        return self._rows(STATEMENTS["lapsed"], (delivery.now_ms(now),))
+
+    def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
+                now: float) -> List[Message]:
+        params = {name: filters.get(name) for name, _ in _FILTERS}
+        params.update(agent=agent, limit=limit, now=now)
+        return self._rows(_listing_statement(box, filters), params)
+
+    def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
+               now: float) -> List[Message]:
+        params = {"agent": agent, "root": root_id, "after": after_seq, "limit": limit,
+                  "now": now}
+        return self._rows(STATEMENTS["thread"], params)
+
+    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
+        """Remove up to ``batch`` messages stored before ``cutoff`` or past their TTL;
+        also returns the removed requests that were still queued or leased."""
+        removed = self._rows(STATEMENTS["expire"], (cutoff, now, batch))
+        unprocessed = [m for m in removed
+                       if m.kind == "request" and m.status in ("queued", "leased")]
+        return len(removed), sorted(unprocessed, key=lambda m: m.seq)
+
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
+        if card is KEEP_CARD:
+            self.cursor.execute(STATEMENTS["register"], (agent, int(now)))
+        else:
+            text = None if card is None else json.dumps(card, separators=(",", ":"))
+            self.cursor.execute(STATEMENTS["register_card"], (agent, int(now), text))
+        self.registered.add(agent)
+
+    def is_registered(self, agent: str) -> bool:
+        self.cursor.execute(STATEMENTS["is_registered"], (agent,))
+        return self.cursor.fetchone() is not None
+
+    def peers(self) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
+        self.cursor.execute(STATEMENTS["peers"])
+        return [(agent, seen, None if card is None else json.loads(card))
+                for agent, seen, card in self.cursor.fetchall()]
+
+    def notification(self, token: str) -> Optional[str]:
+        """The payload that tells other brokers what this transaction changed, or None."""
+        if not self.changes and not self.notice:
+            return None
+        body: Dict[str, Any] = {"b": token}
+        if self.changes.ready:
+            body["r"] = sorted(self.changes.ready)
+        if self.changes.due:
+            body["d"] = sorted([when, agent] for when, agent in self.changes.due)
+        body.update(self.notice)
+        payload = json.dumps(body, separators=(",", ":"))
+        if len(payload.encode("utf-8")) > NOTIFY_BYTES:
+            # Too many agents for one notification: every broker looks for itself.
+            slim = {k: v for k, v in body.items() if k not in ("r", "d")}
+            payload = json.dumps(dict(slim, all=1), separators=(",", ":"))
+        return payload
+
+
+def heard(payload: str) -> Tuple[Optional[str], Changes, bool, Dict[str, Any]]:
+    """``(sender token, changes, look at everything, the rest)`` of a notification."""
+    try:
+        body = json.loads(payload)
+    except ValueError:
+        return None, Changes(), False, {}
+    if not isinstance(body, dict):
+        return None, Changes(), False, {}
+    changes = Changes()
+    for agent in body.pop("r", ()):
+        if isinstance(agent, str):
+            changes.ready.add(agent)
+    for pair in body.pop("d", ()):
+        if (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (int, float))
+                and isinstance(pair[1], str)):
+            changes.due.add((float(pair[0]), pair[1]))
+    return body.pop("b", None), changes, bool(body.pop("all", False)), body
+
+
+# -- the operations that differ here ----------------------------------------------------
+
+
+def pull(records: PostgresRecords, agent: str, limit: int, lease_seconds: float, now: float,
+         rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
+    """Release lapsed leases (the rules of relay.delivery), then claim in one statement."""
+    ops.release_lapsed(records, now, rules)
+    return records.claim(agent, limit, lease_seconds, now, parent_id)
+
+
+def is_registered(records: PostgresRecords, agent: str) -> bool:
+    return records.is_registered(agent)
+
+
+def every_waiting_agent(records: PostgresRecords, now: float) -> Set[str]:
+    """Agents with queued messages or lapsed leases (when notifications may have been lost)."""
+    records.cursor.execute(STATEMENTS["queued_agents"])
+    agents = {row[0] for row in records.cursor.fetchall()}
+    records.cursor.execute(STATEMENTS["lapsed_agents"], (delivery.now_ms(now),))
+    agents.update(row[0] for row in records.cursor.fetchall())
+    return agents
+
+
+# -- connections ------------------------------------------------------------------------
+
+
+def conninfo_with_defaults(dsn: str) -> str:
+    """``dsn`` with :data:`CONNECTION_DEFAULTS` for what it does not set."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    given = conninfo_to_dict(dsn)
+    merged = dict(CONNECTION_DEFAULTS)
+    merged.update({k: str(v) for k, v in given.items()})
+    return make_conninfo("", **merged)
+
+
+def connect(conninfo: str, autocommit: bool = False):
+    """A new connection with the broker's session settings."""
+    import psycopg
+
+    conn = psycopg.connect(conninfo, autocommit=autocommit)
+    try:
+        conn.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+        conn.execute("SET idle_in_transaction_session_timeout = 60000")
+        if not autocommit:
+            conn.commit()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+class _Outcome:
+    __slots__ = ("result", "error", "changes", "registered")
+
+    def __init__(self, result: Any, error: Optional[BaseException], records: PostgresRecords):
+        self.result = result
+        self.error = error
+        self.changes = records.changes
+        self.registered = records.registered
+
+
+class _Job:
+    __slots__ = ("deferred", "abandoned", "timeout")
+
+    def __init__(self) -> None:
+        self.deferred = Deferred()
+        self.abandoned = False
+        self.timeout = None
+
+
+class Connections:
+    """Worker threads, each with its own connection, (re)opened when needed."""
+
+    def __init__(self, conninfo: str, size: int, token: str) -> None:
+        import psycopg
+
+        self.psycopg = psycopg
+        self.conninfo = conninfo
+        self.token = token
+        self.threads = ThreadPool(minthreads=0, maxthreads=size, name="relay-postgres")
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.open: Set[Any] = set()
+
+    def _connection(self) -> Tuple[Any, bool]:
+        conn = getattr(self.local, "conn", None)
+        if conn is not None and not conn.closed:
+            return conn, False
+        try:
+            conn = connect(self.conninfo)
+        except self.psycopg.Error as e:
+            raise Unavailable(_reason(e)) from None
+        self.local.conn = conn
+        with self.lock:
+            self.open.add(conn)
+        return conn, True
+
+    def _drop(self, conn: Any) -> None:
+        self.local.conn = None
+        with self.lock:
+            self.open.discard(conn)
+        with contextlib.suppress(self.psycopg.Error):
+            conn.close()
+
+    def interact(self, job: Optional[_Job], operation: Callable[..., Any],
+                 args: Sequence[Any]) -> Optional[_Outcome]:
+        """Run ``operation(records, *args)`` in one transaction (in a worker thread)."""
+        psycopg = self.psycopg
+        fresh_retry = True
+        for attempt in range(MAX_TRIES):
+            if job is not None and job.abandoned:
+                return None
+            conn, fresh = self._connection()
+            committing = False
+            try:
+                with conn.cursor() as cursor:
+                    records = PostgresRecords(cursor)
+                    try:
+                        result, error = operation(records, *args), None
+                    except RelayError as e:
+                        # What the operation changed before refusing stays (a lapsed
+                        # lease found by a refused ack is released).
+                        result, error = None, e
+                    payload = records.notification(self.token)
+                    if payload is not None:
+                        cursor.execute(STATEMENTS["notify"], (CHANNEL, payload))
+                    committing = True
+                    conn.commit()
+                return _Outcome(result, error, records)
+            except (Conflict, psycopg.errors.TransactionRollback):
+                # another broker won a race, or PostgreSQL broke a deadlock: run it again
+                self._rollback(conn)
+                if attempt + 1 < MAX_TRIES:
+                    _pause(attempt)
+            except psycopg.OperationalError as e:
+                if conn.broken or conn.closed:
+                    self._drop(conn)
+                    # Nothing was committed unless the COMMIT was sent: run it again
+                    # once on a new connection (the old one may have been cut while idle).
+                    if not committing and not fresh and fresh_retry:
+                        fresh_retry = False
+                        continue
+                else:
+                    self._rollback(conn)
+                raise Unavailable(_reason(e)) from None
+            except psycopg.DataError:
+                self._rollback(conn)
+                raise errors.bad_request(
+                    "a field holds a value this store cannot keep (such as U+0000 in text)"
+                ) from None
+            except BaseException:
+                self._rollback(conn)
+                raise
+        raise Unavailable("too many conflicting writes")
+
+    def _rollback(self, conn: Any) -> None:
+        try:
+            conn.rollback()
+        except self.psycopg.Error:
+            self._drop(conn)
+
+    def close(self) -> None:
+        """Stop the threads (after their current work) and close every connection."""
+        self.threads.stop()
+        with self.lock:
+            conns, self.open = list(self.open), set()
+        for conn in conns:
+            with contextlib.suppress(self.psycopg.Error):
+                conn.close()
+
+
+def _pause(attempt: int) -> None:
+    """A short random pause between retries of a conflicting write."""
+    threading.Event().wait(random.uniform(0, 0.002 * (attempt + 1)))
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of a driver error (never a query or its parameters)."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+# -- LISTEN -----------------------------------------------------------------------------
+
+
+class Listener:
+    """One autocommit connection that listens on :data:`CHANNEL`, in its own thread.
+
+    Calls ``heard(payload)`` and, after each (re)connect, ``connected(first)`` on
+    the reactor thread. Reconnects by itself; a probe every ``LISTEN_PROBE_SECONDS``
+    finds a connection that died silently.
+    """
+
+    def __init__(self, conninfo: str, reactor: Any, heard: Callable[[str], None],
+                 connected: Callable[[bool], None]) -> None:
+        self.conninfo = conninfo
+        self.reactor = reactor
+        self.heard = heard
+        self.connected = connected
+        self.stopping = threading.Event()
+        self.up = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="relay-postgres-listen",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        import psycopg
+
+        failures, first = 0, True
+        while not self.stopping.is_set():
+            conn = None
+            try:
+                conn = connect(self.conninfo, autocommit=True)
+                conn.execute(f"LISTEN {CHANNEL}")
+                failures = 0
+                self.up.set()
+                self.reactor.callFromThread(self.connected, first)
+                first = False
+                probed = time.monotonic()
+                while not self.stopping.is_set():
+                    for notify in conn.notifies(timeout=LISTEN_WAIT_SECONDS):
+                        self.reactor.callFromThread(self.heard, notify.payload)
+                    if time.monotonic() - probed >= LISTEN_PROBE_SECONDS:
+                        conn.execute("SELECT 1")
+                        probed = time.monotonic()
+            except psycopg.Error as e:
+                if not self.stopping.is_set():
+                    log.warn("postgres LISTEN connection lost ({reason}); reconnecting",
+                             reason=_reason(e))
+            finally:
+                self.up.clear()
+                if conn is not None:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.close()
+            self.stopping.wait(RECONNECT_SECONDS[min(failures, len(RECONNECT_SECONDS) - 1)])
+            failures += 1
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(LISTEN_WAIT_SECONDS + 5)
+
+
+# -- migrations -------------------------------------------------------------------------
+
+
+def migration_script(version: int) -> str:
+    """The SQL that brings the schema from ``version - 1`` to ``version``."""
+    name = f"postgres-migration-{version}.sql"
+    return resources.files("relay.store").joinpath(name).read_text("utf-8")
+
+
+def migrate(conn: Any, target: int = SCHEMA_VERSION,
+            script: Callable[[int], str] = migration_script) -> int:
+    """Bring the schema to ``target`` under the migration lock; returns the version found.
+
+    Each migration runs in its own transaction with the row that records it.
+    Refuses a database migrated by a newer broker.
+    """
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (_LOCK_CLASS_MIGRATION,))
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS relay_schema (version integer PRIMARY KEY, "
+            "applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        found = conn.execute("SELECT coalesce(max(version), 0) FROM relay_schema").fetchone()[0]
+    if found > target:
+        raise ConfigError(
+            "broker.postgres.dsn",
+            f"the database has relay schema version {found}, newer than this broker's "
+            f"{target}: it was migrated by a newer relay; run that version",
+        )
+    for version in range(found + 1, target + 1):
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (_LOCK_CLASS_MIGRATION,))
+            done = conn.execute("SELECT 1 FROM relay_schema WHERE version = %s",
+                                (version,)).fetchone()
+            if done is None:  # another broker may have migrated meanwhile
+                conn.execute(script(version))
+                conn.execute("INSERT INTO relay_schema (version) VALUES (%s)", (version,))
+                log.info("postgres schema migrated to version {version}", version=version)
+    return found
+
+
+# -- the store --------------------------------------------------------------------------
+
+
+@implementer(IMessageStore, ISharedLockouts)
+class PostgresStore:
+    """Messages, peers and lockout counters in one PostgreSQL database, shared by
+    every broker that opens it."""
+
+    name = "postgres"
+
+    def __init__(self, conninfo: str, listen_conninfo: str, pool_size: int,
+                 clock: IReactorTime, reactor: Any) -> None:
+        self.clock = clock
+        self.reactor = reactor
+        self.token = os.urandom(8).hex()
+        self.connections = Connections(conninfo, pool_size, self.token)
+        self.connections.threads.start()
+        self._listeners: List[Callable[[Changes], None]] = []
+        self._registered: Set[str] = set()
+        self.lockouts: Optional[PostgresLockouts] = None
+        self.closed = False
+        self._looking = False
+        self.listener = Listener(listen_conninfo, reactor, self._heard, self._listening)
+        self.listener.start()
+        # Nobody waits before the broker serves; from the first LISTEN on, nothing is missed.
+        self.listener.up.wait(LISTEN_START_SECONDS)
+        self.fallback = LoopingCall(self._look)
+        self.fallback.clock = clock
+        self.fallback.start(FALLBACK_SECONDS, now=False)
+
+    # -- running operations -------------------------------------------------------------
+
+    def _run(self, operation: Callable[..., Any], *args: Any) -> Deferred:
+        if self.closed:
+            return _failed(errors.busy("the broker is stopping"))
+        job = _Job()
+        job.timeout = self.clock.callLater(OPERATION_SECONDS, self._timed_out, job)
+
+        def landed(ok: bool, outcome: Any) -> None:
+            self.reactor.callFromThread(self._landed, job, ok, outcome)
+
+        self.connections.threads.callInThreadWithCallback(
+            landed, self.connections.interact, job, operation, args)
+        return job.deferred
+
+    def _timed_out(self, job: _Job) -> None:
+        job.abandoned = True
+        job.timeout = None
+        log.warn("postgres: an operation took over {seconds} s; answered busy",
+                 seconds=OPERATION_SECONDS)
+        job.deferred.errback(errors.busy("the database did not answer in time"))
+
+    def _landed(self, job: _Job, ok: bool, outcome: Any) -> None:
+        if job.timeout is not None and job.timeout.active():
+            job.timeout.cancel()
+        if ok and isinstance(outcome, _Outcome):
+            self._registered |= outcome.registered
+            if outcome.changes:
+                self._report(outcome.changes)
+        if job.abandoned:
+            return
+        job.abandoned = True
+        if not ok:
+            error = outcome.value
+            if isinstance(error, Unavailable):
+                log.warn("postgres unavailable: {reason}", reason=str(error))
+                error = errors.busy("the database is unavailable; try again")
+            job.deferred.errback(error)
+        elif outcome.error is not None:
+            job.deferred.errback(outcome.error)
+        else:
+            job.deferred.callback(outcome.result)
+
+    def _report(self, changes: Changes) -> None:
+        for listener in self._listeners:
+            listener(changes)
+
+    # -- notifications ------------------------------------------------------------------
+
+    def _heard(self, payload: str) -> None:
+        token, changes, everything, rest = heard(payload)
+        if token == self.token or self.closed:
+            return
+        if everything:
+            self._wake_everyone()
+        if changes:
+            self._report(changes)
+        if rest and self.lockouts is not None:
+            self.lockouts.heard(rest)
+
+    def _listening(self, first: bool) -> None:
+        """The LISTEN connection is up; after a reconnect, notifications may have been
+        missed while it was down."""
+        if not first and not self.closed:
+            self._wake_everyone()
+
+    def _look(self) -> None:
+        """The fallback (every FALLBACK_SECONDS): while the LISTEN connection is down,
+        no notification arrives, so look for every agent with something to take."""
+        if not self.listener.up.is_set() and not self._looking and not self.closed:
+            self._looking = True
+            self._wake_everyone().addBoth(self._looked)
+
+    def _looked(self, _: Any) -> None:
+        self._looking = False
+
+    def _wake_everyone(self) -> Deferred:
+        d = self._run(every_waiting_agent, self.clock.seconds())
+        d.addCallbacks(self._ready, _ignore_unavailable)
+        return d
+
+    def _ready(self, agents: Iterable[str]) -> None:
+        changes = Changes()
+        changes.ready.update(agents)
+        if changes:
+            self._report(changes)
+
+    # -- IMessageStore ------------------------------------------------------------------
+
+    def subscribe(self, listener: Callable[[Changes], None]) -> None:
+        self._listeners.append(listener)
+
+    def add(self, message: Message) -> Deferred:
+        return self._run(ops.add, message)
+
+    def find(self, message_id: str, now: float) -> Deferred:
+        return self._run(ops.find, message_id, now)
+
+    def poll(self, agent: str, since_id: Optional[str], limit: int, now: float,
+             rules: Rules) -> Deferred:
+        return self._run(ops.poll, agent, since_id, limit, now, rules)
+
+    def pull(self, agent: str, limit: int, lease_seconds: float, now: float, rules: Rules,
+             parent_id: Optional[str] = None) -> Deferred:
+        return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id)
+
+    def settle(self, message_id: str, transition: Transition, now: float,
+               rules: Rules) -> Deferred:
+        return self._run(ops.settle, message_id, transition, now, rules)
+
+    def status(self, message_ids: Sequence[str], agent: str, now: float,
+               rules: Rules) -> Deferred:
+        return self._run(ops.status, message_ids, agent, now, rules)
+
+    def recent(self, agent: str, limit: int, now: float, rules: Rules) -> Deferred:
+        return self._run(ops.recent, agent, limit, now, rules)
+
+    def query(self, agent: str, limit: int, filters: Mapping[str, Optional[str]], now: float,
+              rules: Rules) -> Deferred:
+        return self._run(ops.query, agent, limit, filters, now, rules)
+
+    def thread(self, agent: str, root_id: str, since_id: Optional[str], limit: int,
+               now: float, rules: Rules) -> Deferred:
+        return self._run(ops.thread, agent, root_id, since_id, limit, now, rules)
+
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> Deferred:
+        return self._run(ops.register, agent, now, card)
+
+    def is_registered(self, agent: str):
+        """True at once for an agent known to have registered (registration is never
+        taken back); otherwise a Deferred that asks the shared table."""
+        if agent in self._registered:
+            return True
+        d = self._run(is_registered, agent)
+
+        def answer(found: bool) -> bool:
+            if found:
+                self._registered.add(agent)
+            return found
+
+        d.addCallback(answer)
+        return d
+
+    def peers(self) -> Deferred:
+        return self._run(ops.peers)
+
+    def sweep_leases(self, now: float, rules: Rules) -> Deferred:
+        return self._run(ops.release_lapsed, now, rules)
+
+    @inlineCallbacks
+    def sweep_expired(self, cutoff: float, now: float, rules: Rules):
+        """Removes in batches of EXPIRE_BATCH, one transaction each (with the failure
+        notices of the requests it removed unprocessed)."""
+        total = 0
+        while True:
+            removed = yield self._run(ops.expire, cutoff, now, rules, EXPIRE_BATCH)
+            total += removed
+            if removed < EXPIRE_BATCH:
+                return total
+
+    def close(self) -> Deferred:
+        """Stop the fallback look, the listener and the workers; close the connections."""
+        if self.closed:
+            return succeed(None)
+        self.closed = True
+        if self.fallback.running:
+            self.fallback.stop()
+        if self.lockouts is not None:
+            self.lockouts.stop()
+        from twisted.internet import threads
+
+        def shut() -> None:
+            self.listener.stop()
+            self.connections.close()
+
+        return threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), shut)
+
+    # -- ISharedLockouts ------------------------------------------------------------------
+
+    def share_lockouts(self, lockout: Any) -> PostgresLockouts:
+        self.lockouts = PostgresLockouts(self, lockout)
+        self.lockouts.start()
+        return self.lockouts
+
+
+def _failed(error: BaseException) -> Deferred:
+    d = Deferred()
+    d.errback(error)
+    return d
+
+
+def _ignore_unavailable(failure) -> None:
+    failure.trap(RelayError)
+
+
+# -- shared lockouts --------------------------------------------------------------------
+
+
+def lockout_failed(records: PostgresRecords, agent: str, now: float, after: int,
+                   seconds: float) -> Optional[float]:
+    """Count a failure of ``agent`` for every broker; the lock's end when it locked."""
+    records.cursor.execute(STATEMENTS["lockout_failed"], (agent, now))
+    (failures,) = records.cursor.fetchone()
+    if failures < after:
+        records.notice["fail"] = agent
+        return None
+    until = now + seconds
+    records.cursor.execute(STATEMENTS["lockout_lock"], (until, now, agent))
+    records.notice["lock"] = [agent, until]
+    return until
+
+
+def lockout_succeeded(records: PostgresRecords, agent: str) -> None:
+    records.cursor.execute(STATEMENTS["lockout_reset"], (agent,))
+    records.cursor.execute(STATEMENTS["lockout_clear"], (agent,))
+    records.notice["reset"] = agent
+
+
+def lockout_load(records: PostgresRecords) -> List[Tuple[str, int, Optional[float]]]:
+    records.cursor.execute(STATEMENTS["lockout_load"])
+    return [tuple(row) for row in records.cursor.fetchall()]
+
+
+def lockout_forget(records: PostgresRecords, now: float) -> int:
+    records.cursor.execute(STATEMENTS["lockout_forget"], (now - LOCKOUT_FORGET_SECONDS, now))
+    return records.cursor.rowcount
+
+
+class PostgresLockouts:
+    """Lockout counters shared by every broker on the database.
+
+    The authentication path stays synchronous: it reads the broker's own
+    :class:`relay.auth.Lockout`. Each failure is also counted in
+    ``relay_lockouts`` (one atomic upsert), and the broker whose count reaches
+    ``lockAfterFailures`` sets the lock there and notifies the others, which
+    apply it to their own ``Lockout``: N brokers give an attacker the attempts
+    of one, give or take the requests in flight during one notification.
+    A success resets the shared count when some broker counted failures.
+    """
+
+    def __init__(self, store: PostgresStore, lockout: Any) -> None:
+        self.store = store
+        self.lockout = lockout
+        self.failing: Dict[str, None] = {}
+        self.sweep = LoopingCall(self._forget)
+        self.sweep.clock = store.clock
+
+    def start(self) -> None:
+        d = self.store._run(lockout_load)
+        d.addCallbacks(self._loaded, self._warn)
+        self.sweep.start(LOCKOUT_SWEEP_SECONDS, now=False)
+
+    def stop(self) -> None:
+        if self.sweep.running:
+            self.sweep.stop()
+
+    def _loaded(self, rows: List[Tuple[str, int, Optional[float]]]) -> None:
+        now = self.store.clock.seconds()
+        for agent, failures, until in rows:
+            if until is not None and until > now:
+                self.lockout.lock(agent, until)
+            if failures:
+                self._note(agent)
+
+    def _note(self, agent: str) -> None:
+        self.failing[agent] = None
+        if len(self.failing) > self.lockout.max_tracked:
+            del self.failing[next(iter(self.failing))]
+
+    def _warn(self, failure) -> None:
+        log.warn("postgres: shared lockout counters not updated ({kind})",
+                 kind=failure.type.__name__)
+
+    # -- what relay.auth.Lockout reports ---------------------------------------------------
+
+    def failed(self, agent: str) -> None:
+        self._note(agent)
+        now = self.store.clock.seconds()
+        d = self.store._run(lockout_failed, agent, now, self.lockout.after, self.lockout.seconds)
+
+        def counted(until: Optional[float]) -> None:
+            if until is not None:
+                self.failing.pop(agent, None)
+                self.lockout.lock(agent, until)
+                log.warn("agent {agent} is locked after repeated authentication failures "
+                         "(counted on every broker)", agent=agent)
+
+        d.addCallbacks(counted, self._warn)
+
+    def succeeded(self, agent: str) -> None:
+        if agent not in self.failing:
+            return
+        del self.failing[agent]
+        self.store._run(lockout_succeeded, agent).addErrback(self._warn)
+
+    # -- what other brokers report ---------------------------------------------------------
+
+    def heard(self, notice: Mapping[str, Any]) -> None:
+        lock = notice.get("lock")
+        if (isinstance(lock, list) and len(lock) == 2 and isinstance(lock[0], str)
+                and isinstance(lock[1], (int, float))):
+            self.failing.pop(lock[0], None)
+            self.lockout.lock(lock[0], float(lock[1]))
+        failed = notice.get("fail")
+        if isinstance(failed, str):
+            self._note(failed)
+        reset = notice.get("reset")
+        if isinstance(reset, str):
+            self.failing.pop(reset, None)
+            self.lockout.clear(reset)
+
+    def _forget(self) -> Deferred:
+        d = self.store._run(lockout_forget, self.store.clock.seconds())
+        d.addErrback(self._warn)
+        return d
+
+
+# -- configuration and opening -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PostgresOptions:
+    """``broker.postgres``: ``dsn`` (libpq), ``poolSize``, ``listenDsn`` (``dsn`` when absent)."""
+
+    dsn: str
+    pool_size: int = DEFAULT_POOL_SIZE
+    listen_dsn: Optional[str] = None
+
+
+def parse_options(section: Mapping[str, Any], config: Config) -> PostgresOptions:
+    """Validate ``broker.postgres`` (the IStoreFactory entry point); needs no driver."""
+    prefix = "broker.postgres"
+    check_keys(section, prefix, frozenset({"dsn", "poolSize", "listenDsn"}), frozenset())
+    dsn = read_str(section, "dsn", prefix, None)
+    if dsn is None:
+        if config.storage_backend == "postgres":
+            raise ConfigError(f"{prefix}.dsn", "is required with broker.storage: postgres "
+                              "(a libpq connection string, e.g. postgresql://relay@db/relay)")
+        dsn = ""
+    return PostgresOptions(
+        dsn=dsn,
+        pool_size=read_int(section, "poolSize", prefix, DEFAULT_POOL_SIZE, 1, 200),
+        listen_dsn=read_str(section, "listenDsn", prefix, None),
+    )
+
+
+def _driver() -> Any:
+    try:
+        import psycopg
+    except ImportError:
+        raise ConfigError(
+            "broker.storage",
+            f"postgres needs the psycopg driver, which is not installed: {INSTALL_HINT}",
+        ) from None
+    return psycopg
+
+
+def open_store(config: Config, options: PostgresOptions, clock: IReactorTime) -> PostgresStore:
+    """Connect, migrate the schema, start the workers and the listener (the
+    IStoreFactory entry point); ConfigError with the reason when impossible."""
+    psycopg = _driver()
+    from twisted.internet import reactor as global_reactor
+    from twisted.internet.interfaces import IReactorThreads
+
+    reactor = clock if IReactorThreads.providedBy(clock) else global_reactor
+    try:
+        conninfo = conninfo_with_defaults(options.dsn)
+        listen_conninfo = conninfo_with_defaults(options.listen_dsn or options.dsn)
+    except psycopg.Error as e:
+        raise ConfigError("broker.postgres.dsn", f"is not a valid connection string: "
+                          f"{_reason(e)}") from None
+    try:
+        conn = connect(conninfo, autocommit=True)
+    except psycopg.Error as e:
+        raise ConfigError("broker.postgres.dsn", f"cannot connect: {_reason(e)}") from None
+    except TypeError as e:  # psycopg's ctypes binding of libpq on PyPy 7.3.11
+        raise ConfigError(
+            "broker.storage",
+            f"postgres: the psycopg driver cannot run on this interpreter ({e}); "
+            "run this broker on CPython",
+        ) from None
+    try:
+        migrate(conn)
+    except psycopg.Error as e:
+        raise ConfigError("broker.postgres.dsn", f"cannot migrate the schema: {_reason(e)}"
+                          ) from None
+    finally:
+        conn.close()
+    return PostgresStore(conninfo, listen_conninfo, options.pool_size, clock, reactor)
+
+
+__all__ = ["PostgresStore", "PostgresRecords", "PostgresOptions", "open_store", "parse_options",
+           "migrate", "SCHEMA_VERSION"]

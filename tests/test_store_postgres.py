@@ -1,0 +1,313 @@
+"""The PostgreSQL backend beyond the store contract: options, the driver, migrations,
+the sequence lock, optimistic saves, notifications between two stores, and the
+shared lockout counters. Needs ``RELAY_TEST_POSTGRES_DSN`` (tests/conftest.py);
+the option and payload tests run without it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+
+from relay import delivery
+from relay.auth import Lockout
+from relay.errors import ConfigError
+from relay.protocol import LEASED
+from relay.store import postgres
+from relay.store.plugins import open_configured_store
+from relay.testing import RULES, START, Recorder, make_config, new_message
+from tests.conftest import open_backend, postgres_dsn, reset_postgres
+
+# -- options (no driver, no server) ----------------------------------------------------
+
+
+def parse(section):
+    return postgres.parse_options(section, make_config(storage="postgres"))
+
+
+def test_options_defaults_and_keys():
+    options = parse({"dsn": "postgresql://relay@db/relay"})
+    assert options == postgres.PostgresOptions(dsn="postgresql://relay@db/relay", pool_size=10,
+                                               listen_dsn=None)
+    options = parse({"dsn": "host=db", "poolSize": 32, "listenDsn": "host=primary"})
+    assert (options.pool_size, options.listen_dsn) == (32, "host=primary")
+
+
+@pytest.mark.parametrize("section,key,reason", [
+    ({}, "broker.postgres.dsn", "is required with broker.storage: postgres"),
+    ({"dsn": ""}, "broker.postgres.dsn", "must be a non-empty string"),
+    ({"dsn": "x", "poolSize": 0}, "broker.postgres.poolSize", "must be from 1 to 200"),
+    ({"dsn": "x", "poolSize": "8"}, "broker.postgres.poolSize", "must be an integer"),
+    ({"dsn": "x", "listenDsn": 5}, "broker.postgres.listenDsn", "must be a non-empty string"),
+    ({"dsn": "x", "dataDir": "/x"}, "broker.postgres.dataDir", "unknown key"),
+])
+def test_bad_options_name_the_key(section, key, reason):
+    with pytest.raises(ConfigError) as info:
+        parse(section)
+    assert info.value.key == key and info.value.reason.startswith(reason)
+
+
+def test_section_of_an_unused_backend_needs_no_dsn():
+    config = make_config(storage="memory", postgres={"poolSize": 4})
+    assert postgres.parse_options({"poolSize": 4}, config).pool_size == 4
+
+
+def test_a_missing_driver_stops_the_start_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # what an absent package imports as
+    config = make_config(storage="postgres", postgres={"dsn": "host=db"})
+    with pytest.raises(ConfigError) as info:
+        open_configured_store(config, reactor)
+    assert str(info.value) == (
+        "broker.storage: postgres needs the psycopg driver, which is not installed: "
+        "pip install 'dsh-agent-relay[postgres]'"
+    )
+
+
+def test_an_unreachable_server_stops_the_start_with_one_line(tmp_path):
+    postgres_dsn()  # the driver is there, or the test skips as every postgres test does
+    from tests.broker_proc import free_port
+
+    dsn = f"postgresql://relay@127.0.0.1:{free_port()}/relay"
+    config = make_config(storage="postgres", postgres={"dsn": dsn})
+    with pytest.raises(ConfigError) as info:
+        open_configured_store(config, reactor)
+    assert info.value.key == "broker.postgres.dsn"
+    assert info.value.reason.startswith("cannot connect: ")
+    assert "\n" not in str(info.value)
+
+
+# -- notification payloads (pure) -------------------------------------------------------
+
+
+def test_notification_round_trip_and_overflow():
+    records = postgres.PostgresRecords(cursor=None)
+    assert records.notification("me") is None
+    records.changes.ready.update({"beta", "alpha"})
+    records.changes.due.add((START + 60, "gamma"))
+    token, changes, everything, rest = postgres.heard(records.notification("me"))
+    assert (token, everything, rest) == ("me", False, {})
+    assert changes.ready == {"alpha", "beta"} and changes.due == {(START + 60, "gamma")}
+    records.changes.ready.update(f"agent-{i:05d}" for i in range(2000))
+    payload = records.notification("me")
+    assert len(payload) <= postgres.NOTIFY_BYTES
+    token, changes, everything, _ = postgres.heard(payload)
+    assert everything and not changes
+
+
+@pytest.mark.parametrize("payload", ["", "[1]", '{"r": [1, "a"], "d": [[1], ["x", "a"]]}'])
+def test_malformed_notifications_mean_nothing(payload):
+    _, changes, everything, _ = postgres.heard(payload)
+    assert changes.ready <= {"a"} and not changes.due and not everything
+
+
+# -- against the server -------------------------------------------------------------------
+
+
+@pytest.fixture
+def dsn():
+    return reset_postgres()
+
+
+def connect(dsn, autocommit=False):
+    import psycopg
+
+    return psycopg.connect(dsn, autocommit=autocommit)
+
+
+def test_several_brokers_migrating_at_once_migrate_once(dsn):
+    errors = []
+    barrier = threading.Barrier(4)
+
+    def start() -> None:
+        try:
+            with connect(dsn, autocommit=True) as conn:
+                barrier.wait(5)
+                postgres.migrate(conn)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    with connect(dsn) as conn:
+        rows = conn.execute("SELECT version FROM relay_schema ORDER BY 1").fetchall()
+    assert rows == [(v,) for v in range(1, postgres.SCHEMA_VERSION + 1)]
+
+
+def test_numbered_migrations_run_in_order_once(dsn):
+    def script(version):
+        if version == 1:
+            return postgres.migration_script(1)
+        return f"CREATE TABLE relay_extra_{version} (x integer)"
+
+    with connect(dsn, autocommit=True) as conn:
+        assert postgres.migrate(conn, target=1, script=script) == 0
+        assert postgres.migrate(conn, target=3, script=script) == 1
+        assert postgres.migrate(conn, target=3, script=script) == 3
+        versions = [r[0] for r in conn.execute("SELECT version FROM relay_schema ORDER BY 1")]
+        assert versions == [1, 2, 3]
+        conn.execute("SELECT * FROM relay_extra_2, relay_extra_3")
+        with pytest.raises(ConfigError) as info:
+            postgres.migrate(conn, target=2, script=script)
+    assert "newer than this broker's 2" in info.value.reason
+
+
+def _records(conn):
+    return postgres.PostgresRecords(conn.cursor())
+
+
+def test_a_recipients_numbers_commit_in_order(dsn):
+    """The second sender to an agent takes its number only after the first commits."""
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn)
+    first, second = connect(dsn), connect(dsn)
+    try:
+        assert _records(first).insert(new_message("a", "beta", START, id="first"))
+        done = threading.Event()
+        seqs = {}
+
+        def insert_second() -> None:
+            message = new_message("b", "beta", START, id="second")
+            assert _records(second).insert(message)
+            seqs["second"] = message.seq
+            second.commit()
+            done.set()
+
+        t = threading.Thread(target=insert_second)
+        t.start()
+        assert not done.wait(0.3), "the second insert waits for the first transaction"
+        # Another recipient is not held up.
+        other = connect(dsn)
+        assert _records(other).insert(new_message("a", "gamma", START, id="other"))
+        other.commit()
+        other.close()
+        first.commit()
+        assert done.wait(5)
+        t.join(5)
+        first_seq = first.execute("SELECT seq FROM relay_messages WHERE id = 'first'").fetchone()
+        assert seqs["second"] > first_seq[0]
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_save_that_lost_a_race_conflicts(dsn):
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn)
+        _records(conn).insert(new_message("a", "beta", START, id="m"))
+    one, two = connect(dsn), connect(dsn)
+    try:
+        mine, theirs = _records(one), _records(two)
+        a, b = mine.get("m"), theirs.get("m")
+        a.error, b.error = "mine", "theirs"
+        mine.save([a])
+        one.commit()
+        with pytest.raises(postgres.Conflict):
+            theirs.save([b])
+        two.rollback()
+        assert _records(two).get("m").error == "mine"
+    finally:
+        one.close()
+        two.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_claim_gives_the_lease_of_delivery_lease(tmp_path, dsn):
+    store = open_backend("postgres", tmp_path)
+    try:
+        sent = new_message("alpha", "beta", START, id="m")
+        assert await store.add(sent)
+        queued = await store.find("m", START)
+        (claimed,) = await store.pull("beta", 5, 30, START, RULES)
+        expected = queued.copy()
+        delivery.lease(expected, 30, START)
+        expected.lease_id = claimed.lease_id
+        assert claimed.state() == expected.state()
+        assert claimed.status == LEASED and len(claimed.lease_id) == 32
+    finally:
+        await store.close()
+
+
+async def _heard(recorder: Recorder, seconds: float = 5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if recorder.heard:
+            return recorder.take()
+        d = Deferred()
+        reactor.callLater(0.01, d.callback, None)
+        await d
+    return recorder.take()
+
+
+@pytest_twisted.ensureDeferred
+async def test_changes_of_one_store_reach_the_other(tmp_path, dsn):
+    a = open_backend("postgres", tmp_path / "a")
+    b = open_backend("postgres", tmp_path / "b")
+    try:
+        heard, mine = Recorder(), Recorder()
+        b.subscribe(heard)
+        a.subscribe(mine)
+        await a.register("beta", START)
+        assert await b.is_registered("beta") is True
+        assert await a.add(new_message("alpha", "beta", START, id="x"))
+        assert await _heard(heard) == ({"beta"}, set())
+        assert mine.take() == ({"beta"}, set())  # its own, at once
+        (m,) = await b.pull("beta", 1, 60, START, RULES)
+        assert await _heard(mine) == (set(), {(START + 60, "beta")}), "a deadline set on B"
+        heard.take()
+        await b.add(new_message("alpha", "gamma", START, id="y"))
+        assert await _heard(mine) == ({"gamma"}, set())
+        assert heard.take() == ({"gamma"}, set())
+        (m,) = await a.pull("gamma", 1, 60, START, RULES)
+        assert await _heard(heard) == (set(), {(START + 60, "gamma")})
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_lockout_counts_are_shared(tmp_path, dsn):
+    a = open_backend("postgres", tmp_path / "a")
+    b = open_backend("postgres", tmp_path / "b")
+    try:
+        lockout_a = Lockout(reactor, after=3, seconds=300)
+        lockout_b = Lockout(reactor, after=3, seconds=300)
+        lockout_a.share(a.share_lockouts(lockout_a))
+        lockout_b.share(b.share_lockouts(lockout_b))
+        await _settle()
+        lockout_a.failed("x")
+        lockout_b.failed("x")
+        await _settle()
+        lockout_a.failed("x")  # the third failure, counted on two brokers
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not lockout_b.is_locked("x"):
+            await _settle(0.02)
+        assert lockout_a.is_locked("x") and lockout_b.is_locked("x")
+        # a success on one broker resets the count the other one started
+        lockout_a.failed("y")
+        lockout_a.failed("y")
+        await _settle()
+        lockout_b.succeeded("y")
+        await _settle()
+        lockout_a.clear("y")
+        lockout_b.failed("y")
+        await _settle()
+        assert not lockout_a.is_locked("y") and not lockout_b.is_locked("y")
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _settle(seconds: float = 0.3) -> None:
+    d = Deferred()
+    reactor.callLater(seconds, d.callback, None)
+    await d
