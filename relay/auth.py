@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections import OrderedDict
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -129,8 +129,22 @@ class Lockout:
         return len(self._failures), len(self._locked)
 
 
+# Why a request failed authentication: the ``reason`` of ``relay_auth_failures_total``.
+FAILURE_REASONS = ("missing_headers", "bad_agent_name", "unknown_agent", "locked",
+                   "bad_timestamp", "clock_skew", "bad_signature")
+
+
+def _keys(secrets: Sequence[str]) -> Tuple[hmac.HMAC, ...]:
+    return tuple(hmac.new(s.encode("utf-8"), digestmod=hashlib.sha256) for s in secrets)
+
+
 class Authenticator:
-    """Checks the §3 headers of a request and names the agent that signed it."""
+    """Checks the §3 headers of a request and names the agent that signed it.
+
+    An agent (or the shared secret) may have several secrets, while one is
+    rotated: a signature made with any of them verifies. ``on_failure(reason)``
+    hears of every refused request (a reason of :data:`FAILURE_REASONS`).
+    """
 
     def __init__(
         self,
@@ -141,23 +155,34 @@ class Authenticator:
         lock_seconds: float = 300.0,
         max_tracked: int = MAX_TRACKED,
         on_lock: Optional[Callable[[str], None]] = None,
+        shared_secrets: Sequence[str] = (),
+        lockout: Optional[Lockout] = None,
+        on_failure: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.clock = clock
         self.on_lock = on_lock
-        self.per_agent = any(a.secret for a in agents.values())
-        self._keys: Dict[str, hmac.HMAC] = {}
+        self.on_failure = on_failure
+        self.per_agent = any(a.secrets for a in agents.values())
+        self._keys: Dict[str, Tuple[hmac.HMAC, ...]] = {}
+        self._shared: Optional[Tuple[hmac.HMAC, ...]] = None
         if self.per_agent:
             for name, agent in agents.items():
-                self._keys[name] = hmac.new(agent.secret.encode("utf-8"), digestmod=hashlib.sha256)
-            self._shared = None
+                self._keys[name] = _keys(agent.secrets)
         else:
-            self._shared = hmac.new(shared_secret.encode("utf-8"), digestmod=hashlib.sha256)
-        self.lockout = Lockout(clock, lock_after_failures, lock_seconds, max_tracked)
+            self._shared = _keys(shared_secrets or (shared_secret,))
+        if lockout is None:
+            lockout = Lockout(clock, lock_after_failures, lock_seconds, max_tracked)
+        else:  # a reload keeps the failure counts and locks, under the new settings
+            lockout.after, lockout.seconds = lock_after_failures, lock_seconds
+        self.lockout = lockout
 
     @classmethod
     def from_config(cls, config: Config, clock: IReactorTime,
-                    on_lock: Optional[Callable[[str], None]] = None) -> Authenticator:
-        """An authenticator for the broker's settings; ``on_lock(agent)`` hears of new locks."""
+                    on_lock: Optional[Callable[[str], None]] = None,
+                    lockout: Optional[Lockout] = None,
+                    on_failure: Optional[Callable[[str], None]] = None) -> Authenticator:
+        """An authenticator for the broker's settings; ``on_lock(agent)`` hears of new
+        locks. ``lockout`` carries over the locks of the authenticator it replaces."""
         return cls(
             clock,
             config.secret,
@@ -165,14 +190,22 @@ class Authenticator:
             config.lock_after_failures,
             config.lock_minutes * 60.0,
             on_lock=on_lock,
+            shared_secrets=config.secrets,
+            lockout=lockout,
+            on_failure=on_failure,
         )
 
-    def _failed(self, agent: str, error: errors.RelayError) -> errors.RelayError:
-        if self.lockout.failed(agent) and self.on_lock is not None:
-            self.on_lock(agent)
+    def _refused(self, reason: str, error: errors.RelayError) -> errors.RelayError:
+        if self.on_failure is not None:
+            self.on_failure(reason)
         return error
 
-    def _key_for(self, agent: str) -> Optional[hmac.HMAC]:
+    def _failed(self, agent: str, reason: str, error: errors.RelayError) -> errors.RelayError:
+        if self.lockout.failed(agent) and self.on_lock is not None:
+            self.on_lock(agent)
+        return self._refused(reason, error)
+
+    def _keys_for(self, agent: str) -> Optional[Tuple[hmac.HMAC, ...]]:
         if self._shared is not None:
             return self._shared
         return self._keys.get(agent)
@@ -188,29 +221,34 @@ class Authenticator:
     ) -> str:
         """The authenticated agent name, or a RelayError (401 or 403 ``locked``)."""
         if not agent_header or not timestamp_header or not signature_header:
-            raise errors.unauthenticated("missing authentication headers")
+            raise self._refused("missing_headers",
+                                errors.unauthenticated("missing authentication headers"))
         try:
             agent = agent_header.decode("ascii")
         except UnicodeDecodeError:
-            raise errors.unauthenticated("invalid agent name") from None
+            raise self._refused("bad_agent_name",
+                                errors.unauthenticated("invalid agent name")) from None
         if not is_valid_agent_name(agent):
-            raise errors.unauthenticated("invalid agent name")
-        key = self._key_for(agent)
-        if key is None:
-            raise errors.unknown_agent()
+            raise self._refused("bad_agent_name", errors.unauthenticated("invalid agent name"))
+        keys = self._keys_for(agent)
+        if keys is None:
+            raise self._refused("unknown_agent", errors.unknown_agent())
         if self.lockout.is_locked(agent):
-            raise errors.locked()
+            raise self._refused("locked", errors.locked())
         if not _is_integer(timestamp_header):
-            raise self._failed(agent, errors.unauthenticated("invalid timestamp"))
+            raise self._failed(agent, "bad_timestamp", errors.unauthenticated("invalid timestamp"))
         # Whole seconds on both sides: a fractional clock would make the window lopsided.
         if abs(int(self.clock.seconds()) - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
-            raise self._failed(agent, errors.unauthenticated("timestamp skew"))
-        mac = key.copy()
-        mac.update(signing_string(method, path, timestamp_header, raw_body))
-        if not hmac.compare_digest(mac.hexdigest().encode("ascii"), signature_header.lower()):
-            raise self._failed(agent, errors.unauthenticated("invalid signature"))
-        self.lockout.succeeded(agent)
-        return agent
+            raise self._failed(agent, "clock_skew", errors.unauthenticated("timestamp skew"))
+        signed = signing_string(method, path, timestamp_header, raw_body)
+        signature = signature_header.lower()
+        for key in keys:
+            mac = key.copy()
+            mac.update(signed)
+            if hmac.compare_digest(mac.hexdigest().encode("ascii"), signature):
+                self.lockout.succeeded(agent)
+                return agent
+        raise self._failed(agent, "bad_signature", errors.unauthenticated("invalid signature"))
 
 
 def _is_integer(value: bytes) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional, Set
+from typing import Callable, Optional, Sequence, Set
 
 from twisted.application.internet import StreamServerEndpointService, TimerService
 from twisted.application.service import MultiService
@@ -118,14 +118,14 @@ class RelayService(MultiService):
         store,
         reactor,
         clock: Optional[IReactorTime] = None,
-        secret_created: bool = False,
+        created: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.config = config
         self.store = store
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
-        self.secret_created = secret_created
+        self.created = tuple(created)
         self.api = make_api(config, store, self.clock)
         self.broker = self.api.broker
         self.site = RelaySite(
@@ -160,8 +160,10 @@ class RelayService(MultiService):
             raise SystemExit(1) from None
 
     def startService(self) -> None:
-        if self.secret_created:
+        if "broker.secretFile" in self.created:
             log.info("created a new shared secret in {path}", path=self.config.secret_file)
+        if "broker.opsTokenFile" in self.created:
+            log.info("created a new ops token in {path}", path=self.config.ops.token_file)
         for key in self.config.ignored_keys:
             log.warn("config key {key} has no effect in this broker", key=key)
         if self.config.allow_insecure_remote:

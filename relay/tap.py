@@ -56,7 +56,7 @@ def makeService(options: Options, reactor=None):
         factories = store_factories()
         config, created = load_config(options["config"], options.overrides(), factories)
         store = open_configured_store(config, reactor, factories)
-        return RelayService(config, store, reactor, secret_created=created)
+        return RelayService(config, store, reactor, created=created)
     except ConfigError as error:
         fail(error)
     except ValueError as error:  # a malformed endpoint string

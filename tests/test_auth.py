@@ -359,3 +359,49 @@ def test_rate_windows_are_bounded():
     for i in range(100_000):
         limiter.hit(f"2001:db8::{i:x}")
     assert limiter.tracked() <= 50_000
+
+
+# -- several secrets (rotation), failure reasons, reloads ------------------------------
+
+
+def test_any_of_several_shared_secrets_verifies():
+    auth = Authenticator(clock_at(), "new", {}, shared_secrets=("new", "old"))
+    assert check(auth, secret="new") == "alpha"
+    assert check(auth, secret="old") == "alpha"
+    assert refused(check, auth, secret="other").code == "unauthenticated"
+
+
+def test_any_of_an_agents_secrets_verifies_and_only_its_own():
+    agents = {"alpha": AgentConfig(secrets=("a2", "a1")), "beta": AgentConfig(secret="b")}
+    auth = Authenticator(clock_at(), SECRET, agents)
+    assert check(auth, "alpha", secret="a1") == "alpha"
+    assert check(auth, "alpha", secret="a2") == "alpha"
+    assert refused(check, auth, "alpha", secret="b").code == "unauthenticated"
+    assert refused(check, auth, "beta", secret="a1").code == "unauthenticated"
+
+
+def test_every_refusal_names_its_reason():
+    heard = []
+    auth = Authenticator(clock_at(), SECRET, {}, lock_after_failures=2, on_failure=heard.append)
+    refused(auth.authenticate, b"GET", b"/peers", None, b"1", b"x", b"")
+    refused(check, auth, "bad name")
+    refused(check, auth, timestamp=NOW - 1000)
+    refused(check, auth, signature="0" * 64)
+    refused(check, auth)  # locked now
+    bad_ts = auth.authenticate
+    refused(bad_ts, b"GET", b"/", b"beta", b"soon", b"x", b"")
+    per_agent = Authenticator(clock_at(), SECRET, {"a": AgentConfig(secret="x")},
+                              on_failure=heard.append)
+    refused(check, per_agent, "zed")
+    assert heard == ["missing_headers", "bad_agent_name", "clock_skew", "bad_signature",
+                     "locked", "bad_timestamp", "unknown_agent"]
+
+
+def test_a_replacement_authenticator_keeps_the_locks_under_new_settings():
+    clock = clock_at()
+    old = Authenticator(clock, SECRET, {}, lock_after_failures=1, lock_seconds=60)
+    refused(check, old, signature="0" * 64)
+    new = Authenticator(clock, "other", {}, lock_after_failures=3, lock_seconds=600,
+                        lockout=old.lockout)
+    assert new.lockout is old.lockout and (new.lockout.after, new.lockout.seconds) == (3, 600)
+    assert refused(check, new, secret="other").code == "locked"
