@@ -23,7 +23,8 @@ from twisted.logger import Logger
 
 from relay import __version__, delivery, errors, protocol
 from relay.delivery import Changes, Message, Rules
-from relay.protocol import HEARTBEAT_TTL_SECONDS, MAX_WAIT_SECONDS
+from relay.ops.counters import Counters
+from relay.protocol import FAILED, HEARTBEAT_TTL_SECONDS, MAX_WAIT_SECONDS
 from relay.waiters import Waiters
 
 log = Logger(namespace="relay.broker")
@@ -66,11 +67,13 @@ class Broker:
     """Every operation of the relay over one store, under one policy and one clock."""
 
     def __init__(self, store, clock: IReactorTime, policy: Optional[Policy] = None,
-                 waiters: Optional[Waiters] = None) -> None:
+                 waiters: Optional[Waiters] = None, counters: Optional[Counters] = None) -> None:
         self.store = store
         self.clock = clock
         self.policy = policy if policy is not None else Policy()
         self.waiters = waiters if waiters is not None else Waiters(clock)
+        # What the operations completed add up to (/metrics, the dashboard).
+        self.counters = counters if counters is not None else Counters()
         store.subscribe(self.changed)
 
     # -- wake-ups -------------------------------------------------------------------
@@ -81,6 +84,8 @@ class Broker:
             self.waiters.wake(agent)
         for when, agent in changes.due:
             self.waiters.wake_at(agent, when)
+        if changes.lapsed:
+            self.counters.leases_lapsed(changes.lapsed)
 
     # -- v1.0 --------------------------------------------------------------------------
 
@@ -130,7 +135,7 @@ class Broker:
         self.policy.check_route(agent, recipient)
         message = Message.from_envelope(envelope, self.clock.seconds())
         if not self.policy.registered_recipients:
-            return self.store.add(message)
+            return self._add(message)
         registered = self.store.is_registered(recipient)
         if isinstance(registered, Deferred):  # a store that answers asynchronously
             registered.addCallback(self._add_if_registered, message)
@@ -140,7 +145,17 @@ class Broker:
     def _add_if_registered(self, registered: bool, message: Message) -> Deferred:
         if not registered:
             raise errors.no_such_agent(f"recipient {message.to!r} has never registered")
-        return self.store.add(message)
+        return self._add(message)
+
+    def _add(self, message: Message) -> Deferred:
+        d = self.store.add(message)
+        d.addCallback(self._stored, message)
+        return d
+
+    def _stored(self, added: bool, message: Message) -> bool:
+        if added:
+            self.counters.message_stored(message.sender, message.to)
+        return added
 
     @inlineCallbacks
     def receipt(self, agent: str, message_id: str, raw_body: bytes):
@@ -155,7 +170,7 @@ class Broker:
         body = protocol.parse_json_body(raw_body)
         envelope = protocol.ack_receipt({"id": target.id, "from": target.sender}, agent, body)
         self.policy.check_route(agent, envelope["to"])
-        yield self.store.add(Message.from_envelope(envelope, self.clock.seconds()))
+        yield self._add(Message.from_envelope(envelope, self.clock.seconds()))
         return envelope["id"]
 
     def poll(self, agent: str, since: Optional[str], limit: int, wait: int) -> Deferred:
@@ -166,8 +181,15 @@ class Broker:
             return self.store.poll(agent, since, limit, self.clock.seconds(), self.policy.rules)
 
         d = self.waiters.wait_for(agent, attempt, _found_page, wait, consume=False)
-        d.addCallback(lambda page: ([m.envelope(agent) for m in page[0]], page[1]))
+        d.addCallback(self._polled, agent)
         return d
+
+    def _polled(self, page: Tuple[List[Message], Optional[str]],
+                agent: str) -> Tuple[List[Dict[str, Any]], Optional[str]]:
+        messages = page[0]
+        if messages:
+            self.counters.messages_delivered(len(messages))
+        return [m.envelope(agent) for m in messages], page[1]
 
     # -- v1.1 ----------------------------------------------------------------------
 
@@ -182,15 +204,28 @@ class Broker:
                                    self.policy.rules)
 
         d = self.waiters.wait_for(agent, attempt, bool, wait)
-        d.addCallback(lambda messages: [m.envelope(agent) for m in messages])
+        d.addCallback(self._leased, agent)
         return d
+
+    def _leased(self, messages: List[Message], agent: str) -> List[Dict[str, Any]]:
+        if messages:
+            self.counters.messages_delivered(len(messages))
+        return [m.envelope(agent) for m in messages]
 
     def ack(self, agent: str, message_id: str, lease_id: str, outcome: str,
             error: Optional[str]) -> Deferred:
         """Settle a lease (``/v1/ack``); fires with ``{ok, status, attempts}``."""
         rules = self.policy.rules
         transition = delivery.ack(agent, lease_id, outcome, error, rules)
-        return self.store.settle(message_id, transition, self.clock.seconds(), rules)
+        d = self.store.settle(message_id, transition, self.clock.seconds(), rules)
+        d.addCallback(self._acked, outcome)
+        return d
+
+    def _acked(self, result: Dict[str, Any], outcome: str) -> Dict[str, Any]:
+        self.counters.message_acked(outcome)
+        if result["status"] == FAILED:
+            self.counters.message_dead_lettered("attempts")
+        return result
 
     def status(self, agent: str, message_ids: Sequence[str]) -> Deferred:
         """Fires with the ``/v1/status`` entries of ``message_ids``."""
@@ -222,10 +257,37 @@ class Broker:
         def removed(count: int) -> int:
             if count:
                 log.info("expired {count} messages", count=count)
+                self.counters.messages_expired(count)
             return count
 
         d.addCallback(removed)
         return d
+
+    # -- operators (the ops listener) ------------------------------------------------
+
+    def queue_depths(self) -> Deferred:
+        """Fires with the store's :class:`relay.store.interface.QueueDepth` list."""
+        return self.store.queue_depths()
+
+    def health(self) -> Deferred:
+        """Fires with None while the store accepts writes, else the reason it does not."""
+        return self.store.health()
+
+    @inlineCallbacks
+    def messages_in(self, status: str, limit: int):
+        """Fires with the newest ``limit`` messages in ``status`` (``leased`` or
+        ``failed``) to any agent, newest first: the ops views of leases in flight
+        and dead letters. Only agents the queue depths show with such messages
+        are read."""
+        depths = yield self.store.queue_depths()
+        now = self.clock.seconds()
+        found: List[Message] = []
+        for depth in depths:
+            if getattr(depth, status):
+                found += (yield self.store.query(depth.agent, limit, {"status": status},
+                                                 now, self.policy.rules))
+        found.sort(key=lambda m: m.seq, reverse=True)
+        return found[:limit]
 
     def stop(self) -> None:
         """Answer every waiting request and accept no new waits."""

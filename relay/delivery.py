@@ -239,21 +239,24 @@ class Changes:
     ``ready`` holds the agents that may have newly deliverable messages; ``due``
     the ``(when, agent)`` pairs at which something of ``agent``'s may become
     deliverable (a lease deadline). Stores report these after their commit; the
-    broker wakes waiters from them and from nothing else.
+    broker wakes waiters from them and from nothing else. ``lapsed`` counts the
+    leases the change released because their deadline passed (for the metrics).
     """
 
-    __slots__ = ("ready", "due")
+    __slots__ = ("ready", "due", "lapsed")
 
     def __init__(self) -> None:
         self.ready: Set[str] = set()
         self.due: Set[Tuple[float, str]] = set()
+        self.lapsed = 0
 
     def __bool__(self) -> bool:
-        return bool(self.ready or self.due)
+        return bool(self.ready or self.due or self.lapsed)
 
     def update(self, other: Changes) -> None:
         self.ready |= other.ready
         self.due |= other.due
+        self.lapsed += other.lapsed
 
     def __repr__(self) -> str:
         return f"<Changes ready={sorted(self.ready)} due={sorted(self.due)}>"

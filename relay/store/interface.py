@@ -19,7 +19,24 @@ synchronous, indexed primitives; the built-in backends are such primitives.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from zope.interface import Attribute, Interface
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """One recipient's backlog (:meth:`IMessageStore.queue_depths`): messages by
+    state, and when its oldest queued message was stored (epoch seconds, None
+    when nothing is queued)."""
+
+    agent: str
+    queued: int = 0
+    leased: int = 0
+    failed: int = 0
+    delayed: int = 0
+    oldest_queued: Optional[float] = None
 
 
 class IMessageStore(Interface):
@@ -99,6 +116,21 @@ class IMessageStore(Interface):
 
     def sweep_expired(cutoff):
         """Remove every message stored before ``cutoff``; fires with how many."""
+
+    def queue_depths():
+        """Fires with a :class:`QueueDepth` per agent that has messages queued,
+        leased or failed, sorted by agent. Answered from indexes or counters the
+        store keeps, never by reading every message (metrics ask for it at each
+        scrape). Leases are counted as stored: one past its deadline counts as
+        leased until a sweep or a read releases it."""
+
+    def health():
+        """Fires with None while the store accepts writes, else a short reason
+        (no message content), such as the error of a commit that keeps failing."""
+
+    def observe_commits(listener):
+        """Call ``listener(seconds)`` with the duration of every commit the store
+        makes (a store that commits nothing never calls it)."""
 
     def close():
         """Flush and release the backend; fires when done."""

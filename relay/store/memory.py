@@ -14,8 +14,12 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tup
 from relay import delivery
 from relay.delivery import Message
 from relay.errors import ConfigError
-from relay.protocol import LEASED, QUEUED
+from relay.protocol import FAILED, LEASED, QUEUED
+from relay.store.interface import QueueDepth
 from relay.store.records import Records, RecordStore
+
+# The states whose messages are counted per agent (QueueDepth).
+_COUNTED = (QUEUED, LEASED, FAILED)
 
 
 class MemoryRecords(Records):
@@ -38,6 +42,8 @@ class MemoryRecords(Records):
         self.recovery_seqs: Dict[str, Set[int]] = {}
         self.leases: List[Tuple[int, int, str]] = []
         self.peer_seen: Dict[str, int] = {}
+        # agent -> status -> how many of its messages are in that (counted) state
+        self.depth: Dict[str, Dict[str, int]] = {}
 
     # -- indexes -----------------------------------------------------------------------
 
@@ -67,12 +73,25 @@ class MemoryRecords(Records):
             if not marks:
                 del self.recovery_seqs[message.to]
 
+    def _count(self, agent: str, status: str, delta: int) -> None:
+        if status not in _COUNTED:
+            return
+        counts = self.depth.setdefault(agent, {})
+        left = counts.get(status, 0) + delta
+        if left:
+            counts[status] = left
+        else:
+            counts.pop(status, None)
+            if not counts:
+                del self.depth[agent]
+
     def load(self, message: Message) -> None:
         """Index a message that already has its seq and state (when replaying a log)."""
         self.by_id[message.id] = message
         self.by_seq[message.seq] = message
         self.inbox_seqs.setdefault(message.to, deque()).append(message.seq)
         self._index(message)
+        self._count(message.to, message.status, 1)
         self.next_seq = max(self.next_seq, message.seq + 1)
 
     # -- hooks of a subclass that records every change ---------------------------------
@@ -119,6 +138,9 @@ class MemoryRecords(Records):
             if old == new:
                 continue
             self._unindex(stored)
+            if old[0] != new[0]:
+                self._count(stored.to, old[0], -1)
+                self._count(stored.to, new[0], 1)
             (stored.status, stored.attempts, stored.lease_until, stored.lease_id,
              stored.error, stored.recovery) = new
             self._index(stored, lease_moved=old[0] != LEASED or old[2:4] != new[2:4])
@@ -183,9 +205,24 @@ class MemoryRecords(Records):
             if not seqs:
                 del self.inbox_seqs[message.to]
             self._unindex(message)
+            self._count(message.to, message.status, -1)
         if removed:
             self.removed(removed)
         return len(removed)
+
+    def depths(self) -> List[QueueDepth]:
+        out = []
+        for agent in sorted(self.depth):
+            counts = self.depth[agent]
+            queue = self.queued_seqs.get(agent)
+            out.append(QueueDepth(
+                agent,
+                queued=counts.get(QUEUED, 0),
+                leased=counts.get(LEASED, 0),
+                failed=counts.get(FAILED, 0),
+                oldest_queued=self.by_seq[queue[0]].created if queue else None,
+            ))
+        return out
 
     def register(self, agent: str, now: float) -> None:
         self.peer_seen[agent] = int(now)

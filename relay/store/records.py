@@ -20,7 +20,7 @@ from zope.interface import implementer
 from relay import delivery, errors
 from relay.delivery import Changes, Message, Rules, Transition
 from relay.store.grouped import GroupCommit
-from relay.store.interface import IMessageStore
+from relay.store.interface import IMessageStore, QueueDepth
 
 EXPIRE_BATCH = 2000
 
@@ -77,6 +77,11 @@ class Records:
         """Remove up to ``batch`` of the oldest messages stored before ``cutoff``."""
         raise NotImplementedError
 
+    def depths(self) -> List[QueueDepth]:
+        """A :class:`QueueDepth` per agent with messages queued, leased or failed,
+        sorted by agent; from indexes or counters, never a scan of every message."""
+        raise NotImplementedError
+
     def register(self, agent: str, now: float) -> None:
         raise NotImplementedError
 
@@ -106,6 +111,7 @@ def release_lapsed(records: Records, now: float, rules: Rules) -> int:
     for message in lapsed:
         delivery.catch_up(message, now, rules)
     _saved(records, befores, lapsed)
+    records.changes.lapsed += len(lapsed)
     return len(lapsed)
 
 
@@ -195,6 +201,10 @@ def peers(records: Records) -> List[Tuple[str, int]]:
 
 def expire(records: Records, cutoff: float, batch: int) -> int:
     return records.expire(cutoff, batch)
+
+
+def depths(records: Records) -> List[QueueDepth]:
+    return records.depths()
 
 
 # -- the store ---------------------------------------------------------------------------
@@ -290,6 +300,16 @@ class RecordStore:
             total += removed
             if removed < EXPIRE_BATCH:
                 return total
+
+    def queue_depths(self) -> Deferred:
+        return self._run(depths)
+
+    def health(self) -> Deferred:
+        return succeed(self.commits.failure if self.commits is not None else None)
+
+    def observe_commits(self, listener: Callable[[float], None]) -> None:
+        if self.commits is not None:
+            self.commits.observers.append(listener)
 
     def close(self) -> Deferred:
         if self.commits is not None:

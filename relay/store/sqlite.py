@@ -61,6 +61,7 @@ from relay.errors import ConfigError
 from relay.protocol import STATUSES
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
+from relay.store.interface import QueueDepth
 from relay.store.records import Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
@@ -105,6 +106,15 @@ STATEMENTS = {
         "DELETE FROM messages WHERE seq <= ?",
     ],
     "register": ["INSERT OR REPLACE INTO peers (agent, last_seen) VALUES (?, ?)"],
+    # One index seek per recipient (a loose scan of messages_inbox), then counts of
+    # the queued, leased and failed ranges: done messages are never visited.
+    "depths": [
+        "SELECT recipient FROM messages WHERE recipient > ? ORDER BY recipient LIMIT 1",
+        "SELECT status, count(*) FROM messages "
+        "WHERE recipient = ? AND status IN ('queued', 'leased', 'failed') GROUP BY status",
+        "SELECT created FROM messages WHERE recipient = ? AND status = 'queued' "
+        "ORDER BY seq LIMIT 1",
+    ],
 }
 
 # Statements that return a whole table by design (the peers list is small).
@@ -378,6 +388,27 @@ class SQLiteRecords(Records):
         self._begin()
         self.cursor.execute(STATEMENTS["expire"][1])
         return self.cursor.execute(STATEMENTS["expire"][2], (last,)).rowcount
+
+    def depths(self) -> List[QueueDepth]:
+        next_recipient, counts, oldest = STATEMENTS["depths"]
+        out = []
+        agent = ""
+        while True:
+            row = self.cursor.execute(next_recipient, (agent,)).fetchone()
+            if row is None:
+                return out
+            agent = row[0]
+            by_status = dict(self.cursor.execute(counts, (agent,)).fetchall())
+            if not by_status:
+                continue
+            first = self.cursor.execute(oldest, (agent,)).fetchone()
+            out.append(QueueDepth(
+                agent,
+                queued=by_status.get("queued", 0),
+                leased=by_status.get("leased", 0),
+                failed=by_status.get("failed", 0),
+                oldest_queued=first[0] if first else None,
+            ))
 
     def register(self, agent: str, now: float) -> None:
         self.registered.add(agent)
