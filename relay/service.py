@@ -128,6 +128,16 @@ def make_api(config: Config, store, clock: IReactorTime,
     return RelayAPI(broker, auth, limiter)
 
 
+def _ops_endpoints(reactor, descriptions: Sequence[str]) -> list:
+    """The ops listener's endpoints; their errors name ``broker.opsListen``."""
+    try:
+        return server_endpoints(reactor, descriptions)
+    except ConfigError as error:
+        raise ConfigError("broker.opsListen", error.reason) from None
+    except ValueError as error:  # a malformed endpoint string
+        raise ConfigError("broker.opsListen", str(error)) from None
+
+
 # Keys read only at start: a reload that changes them says so and keeps them.
 RESTART_KEYS = (
     ("broker.listen", "listen"),
@@ -198,7 +208,7 @@ class RelayService(MultiService):
                               extra_collectors=[ProcessCollector(registry=None)])
             self.ops_site = RelaySite(self.ops.resource(),
                                       request_read_seconds=config.request_read_seconds)
-            for endpoint in server_endpoints(reactor, config.ops.listen):
+            for endpoint in _ops_endpoints(reactor, config.ops.listen):
                 listener = StreamServerEndpointService(endpoint, self.ops_site)
                 listener._raiseSynchronously = True
                 listener.setServiceParent(self)
