@@ -24,7 +24,7 @@ from twisted.logger import Logger
 from relay import __version__, delivery, errors, protocol
 from relay.delivery import Changes, Message, Rules
 from relay.ops.counters import Counters
-from relay.protocol import FAILED, HEARTBEAT_TTL_SECONDS, MAX_WAIT_SECONDS
+from relay.protocol import HEARTBEAT_TTL_SECONDS, KEEP_CARD, MAX_WAIT_SECONDS
 from relay.waiters import Waiters
 
 log = Logger(namespace="relay.broker")
@@ -47,7 +47,8 @@ class Policy:
         """The policy of a :class:`relay.config.Config`."""
         return cls(
             lease_seconds=config.lease_seconds,
-            rules=Rules(max_attempts=config.max_attempts),
+            rules=Rules(max_attempts=config.max_attempts, max_deliveries=config.max_deliveries,
+                        notify_failures=config.notify_failures),
             message_ttl_seconds=config.message_ttl_seconds,
             allowed_targets={
                 name: frozenset(agent.allowed_targets)
@@ -55,6 +56,11 @@ class Policy:
                 if agent.allowed_targets is not None
             },
         )
+
+    @property
+    def max_ttl_seconds(self) -> int:
+        """The longest ``ttlSeconds`` a send may ask for: the message TTL, in whole seconds."""
+        return int(self.message_ttl_seconds)
 
     def check_route(self, sender: str, recipient: str) -> None:
         """403 ``forbidden`` when ``sender``'s ``allowed_targets`` omit ``recipient``."""
@@ -84,13 +90,19 @@ class Broker:
             self.waiters.wake(agent)
         for when, agent in changes.due:
             self.waiters.wake_at(agent, when)
+        counters = self.counters
+        for sender, recipient in changes.stored:
+            counters.message_stored(sender, recipient)
+        for reason in changes.dead:
+            counters.message_dead_lettered(reason)
         if changes.lapsed:
-            self.counters.leases_lapsed(changes.lapsed)
+            counters.leases_lapsed(changes.lapsed)
 
     # -- v1.0 --------------------------------------------------------------------------
 
     def info(self) -> Dict[str, Any]:
         """The ``GET /`` document: protocol, broker, version, capabilities, storage."""
+        rules = self.policy.rules
         return {
             "protocol": protocol.PROTOCOL_VERSION,
             "broker": protocol.BROKER_NAME,
@@ -101,41 +113,64 @@ class Broker:
                 "filteredQuery": True,
                 "sqlitePersistence": True,
                 "longPoll": {"maxWaitSeconds": MAX_WAIT_SECONDS},
+                "leaseRenew": True,
+                "ackOutcomes": list(protocol.OUTCOMES),
+                "retryAfter": {"maxSeconds": protocol.MAX_RETRY_AFTER_SECONDS},
+                "deadLetters": {"maxDeliveries": rules.max_deliveries,
+                                "failureNotices": rules.notify_failures},
+                "replyInAck": True,
+                "pullFilter": True,
+                "threads": True,
+                "messageTtl": {"maxSeconds": self.policy.max_ttl_seconds},
+                "delayedDelivery": {"maxSeconds": protocol.MAX_DELAY_SECONDS},
+                "peerCards": True,
             },
             "storage": self.store.name,
         }
 
-    def register(self, agent: str) -> Deferred:
-        """A heartbeat of ``agent``; fires with its time (epoch seconds)."""
+    def register(self, agent: str, card: Any = KEEP_CARD) -> Deferred:
+        """A heartbeat of ``agent``, with its peer card (None removes it,
+        :data:`relay.protocol.KEEP_CARD` keeps it); fires with its time (epoch seconds)."""
         now = int(self.clock.seconds())
-        d = self.store.register(agent, now)
+        d = self.store.register(agent, now, card)
         d.addCallback(lambda _: now)
         return d
 
     def peers(self) -> Deferred:
-        """Fires with the ``/peers`` entries, sorted by name."""
+        """Fires with the ``/peers`` entries, sorted by name; ``card`` for agents that
+        registered one."""
         d = self.store.peers()
         d.addCallback(self._peer_entries)
         return d
 
-    def _peer_entries(self, peers: Sequence[Tuple[str, int]]) -> List[Dict[str, Any]]:
+    def _peer_entries(self, peers) -> List[Dict[str, Any]]:
         now = self.clock.seconds()
-        return [
-            {"agent": name, "online": now - seen < HEARTBEAT_TTL_SECONDS, "lastSeen": seen}
-            for name, seen in peers
-        ]
+        out = []
+        for name, seen, card in peers:
+            entry: Dict[str, Any] = {"agent": name, "online": now - seen < HEARTBEAT_TTL_SECONDS,
+                                     "lastSeen": seen}
+            if card is not None:
+                entry["card"] = card
+            out.append(entry)
+        return out
 
     # The hot operations (send, pull, ack) chain callbacks rather than use
     # inlineCallbacks: a generator per request is measurable at this rate.
 
-    def send(self, agent: str, envelope: Dict[str, Any]) -> Deferred:
+    def send(self, agent: str, envelope: Dict[str, Any], ttl_seconds: Optional[int] = None,
+             delay_seconds: int = 0) -> Deferred:
         """Store a normalised envelope from ``agent``; fires with True when stored,
-        False for a duplicate id. Errbacks 403 (ACL) or 404 (unregistered recipient)."""
+        False for a duplicate id. Errbacks 400 (a TTL over the broker's), 403 (ACL)
+        or 404 (unregistered recipient)."""
+        if ttl_seconds is not None and ttl_seconds > self.policy.max_ttl_seconds:
+            raise errors.bad_request(
+                f"ttlSeconds must be an integer from 1 to {self.policy.max_ttl_seconds}")
         recipient = envelope["to"]
         self.policy.check_route(agent, recipient)
-        message = Message.from_envelope(envelope, self.clock.seconds())
+        message = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds,
+                                        delay_seconds)
         if not self.policy.registered_recipients:
-            return self._add(message)
+            return self.store.add(message)
         registered = self.store.is_registered(recipient)
         if isinstance(registered, Deferred):  # a store that answers asynchronously
             registered.addCallback(self._add_if_registered, message)
@@ -145,24 +180,14 @@ class Broker:
     def _add_if_registered(self, registered: bool, message: Message) -> Deferred:
         if not registered:
             raise errors.no_such_agent(f"recipient {message.to!r} has never registered")
-        return self._add(message)
-
-    def _add(self, message: Message) -> Deferred:
-        d = self.store.add(message)
-        d.addCallback(self._stored, message)
-        return d
-
-    def _stored(self, added: bool, message: Message) -> bool:
-        if added:
-            self.counters.message_stored(message.sender, message.to)
-        return added
+        return self.store.add(message)
 
     @inlineCallbacks
     def receipt(self, agent: str, message_id: str, raw_body: bytes):
         """The v1.0 receipt ``POST /messages/<id>/ack``: stores a ``type: "ack"``
         envelope back to the sender; fires with the receipt's id. The body is read
         only once the target is known to be the caller's (404 and 403 come first)."""
-        target = yield self.store.find(message_id)
+        target = yield self.store.find(message_id, self.clock.seconds())
         if target is None:
             raise errors.no_such_message()
         if target.to != agent:
@@ -170,7 +195,7 @@ class Broker:
         body = protocol.parse_json_body(raw_body)
         envelope = protocol.ack_receipt({"id": target.id, "from": target.sender}, agent, body)
         self.policy.check_route(agent, envelope["to"])
-        yield self._add(Message.from_envelope(envelope, self.clock.seconds()))
+        yield self.store.add(Message.from_envelope(envelope, self.clock.seconds()))
         return envelope["id"]
 
     def poll(self, agent: str, since: Optional[str], limit: int, wait: int) -> Deferred:
@@ -181,51 +206,104 @@ class Broker:
             return self.store.poll(agent, since, limit, self.clock.seconds(), self.policy.rules)
 
         d = self.waiters.wait_for(agent, attempt, _found_page, wait, consume=False)
-        d.addCallback(self._polled, agent)
+        d.addCallback(lambda page: (self._delivered(page[0], agent), page[1]))
         return d
-
-    def _polled(self, page: Tuple[List[Message], Optional[str]],
-                agent: str) -> Tuple[List[Dict[str, Any]], Optional[str]]:
-        messages = page[0]
-        if messages:
-            self.counters.messages_delivered(len(messages))
-        return [m.envelope(agent) for m in messages], page[1]
 
     # -- v1.1 ----------------------------------------------------------------------
 
-    def pull(self, agent: str, limit: int, lease_seconds: Optional[float],
-             wait: int) -> Deferred:
-        """Lease up to ``limit`` messages; fires with their envelopes (``leaseId``
-        included). ``lease_seconds`` None means ``broker.leaseSeconds``."""
+    def pull(self, agent: str, limit: int, lease_seconds: Optional[float], wait: int,
+             parent_id: Optional[str] = None) -> Deferred:
+        """Lease up to ``limit`` messages (with ``parent_id``: only the answers to
+        that message); fires with their envelopes (``leaseId`` included).
+        ``lease_seconds`` None means ``broker.leaseSeconds``."""
         seconds = self.policy.lease_seconds if lease_seconds is None else lease_seconds
 
         def attempt() -> Deferred:
             return self.store.pull(agent, limit, seconds, self.clock.seconds(),
-                                   self.policy.rules)
+                                   self.policy.rules, parent_id)
 
-        d = self.waiters.wait_for(agent, attempt, bool, wait)
-        d.addCallback(self._leased, agent)
+        # A pull by parent waits for one answer, so any new message of the agent may
+        # be it: such a waiter looks at every wake-up instead of taking one in turn.
+        d = self.waiters.wait_for(agent, attempt, bool, wait, consume=parent_id is None)
+        d.addCallback(self._delivered, agent)
         return d
 
-    def _leased(self, messages: List[Message], agent: str) -> List[Dict[str, Any]]:
+    def _envelopes(self, messages: Sequence[Message], agent: str) -> List[Dict[str, Any]]:
+        now = self.clock.seconds()
+        return [m.envelope(agent, now) for m in messages]
+
+    def _delivered(self, messages: Sequence[Message], agent: str) -> List[Dict[str, Any]]:
         if messages:
             self.counters.messages_delivered(len(messages))
-        return [m.envelope(agent) for m in messages]
+        return self._envelopes(messages, agent)
 
-    def ack(self, agent: str, message_id: str, lease_id: str, outcome: str,
-            error: Optional[str]) -> Deferred:
-        """Settle a lease (``/v1/ack``); fires with ``{ok, status, attempts}``."""
+    def ack(self, agent: str, request: protocol.AckRequest) -> Deferred:
+        """Settle a lease (``/v1/ack``): every outcome, retry-after, and the atomic
+        reply; fires with ``{ok, status, attempts}`` (+ ``replyId``, ``duplicate``)."""
         rules = self.policy.rules
-        transition = delivery.ack(agent, lease_id, outcome, error, rules)
-        d = self.store.settle(message_id, transition, self.clock.seconds(), rules)
-        d.addCallback(self._acked, outcome)
+        transition = delivery.ack(agent, request.lease_id, request.outcome, request.error,
+                                  rules, request.retry_after, request.reply,
+                                  self.policy.check_route)
+        if request.reply is None:
+            d = self.store.settle(request.message_id, transition, self.clock.seconds(), rules)
+        else:
+            d = self._ack_with_reply(agent, request, transition)
+        d.addCallback(self._acked, request.outcome)
         return d
 
     def _acked(self, result: Dict[str, Any], outcome: str) -> Dict[str, Any]:
         self.counters.message_acked(outcome)
-        if result["status"] == FAILED:
-            self.counters.message_dead_lettered("attempts")
         return result
+
+    @inlineCallbacks
+    def _ack_with_reply(self, agent: str, request: protocol.AckRequest, transition):
+        """A reply already stored for this message by this caller, with the message
+        done, is the same ack retried after a lost answer: ``duplicate: true``."""
+        repeated = yield self._repeated_reply(agent, request)
+        if repeated is not None:
+            return repeated
+        try:
+            result = yield self.store.settle(request.message_id, transition,
+                                             self.clock.seconds(), self.policy.rules)
+        except delivery.IdConflict:
+            repeated = yield self._repeated_reply(agent, request)  # stored meanwhile
+            if repeated is not None:
+                return repeated
+            raise
+        return result
+
+    @inlineCallbacks
+    def _repeated_reply(self, agent: str, request: protocol.AckRequest):
+        now = self.clock.seconds()
+        reply_id = request.reply["id"]
+        stored = yield self.store.find(reply_id, now)
+        if (stored is None or stored.sender != agent
+                or request.message_id not in (stored.parent_id, stored.reply_to)):
+            return None
+        target = yield self.store.find(request.message_id, now)
+        if target is None or target.status != protocol.DONE:
+            return None
+        return {"ok": True, "status": target.status, "attempts": target.attempts,
+                "replyId": reply_id, "duplicate": True}
+
+    def renew(self, agent: str, message_id: str, lease_id: str,
+              lease_seconds: Optional[int]) -> Deferred:
+        """Move a lease's deadline to now + ``lease_seconds`` (``broker.leaseSeconds``
+        when None); fires with ``{ok, leaseId, leaseUntil}``."""
+        seconds = self.policy.lease_seconds if lease_seconds is None else lease_seconds
+        return self.store.settle(message_id, delivery.renew(agent, lease_id, seconds),
+                                 self.clock.seconds(), self.policy.rules)
+
+    def requeue(self, agent: Optional[str], message_id: str) -> Deferred:
+        """Put a failed message back (``/v1/requeue``); ``agent`` None is the operator."""
+        return self.store.settle(message_id, delivery.requeue(agent), self.clock.seconds(),
+                                 self.policy.rules)
+
+    def cancel(self, agent: Optional[str], message_id: str, reason: Optional[str]) -> Deferred:
+        """Withdraw a queued or leased message (``/v1/cancel``); ``agent`` None is the
+        operator."""
+        return self.store.settle(message_id, delivery.cancel(agent, reason),
+                                 self.clock.seconds(), self.policy.rules)
 
     def status(self, agent: str, message_ids: Sequence[str]) -> Deferred:
         """Fires with the ``/v1/status`` entries of ``message_ids``."""
@@ -234,13 +312,21 @@ class Broker:
     def recent(self, agent: str, limit: int) -> Deferred:
         """Fires with the envelopes of ``agent``'s newest messages, any status."""
         d = self.store.recent(agent, limit, self.clock.seconds(), self.policy.rules)
-        d.addCallback(lambda messages: [m.envelope(agent) for m in messages])
+        d.addCallback(self._envelopes, agent)
         return d
 
     def query(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> Deferred:
         """Fires with the envelopes of ``agent``'s messages matching ``filters``."""
         d = self.store.query(agent, limit, filters, self.clock.seconds(), self.policy.rules)
-        d.addCallback(lambda messages: [m.envelope(agent) for m in messages])
+        d.addCallback(self._envelopes, agent)
+        return d
+
+    def thread(self, agent: str, root_id: str, since: Optional[str], limit: int) -> Deferred:
+        """Fires with ``(envelopes, cursor)`` of the conversation ``root_id`` as
+        ``agent`` took part in it, oldest first."""
+        d = self.store.thread(agent, root_id, since, limit, self.clock.seconds(),
+                              self.policy.rules)
+        d.addCallback(lambda page: (self._envelopes(page[0], agent), page[1]))
         return d
 
     # -- sweeps ----------------------------------------------------------------------
@@ -250,9 +336,11 @@ class Broker:
         return self.store.sweep_leases(self.clock.seconds(), self.policy.rules)
 
     def sweep_expired(self) -> Deferred:
-        """Remove the messages older than ``messageTtlDays``; fires with how many."""
-        cutoff = self.clock.seconds() - self.policy.message_ttl_seconds
-        d = maybeDeferred(self.store.sweep_expired, cutoff)
+        """Remove the messages older than ``messageTtlDays`` or past their own TTL;
+        fires with how many."""
+        now = self.clock.seconds()
+        cutoff = now - self.policy.message_ttl_seconds
+        d = maybeDeferred(self.store.sweep_expired, cutoff, now, self.policy.rules)
 
         def removed(count: int) -> int:
             if count:
@@ -267,7 +355,7 @@ class Broker:
 
     def queue_depths(self) -> Deferred:
         """Fires with the store's :class:`relay.store.interface.QueueDepth` list."""
-        return self.store.queue_depths()
+        return self.store.queue_depths(self.clock.seconds())
 
     def health(self) -> Deferred:
         """Fires with None while the store accepts writes, else the reason it does not."""
@@ -279,7 +367,7 @@ class Broker:
         ``failed``) to any agent, newest first: the ops views of leases in flight
         and dead letters. Only agents the queue depths show with such messages
         are read."""
-        depths = yield self.store.queue_depths()
+        depths = yield self.queue_depths()
         now = self.clock.seconds()
         found: List[Message] = []
         for depth in depths:

@@ -80,6 +80,8 @@ class Config:
     data_dir: str = "data"
     lease_seconds: float = 600
     max_attempts: int = 3
+    max_deliveries: int = 10
+    notify_failures: bool = True
     sync: str = "normal"
     sweep_seconds: float = 5.0
     request_read_seconds: float = 30.0
@@ -135,6 +137,8 @@ _BROKER_KEYS = frozenset(
         "dataDir",
         "leaseSeconds",
         "maxAttempts",
+        "maxDeliveries",
+        "notifyFailures",
         "sync",
         "sweepSeconds",
         "requestReadSeconds",
@@ -518,6 +522,8 @@ def parse_config(
         data_dir=_resolve(base_dir, read_str(broker, "dataDir", "broker", "./data")),
         lease_seconds=read_number(broker, "leaseSeconds", "broker", 600, 0.1, MAX_LEASE_SECONDS),
         max_attempts=read_int(broker, "maxAttempts", "broker", 3, 0, 1000),
+        max_deliveries=read_int(broker, "maxDeliveries", "broker", 10, 0, 1000),
+        notify_failures=read_bool(broker, "notifyFailures", "broker", True),
         sync=sync,
         sweep_seconds=read_number(broker, "sweepSeconds", "broker", 5, 0.05, 3600),
         request_read_seconds=read_number(broker, "requestReadSeconds", "broker", 30, 1, 3600),

@@ -1,13 +1,23 @@
-"""The delivery rules of spec §5.1, written once for every backend.
+"""The delivery rules of spec §5.1 and of the v1.2 extensions, written once for every
+backend.
 
     queued -(pull)-> leased -(ack completed)-> done
-                       |--(ack retry)-> queued (attempts+1; > maxAttempts -> failed)
-                       '--(lease expiry)-> queued (and marked for v1.0 recovery)
+      ^                |--(ack retry)-> queued (attempts+1; > maxAttempts -> failed)
+      |                |--(ack release)-> queued
+      |                |--(ack reject)-> failed
+      |                |--(lease lapses)-> queued (and marked for v1.0 recovery)
+      |                '--(cancel)-> failed
+      '--(requeue)-- failed
 
-Pure: no reactor, no I/O. A *transition* is a function ``(message, now) -> result``
-that changes one :class:`Message` (a private copy the store hands it) or raises
-:class:`relay.errors.RelayError`; stores persist whatever it changed, also when it
-raises (a lease found past its deadline is released, then the ack refused). A new
+A lease that ends without completion (lapse, retry, release) after
+``maxDeliveries`` leases fails the message; a failed or expired ``request``
+leaves one failure notice for its sender.
+
+Pure: no reactor, no I/O. A *transition* is a function
+``(message, now) -> Outcome`` that changes one :class:`Message` (a private copy
+the store hands it), or raises :class:`relay.errors.RelayError`. Before a
+transition runs, the store applies what time alone has done (:func:`catch_up`:
+a lapsed lease), and persists that even when the transition then raises. A new
 delivery outcome is one transition here, not a new method in every backend.
 
 What a change means for waiting requests is decided here too (:func:`wakes`), so
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -27,9 +38,24 @@ from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
 _UNDECODED = object()  # Message._body before its stored JSON text is read
 _new_message = object.__new__
 
+# Why a message failed (kept with it; the reason label of dead-letter metrics).
+ATTEMPTS = "attempts"
+DELIVERIES = "deliveries"
+REJECTED = "rejected"
+CANCELLED = "cancelled"
+DEAD_REASONS = (ATTEMPTS, DELIVERIES, REJECTED, CANCELLED)
+
+# Failure notice ids are derived from the request id, so one request never has two.
+NOTICE_NAMESPACE = uuid.UUID("6f1c9d52-2b0e-5b4e-9a3c-5d0c6a7e1f42")
+
 
 class Message:
-    """One stored message: the §2/§5.1 envelope plus the broker's bookkeeping."""
+    """One stored message: the §2/§5.1 envelope plus the broker's bookkeeping.
+
+    ``not_before`` (epoch seconds) is when a delayed or retried-after message
+    becomes deliverable; ``delay_until`` and ``expires_at`` are the sender's
+    ``delaySeconds`` and ``ttlSeconds`` as times, fixed at send.
+    """
 
     __slots__ = (
         "seq",
@@ -52,6 +78,11 @@ class Message:
         "error",
         "created",
         "recovery",
+        "deliveries",
+        "not_before",
+        "dead_reason",
+        "delay_until",
+        "expires_at",
     )
 
     def __init__(
@@ -76,6 +107,11 @@ class Message:
         error: Optional[str] = None,
         recovery: bool = False,
         body_json: Optional[str] = None,
+        deliveries: int = 0,
+        not_before: Optional[float] = None,
+        dead_reason: Optional[str] = None,
+        delay_until: Optional[float] = None,
+        expires_at: Optional[float] = None,
     ) -> None:
         self.seq = seq
         self.id = id
@@ -102,6 +138,11 @@ class Message:
         self.lease_id = lease_id
         self.error = error
         self.recovery = recovery
+        self.deliveries = deliveries
+        self.not_before = not_before
+        self.dead_reason = dead_reason
+        self.delay_until = delay_until
+        self.expires_at = expires_at
 
     @property
     def body(self) -> Any:
@@ -146,14 +187,23 @@ class Message:
         other.lease_id = self.lease_id
         other.error = self.error
         other.recovery = self.recovery
+        other.deliveries = self.deliveries
+        other.not_before = self.not_before
+        other.dead_reason = self.dead_reason
+        other.delay_until = self.delay_until
+        other.expires_at = self.expires_at
         return other
 
     @classmethod
-    def from_envelope(cls, envelope: Dict[str, Any], created: float) -> Message:
+    def from_envelope(cls, envelope: Dict[str, Any], created: float,
+                      ttl_seconds: Optional[int] = None, delay_seconds: int = 0) -> Message:
         """A new queued message from a :func:`relay.protocol.normalize_envelope` result.
 
-        ``ts`` is the broker's: the time the message is stored (spec §2).
+        ``ts`` is the broker's: the time the message is stored (spec §2). A delayed
+        message carries the recovery mark from the start, so a v1.0 poller whose
+        cursor passes it while it waits still gets it once when it is due (§7).
         """
+        delayed = created + delay_seconds if delay_seconds else None
         return cls(
             id=envelope["id"],
             sender=envelope["from"],
@@ -166,12 +216,19 @@ class Message:
             kind=envelope["kind"],
             root_id=envelope["rootId"],
             parent_id=envelope["parentId"],
+            not_before=delayed,
+            delay_until=delayed,
+            recovery=delayed is not None,
+            expires_at=created + ttl_seconds if ttl_seconds else None,
         )
 
-    def envelope(self, viewer: Optional[str] = None) -> Dict[str, Any]:
-        """The wire form (spec §2 + §5.1) as ``viewer`` sees it.
+    def envelope(self, viewer: Optional[str] = None, now: Optional[float] = None
+                 ) -> Dict[str, Any]:
+        """The wire form (spec §2 + §5.1) as ``viewer`` sees it at ``now``.
 
-        ``leaseId`` is shown only to the recipient, only while the message is leased.
+        ``leaseId`` is shown only to the recipient, only while the message is
+        leased; ``expiresAt`` only for a message sent with ``ttlSeconds``;
+        ``notBefore`` only for one sent with ``delaySeconds``, until it is due.
         """
         out = {
             "id": self.id,
@@ -191,10 +248,15 @@ class Message:
         }
         if viewer is not None and viewer == self.to and self.status == LEASED:
             out["leaseId"] = self.lease_id
+        if self.expires_at is not None:
+            out["expiresAt"] = iso_timestamp(self.expires_at)
+        if self.delay_until is not None and (now is None or now < self.delay_until):
+            out["notBefore"] = iso_timestamp(self.delay_until)
         return out
 
-    def status_entry(self) -> Dict[str, Any]:
-        """The ``/v1/status`` entry of this message; ``error`` only when there is one."""
+    def status_entry(self, now: float) -> Dict[str, Any]:
+        """The ``/v1/status`` entry of this message at ``now``; ``error``, ``notBefore``
+        (while delayed) and ``expiresAt`` only when set (epoch milliseconds)."""
         entry = {
             "id": self.id,
             "status": self.status,
@@ -203,9 +265,14 @@ class Message:
             "from": self.sender,
             "to": self.to,
             "kind": self.kind,
+            "deliveries": self.deliveries,
         }
         if self.error is not None:
             entry["error"] = self.error
+        if self.not_before is not None and now < self.not_before:
+            entry["notBefore"] = now_ms(self.not_before)
+        if self.expires_at is not None:
+            entry["expiresAt"] = now_ms(self.expires_at)
         return entry
 
     def state(self) -> Tuple[Any, ...]:
@@ -217,13 +284,22 @@ class Message:
             self.lease_id,
             self.error,
             self.recovery,
+            self.deliveries,
+            self.not_before,
+            self.dead_reason,
         )
+
+    def set_state(self, state: Tuple[Any, ...]) -> None:
+        """Take the delivery fields of another copy's :meth:`state`."""
+        (self.status, self.attempts, self.lease_until, self.lease_id, self.error,
+         self.recovery, self.deliveries, self.not_before, self.dead_reason) = state
 
     def __repr__(self) -> str:  # ids and state only: never the body
         return f"<Message seq={self.seq} id={self.id!r} {self.status} attempts={self.attempts}>"
 
 
-Transition = Callable[[Message, float], Any]
+Transition = Callable[[Message, float], "Outcome"]
+RouteCheck = Callable[[str, str], None]
 
 
 @dataclass(frozen=True)
@@ -231,6 +307,27 @@ class Rules:
     """The delivery policy the transitions apply (broker config, read by the broker)."""
 
     max_attempts: int = 3
+    max_deliveries: int = 10  # 0: no limit
+    notify_failures: bool = True
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a transition did: its result, the failure notices to store with it (a
+    notice whose id exists already is not stored again), and a reply that must be
+    new (an existing id fails the whole transition with ``IdConflict``)."""
+
+    value: Any
+    notices: Tuple[Message, ...] = ()
+    reply: Optional[Message] = None
+
+
+class IdConflict(errors.RelayError):
+    """A message a transition would store has an id another message uses."""
+
+    def __init__(self, message_id: str) -> None:
+        super().__init__(409, "id_conflict", "reply.id is used by another message")
+        self.message_id = message_id
 
 
 class Changes:
@@ -238,24 +335,32 @@ class Changes:
 
     ``ready`` holds the agents that may have newly deliverable messages; ``due``
     the ``(when, agent)`` pairs at which something of ``agent``'s may become
-    deliverable (a lease deadline). Stores report these after their commit; the
-    broker wakes waiters from them and from nothing else. ``lapsed`` counts the
-    leases the change released because their deadline passed (for the metrics).
+    deliverable (a lease deadline, a delay running out). Stores report these
+    after their commit; the broker wakes waiters from them and from nothing else.
+
+    For the broker's counters, the same report tallies the change: ``stored``
+    holds ``(sender, recipient)`` of every new message (sends, receipts, notices,
+    replies), ``dead`` the reason of every message that became failed, and
+    ``lapsed`` counts the leases released because their deadline passed.
     """
 
-    __slots__ = ("ready", "due", "lapsed")
+    __slots__ = ("ready", "due", "stored", "dead", "lapsed")
 
     def __init__(self) -> None:
         self.ready: Set[str] = set()
         self.due: Set[Tuple[float, str]] = set()
+        self.stored: List[Tuple[str, str]] = []
+        self.dead: List[str] = []
         self.lapsed = 0
 
     def __bool__(self) -> bool:
-        return bool(self.ready or self.due or self.lapsed)
+        return bool(self.ready or self.due or self.stored or self.dead or self.lapsed)
 
     def update(self, other: Changes) -> None:
         self.ready |= other.ready
         self.due |= other.due
+        self.stored += other.stored
+        self.dead += other.dead
         self.lapsed += other.lapsed
 
     def __repr__(self) -> str:
@@ -263,14 +368,23 @@ class Changes:
 
 
 def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -> None:
-    """Note in ``changes`` what ``after`` means for its recipient's waiters.
+    """Note in ``changes`` what ``after`` means for its recipient's waiters (and
+    tally it for the counters).
 
     ``before`` is the message's :meth:`Message.state` before the change, None for
     a new message.
     """
     was = before[0] if before is not None else None
-    if after.status == QUEUED and was != QUEUED:
-        changes.ready.add(after.to)
+    if before is None:
+        changes.stored.append((after.sender, after.to))
+    elif after.status == FAILED and was != FAILED:
+        changes.dead.append(after.dead_reason or ATTEMPTS)
+    if after.status == QUEUED:
+        moved = was != QUEUED or before[7] != after.not_before
+        if moved and after.not_before is not None:
+            changes.due.add((after.not_before, after.to))
+        elif was != QUEUED:
+            changes.ready.add(after.to)
     elif after.status == LEASED and (was != LEASED or before[2] != after.lease_until):
         changes.due.add((after.lease_until / 1000.0, after.to))
 
@@ -299,45 +413,63 @@ def lease_lapsed(message: Message, now: float) -> bool:
     )
 
 
+def expired(message: Message, now: float) -> bool:
+    """True when ``message`` was sent with a TTL that has run out: it is gone."""
+    return message.expires_at is not None and message.expires_at <= now
+
+
+def due(message: Message, now: float) -> bool:
+    """True when no delay holds ``message`` back."""
+    return message.not_before is None or message.not_before <= now
+
+
+def deliverable(message: Message, now: float) -> bool:
+    """True when ``message`` may be pulled or polled at ``now``."""
+    return message.status == QUEUED and due(message, now) and not expired(message, now)
+
+
+def notice_id(request_id: str) -> str:
+    """The id of the failure notice of ``request_id`` (the same on every broker)."""
+    return str(uuid.uuid5(NOTICE_NAMESPACE, request_id))
+
+
+def failure_notice(request: Message, event: str, now: float) -> Message:
+    """The notice of §4: from the request's recipient to its sender, a reply to it."""
+    body = {"relayNotice": {"event": event, "messageId": request.id,
+                            "attempts": request.attempts, "deliveries": request.deliveries,
+                            "error": request.error}}
+    return Message(
+        id=notice_id(request.id),
+        sender=request.to,
+        to=request.sender,
+        created=now,
+        body=body,
+        reply_to=request.id,
+        kind="reply",
+        root_id=request.root_id or request.id,
+        parent_id=request.id,
+    )
+
+
+def _notices(message: Message, now: float, rules: Rules, event: str = "failed"
+             ) -> Tuple[Message, ...]:
+    if (rules.notify_failures and message.kind == "request"
+            and message.dead_reason != CANCELLED):
+        return (failure_notice(message, event, now),)
+    return ()
+
+
 # -- transitions -------------------------------------------------------------------
 
 
 def lease(message: Message, lease_seconds: float, now: float) -> None:
-    """queued -> leased under a fresh lease id."""
+    """queued -> leased under a fresh lease id; one more delivery."""
     message.status = LEASED
     message.lease_id = new_lease_id()
     message.lease_until = now_ms(now) + int(lease_seconds * 1000)
     message.recovery = False
-
-
-def lapse(message: Message, now: float, rules: Rules) -> None:
-    """leased -> queued once the deadline has passed; the old lease id is dead.
-
-    The message is marked for the v1.0 recovery delivery (spec §5.1).
-    """
-    message.status = QUEUED
-    message.lease_id = None
-    message.lease_until = None
-    message.recovery = True
-
-
-def catch_up(message: Message, now: float, rules: Rules) -> None:
-    """Apply what time alone has done to ``message`` (a lapsed lease)."""
-    if lease_lapsed(message, now):
-        lapse(message, now, rules)
-
-
-def check_lease(message: Message, agent: str, lease_id: str, now: float, rules: Rules) -> None:
-    """The lease guard of every lease outcome, in the order of the spec: 403 when
-    ``agent`` is not the recipient, 409 ``not_leased`` (a lapsed lease included),
-    409 ``lease_mismatch``. (404 is the store's: the id is unknown.)"""
-    if message.to != agent:
-        raise errors.forbidden("only the recipient may acknowledge this message")
-    catch_up(message, now, rules)
-    if message.status != LEASED:
-        raise errors.not_leased()
-    if message.lease_id != lease_id:
-        raise errors.lease_mismatch()
+    message.deliveries += 1
+    message.not_before = None
 
 
 def _end_lease(message: Message) -> None:
@@ -345,23 +477,192 @@ def _end_lease(message: Message) -> None:
     message.lease_until = None
 
 
-def ack(agent: str, lease_id: str, outcome: str, error: Optional[str],
-        rules: Rules) -> Transition:
-    """The ``/v1/ack`` transition: ``completed`` -> done, ``retry`` -> queued
-    (attempts + 1; past ``max_attempts`` -> failed). Results ``{ok, status, attempts}``."""
+def _fail(message: Message, reason: str, error: Optional[str]) -> None:
+    _end_lease(message)
+    message.status = FAILED
+    message.dead_reason = reason
+    message.error = error
+    message.recovery = False
+    message.not_before = None
 
-    def transition(message: Message, now: float) -> Dict[str, Any]:
-        check_lease(message, agent, lease_id, now, rules)
-        _end_lease(message)
-        message.error = error
+
+def _exhausted(message: Message, rules: Rules) -> bool:
+    return bool(rules.max_deliveries) and message.deliveries >= rules.max_deliveries
+
+
+def _requeue_after_lease(message: Message, now: float, rules: Rules,
+                         retry_after: Optional[int]) -> Tuple[Message, ...]:
+    """A lease ended without completion: queued again, or failed when the message
+    has been delivered ``maxDeliveries`` times."""
+    if _exhausted(message, rules):
+        _fail(message, DELIVERIES, f"delivered {message.deliveries} times without completion")
+        return _notices(message, now, rules)
+    _end_lease(message)
+    message.status = QUEUED
+    message.not_before = now + retry_after if retry_after else None
+    return ()
+
+
+def lapse(message: Message, now: float, rules: Rules) -> Tuple[Message, ...]:
+    """leased -> queued once the deadline has passed; the old lease id is dead.
+
+    The message is marked for the v1.0 recovery delivery (spec §5.1). An exhausted
+    message fails instead, as of its deadline.
+    """
+    notices = _requeue_after_lease(message, now, rules, None)
+    if message.status == QUEUED:
+        message.recovery = True
+    return notices
+
+
+def catch_up(message: Message, now: float, rules: Rules) -> Tuple[Message, ...]:
+    """Apply what time alone has done to ``message`` (a lapsed lease); returns the
+    failure notices that brings."""
+    if lease_lapsed(message, now):
+        return lapse(message, now, rules)
+    return ()
+
+
+def check_lease(message: Message, agent: str, lease_id: str) -> None:
+    """The lease guard of every lease outcome, in the order of the spec: 403 when
+    ``agent`` is not the recipient, 409 ``not_leased`` (a lapsed lease included,
+    since :func:`catch_up` ran first), 409 ``lease_mismatch``. (404 is the store's:
+    the id is unknown.)"""
+    if message.to != agent:
+        raise errors.forbidden("only the recipient may acknowledge this message")
+    if message.status != LEASED:
+        raise errors.not_leased()
+    if message.lease_id != lease_id:
+        raise errors.lease_mismatch()
+
+
+def reply_message(message: Message, agent: str, fields: Dict[str, Any], now: float) -> Message:
+    """The reply of an atomic ``completed`` ack (§6): from the caller to the acked
+    message's sender, answering it. ``fields`` are the validated ``reply``."""
+    return Message(
+        id=fields["id"],
+        sender=agent,
+        to=message.sender,
+        created=now,
+        body=fields["body"],
+        reply_to=message.id,
+        ack=fields["ack"],
+        kind=fields["kind"],
+        root_id=message.root_id or message.id,
+        parent_id=message.id,
+    )
+
+
+def ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Rules,
+        retry_after: Optional[int] = None, reply: Optional[Dict[str, Any]] = None,
+        check_route: Optional[RouteCheck] = None) -> Transition:
+    """The ``/v1/ack`` transition (§5.1, v1.2 §2 and §6). Results
+    ``{ok, status, attempts}``; with ``reply`` also ``replyId`` and ``duplicate``.
+
+    ``completed`` -> done; ``retry`` -> queued (attempts + 1; past
+    ``max_attempts`` -> failed); ``release`` -> queued; ``reject`` -> failed.
+    ``retry_after`` holds a requeued message back that many seconds.
+    ``check_route(sender, recipient)`` applies the routing ACL to the reply.
+    """
+
+    def transition(message: Message, now: float) -> Outcome:
+        check_lease(message, agent, lease_id)
+        notices: Tuple[Message, ...] = ()
+        answer: Optional[Message] = None
         if outcome == "completed":
+            if reply is not None:
+                if check_route is not None:
+                    check_route(agent, message.sender)
+                answer = reply_message(message, agent, reply, now)
+            _end_lease(message)
             message.status = DONE
-        else:
+            message.error = error
+        elif outcome == "reject":
+            _fail(message, REJECTED, error if error is not None else "rejected")
+            notices = _notices(message, now, rules)
+        elif outcome == "retry":
             message.attempts += 1
-            message.status = FAILED if message.attempts > rules.max_attempts else QUEUED
-        return {"ok": True, "status": message.status, "attempts": message.attempts}
+            message.error = error
+            if message.attempts > rules.max_attempts:
+                _fail(message, ATTEMPTS, error)
+                notices = _notices(message, now, rules)
+            else:
+                notices = _requeue_after_lease(message, now, rules, retry_after)
+        else:  # release
+            message.error = error
+            notices = _requeue_after_lease(message, now, rules, retry_after)
+        value = {"ok": True, "status": message.status, "attempts": message.attempts}
+        if answer is not None:
+            value.update(replyId=answer.id, duplicate=False)
+        return Outcome(value, notices, answer)
 
     return transition
+
+
+def renew(agent: str, lease_id: str, lease_seconds: float) -> Transition:
+    """``/v1/lease/renew`` (§1): the deadline becomes now + ``lease_seconds``; the
+    lease id, the attempts and the deliveries do not change."""
+
+    def transition(message: Message, now: float) -> Outcome:
+        check_lease(message, agent, lease_id)
+        message.lease_until = now_ms(now) + int(lease_seconds * 1000)
+        return Outcome({"ok": True, "leaseId": message.lease_id,
+                        "leaseUntil": message.lease_until})
+
+    return transition
+
+
+def requeue(agent: Optional[str]) -> Transition:
+    """``/v1/requeue`` (§3): failed -> queued with attempts and deliveries reset. The
+    sender or the recipient may (only the sender for a cancelled message); ``agent``
+    None is the operator (the ops dashboard)."""
+
+    def transition(message: Message, now: float) -> Outcome:
+        if agent is not None:
+            allowed = (message.sender,) if message.dead_reason == CANCELLED else (
+                message.sender, message.to)
+            if agent not in allowed:
+                raise errors.forbidden("only the sender or the recipient may requeue "
+                                       "this message")
+        if message.status != FAILED:
+            raise errors.wrong_state(f"message is {message.status}, not failed")
+        message.status = QUEUED
+        message.attempts = 0
+        message.deliveries = 0
+        message.error = None
+        message.not_before = None
+        message.dead_reason = None
+        return Outcome({"ok": True, "status": QUEUED, "attempts": 0})
+
+    return transition
+
+
+def cancel(agent: Optional[str], reason: Optional[str]) -> Transition:
+    """``/v1/cancel`` (§3): the sender withdraws a queued or leased message; it fails
+    with ``reason`` and a held lease dies. No failure notice. ``agent`` None is the
+    operator."""
+
+    def transition(message: Message, now: float) -> Outcome:
+        if agent is not None and agent != message.sender:
+            raise errors.forbidden("only the sender may cancel this message")
+        if message.status in (DONE, FAILED):
+            raise errors.wrong_state(f"message is already {message.status}")
+        _fail(message, CANCELLED, reason if reason is not None else "cancelled by sender")
+        return Outcome({"ok": True, "status": FAILED, "attempts": message.attempts})
+
+    return transition
+
+
+def expiry_notices(messages: Iterable[Message], now: float, rules: Rules
+                   ) -> Tuple[Message, ...]:
+    """The notices of requests that expired unprocessed (queued or leased)."""
+    out = []
+    for message in messages:
+        if message.status in (QUEUED, LEASED):
+            expired_copy = message.copy()
+            expired_copy.error = "expired unprocessed"
+            out.extend(_notices(expired_copy, now, rules, event="expired"))
+    return tuple(out)
 
 
 # -- the v1.0 poll -------------------------------------------------------------------
@@ -375,11 +676,12 @@ def poll_page(
 ) -> Tuple[List[Message], Optional[str], List[Message]]:
     """One v1.0 poll page: ``(messages, cursor, unmarked)``.
 
-    ``recovered`` are the recipient's queued messages at or before the cursor that
-    carry the recovery mark, ``fresh`` its queued messages after the cursor, both
-    in sequence order. Recovery deliveries come first, each once (``unmarked`` are
-    the messages whose mark this page clears); the cursor is the last fresh
-    message returned and never moves backwards (spec §5.1).
+    ``recovered`` are the recipient's deliverable messages at or before the
+    cursor that carry the recovery mark (a lapsed lease, a delay run out),
+    ``fresh`` its deliverable messages after the cursor, both in sequence order.
+    Recovery deliveries come first, each once (``unmarked`` are the messages whose
+    mark this page clears); the cursor is the last fresh message returned and
+    never moves backwards (spec §5.1, v1.2 §7).
     """
     out = list(recovered)[:limit]
     page_fresh = list(fresh)[: limit - len(out)]

@@ -80,6 +80,10 @@ def lease_mismatch(message: str = "leaseId does not match the current lease") ->
     return RelayError(409, "lease_mismatch", message)
 
 
+def wrong_state(message: str) -> RelayError:
+    return RelayError(409, "wrong_state", message)
+
+
 def rate_limited(message: str = "rate limit exceeded") -> RelayError:
     return RelayError(429, "rate_limited", message)
 

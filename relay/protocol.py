@@ -31,7 +31,20 @@ MAX_JSON_DEPTH = 100
 MESSAGE_TYPES = ("message", "ack")
 MESSAGE_KINDS = ("message", "request", "reply")
 STATUSES = ("queued", "leased", "done", "failed")
-OUTCOMES = ("completed", "retry")
+OUTCOMES = ("completed", "retry", "release", "reject")
+BOXES = ("inbox", "sent", "all")
+
+# v1.2 limits (EXTENSIONS.md)
+MAX_RETRY_AFTER_SECONDS = 43200
+MAX_DELAY_SECONDS = 86400
+MAX_REASON_CHARS = 1000
+MAX_CARD_DESCRIPTION_CHARS = 2000
+MAX_CARD_SKILL_CHARS = 100
+MAX_CARD_SKILLS = 50
+# Fields the broker sets on an atomic reply; a client may not.
+BROKER_SET_REPLY_FIELDS = ("to", "from", "parentId", "replyTo", "rootId")
+
+REQUEST_KIND = "request"
 
 QUEUED = "queued"
 LEASED = "leased"
@@ -316,21 +329,162 @@ def ack_receipt(target: Dict[str, Any], agent: str, body: Any) -> Dict[str, Any]
     }
 
 
-def parse_ack_outcome(body: Dict[str, Any]) -> Tuple[str, str, str, Optional[str]]:
-    """``(messageId, leaseId, outcome, error)`` from a ``/v1/ack`` body, or 400."""
-    message_id = body.get("messageId")
-    lease_id = body.get("leaseId")
-    if not isinstance(message_id, str) or not message_id:
-        raise bad_request("messageId is required (a non-empty string)")
-    if not isinstance(lease_id, str) or not lease_id:
-        raise bad_request("leaseId is required (a non-empty string)")
+def strict_int(body: Dict[str, Any], field: str, lo: int, hi: int) -> Optional[int]:
+    """An optional v1.2 integer field: a JSON integer ``lo..hi`` (not a float such as
+    ``30.0`` or ``3e1``, a string or a boolean); None when absent or null; else 400."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if not _is_int(value) or not lo <= value <= hi:
+        raise bad_request(f"{field} must be an integer from {lo} to {hi}")
+    return value
+
+
+def required_id(body: Dict[str, Any], field: str) -> str:
+    """A required non-empty string field (``messageId``, ``leaseId``, ``rootId``)."""
+    value = body.get(field)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{field} is required (a non-empty string)")
+    return value
+
+
+def optional_id(body: Dict[str, Any], field: str) -> Optional[str]:
+    """An optional non-empty string field; None when absent or null."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{field} must be a non-empty string")
+    return value
+
+
+def parse_reply(value: Any) -> Dict[str, Any]:
+    """The ``reply`` of an atomic ``completed`` ack (v1.2 §6): ``{id, body, kind, ack}``
+    with defaults; unknown keys are ignored, the broker-set ones are 400."""
+    if not isinstance(value, dict):
+        raise bad_request("reply must be an object")
+    for field in BROKER_SET_REPLY_FIELDS:
+        if field in value:
+            raise bad_request(f"reply.{field} is set by the broker")
+    reply_id = value.get("id")
+    if reply_id is None:
+        reply_id = str(uuid.uuid4())
+    elif not isinstance(reply_id, str) or not reply_id:
+        raise bad_request("reply.id must be a non-empty string")
+    body = value.get("body")
+    if body is None:
+        body = {}
+    elif not isinstance(body, dict):
+        raise bad_request("reply.body must be an object")
+    kind = value.get("kind")
+    if kind is None:
+        kind = "reply"
+    elif kind not in ("reply", "message"):
+        raise bad_request('reply.kind must be "reply" or "message"')
+    ack = value.get("ack")
+    if ack is None:
+        ack = False
+    elif not isinstance(ack, bool):
+        raise bad_request("reply.ack must be a boolean")
+    return {"id": reply_id, "body": body, "kind": kind, "ack": ack}
+
+
+class AckRequest:
+    """A validated ``/v1/ack`` body (v1.1 plus the v1.2 outcomes, retry-after and reply)."""
+
+    __slots__ = ("message_id", "lease_id", "outcome", "error", "retry_after", "reply")
+
+    def __init__(self, message_id: str, lease_id: str, outcome: str, error: Optional[str],
+                 retry_after: Optional[int] = None,
+                 reply: Optional[Dict[str, Any]] = None) -> None:
+        self.message_id = message_id
+        self.lease_id = lease_id
+        self.outcome = outcome
+        self.error = error
+        self.retry_after = retry_after
+        self.reply = reply
+
+
+def parse_ack(body: Dict[str, Any]) -> AckRequest:
+    """A ``/v1/ack`` body, or 400."""
+    message_id = required_id(body, "messageId")
+    lease_id = required_id(body, "leaseId")
     outcome = body.get("outcome")
     if outcome not in OUTCOMES:
-        raise bad_request('outcome must be "completed" or "retry"')
+        raise bad_request('outcome must be "completed", "retry", "release" or "reject"')
     error = body.get("error")
     if error is not None and not isinstance(error, str):
         raise bad_request("error must be a string")
-    return message_id, lease_id, outcome, error
+    retry_after = strict_int(body, "retryAfterSeconds", 0, MAX_RETRY_AFTER_SECONDS)
+    if retry_after is not None and outcome not in ("retry", "release"):
+        raise bad_request("retryAfterSeconds goes only with retry or release")
+    reply = body.get("reply")
+    if reply is not None:
+        if outcome != "completed":
+            raise bad_request("reply goes only with completed")
+        reply = parse_reply(reply)
+    return AckRequest(message_id, lease_id, outcome, error, retry_after, reply)
+
+
+def parse_renew(body: Dict[str, Any]) -> Tuple[str, str, Optional[int]]:
+    """``(messageId, leaseId, leaseSeconds or None)`` of a ``/v1/lease/renew`` body."""
+    message_id = required_id(body, "messageId")
+    lease_id = required_id(body, "leaseId")
+    return message_id, lease_id, strict_int(body, "leaseSeconds", 1, MAX_LEASE_SECONDS)
+
+
+def parse_reason(body: Dict[str, Any]) -> Optional[str]:
+    """The optional ``reason`` of ``/v1/cancel``: a string of at most 1000 characters."""
+    reason = body.get("reason")
+    if reason is None:
+        return None
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
+        raise bad_request(f"reason must be a string of at most {MAX_REASON_CHARS} characters")
+    return reason
+
+
+def parse_send_options(body: Dict[str, Any]) -> Tuple[Optional[int], int]:
+    """``(ttlSeconds or None, delaySeconds)`` of a sent envelope (v1.2 §7). The TTL's
+    upper bound is the broker's (``capabilities.messageTtl.maxSeconds``)."""
+    ttl = body.get("ttlSeconds")
+    if ttl is not None and (not _is_int(ttl) or ttl < 1):
+        raise bad_request("ttlSeconds must be an integer of at least 1")
+    delay = strict_int(body, "delaySeconds", 0, MAX_DELAY_SECONDS)
+    return ttl, delay or 0
+
+
+KEEP_CARD = object()  # a register without ``card`` keeps the stored one
+
+
+def parse_card(body: Dict[str, Any]) -> Any:
+    """The ``card`` of ``/register`` (v1.2 §8): :data:`KEEP_CARD` when absent, None to
+    remove it (``card: null``), else the validated card."""
+    if "card" not in body:
+        return KEEP_CARD
+    card = body["card"]
+    if card is None:
+        return None
+    if not isinstance(card, dict):
+        raise bad_request("card must be an object or null")
+    for key in card:
+        if key not in ("description", "skills"):
+            raise bad_request(f"card.{key} is not a card field (description, skills)")
+    out: Dict[str, Any] = {}
+    description = card.get("description")
+    if description is not None:
+        if not isinstance(description, str) or len(description) > MAX_CARD_DESCRIPTION_CHARS:
+            raise bad_request(f"card.description must be a string of at most "
+                              f"{MAX_CARD_DESCRIPTION_CHARS} characters")
+        out["description"] = description
+    skills = card.get("skills")
+    if skills is not None:
+        if (not isinstance(skills, list) or len(skills) > MAX_CARD_SKILLS
+                or not all(isinstance(s, str) and len(s) <= MAX_CARD_SKILL_CHARS
+                           for s in skills)):
+            raise bad_request(f"card.skills must be a list of at most {MAX_CARD_SKILLS} "
+                              f"strings of at most {MAX_CARD_SKILL_CHARS} characters")
+        out["skills"] = list(skills)
+    return out
 
 
 def parse_status_ids(body: Dict[str, Any]) -> List[str]:
@@ -350,11 +504,18 @@ def parse_status_ids(body: Dict[str, Any]) -> List[str]:
 
 
 def parse_query_filters(body: Dict[str, Any]) -> Dict[str, Optional[str]]:
-    """The ``kind``/``status``/``from``/``to`` filters of a query body."""
+    """The filters of a query body: ``kind``, ``status``, ``from``, ``to``, and the v1.2
+    ``box`` (``inbox``, the default, ``sent`` or ``all``), ``rootId``, ``parentId``."""
     filters: Dict[str, Optional[str]] = {}
-    for field in ("kind", "status", "from", "to"):
+    for field in ("kind", "status", "from", "to", "rootId", "parentId"):
         value = body.get(field)
         if value is not None and not isinstance(value, str):
             raise bad_request(f"{field} must be a string")
         filters[field] = value or None
+    box = body.get("box")
+    if box is None:
+        box = "inbox"
+    elif box not in BOXES:
+        raise bad_request('box must be "inbox", "sent" or "all"')
+    filters["box"] = box
     return filters

@@ -116,7 +116,7 @@ class ReceiptStore:
         os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_MODE))
         db = sqlite3.connect(str(self.path))
         try:
-            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA journal_mode=WAL").fetchall()  # unread rows block COMMIT on PyPy
             # In WAL mode, NORMAL makes a commit durable against a crash of
             # this process without an fsync per commit.
             db.execute("PRAGMA synchronous=NORMAL")
@@ -167,13 +167,14 @@ class ReceiptStore:
 
     def get(self, request_id: str) -> Optional[Receipt]:
         """The receipt for ``request_id`` (``{"at", "reply", ...}``), unless expired."""
-        row = self._db.execute(
+        # fetchall: a statement left unfinished (fetchone) blocks COMMIT on PyPy
+        rows = self._db.execute(
             "SELECT at, entry FROM receipts WHERE request_id = ? AND at >= ?",
             (request_id, self._oldest()),
-        ).fetchone()
-        if row is None:
+        ).fetchall()
+        if not rows:
             return None
-        return {"at": row[0], **json.loads(row[1])}
+        return {"at": rows[0][0], **json.loads(rows[0][1])}
 
     def put(self, request_id: str, reply: Dict[str, Any]) -> Receipt:
         """Persist the reply for ``request_id`` (before it is sent); the new receipt."""
@@ -200,9 +201,9 @@ class ReceiptStore:
             )
 
     def __len__(self) -> int:
-        (count,) = self._db.execute(
+        ((count,),) = self._db.execute(
             "SELECT COUNT(*) FROM receipts WHERE at >= ?", (self._oldest(),)
-        ).fetchone()
+        ).fetchall()
         return count
 
     def close(self) -> None:

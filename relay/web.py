@@ -201,7 +201,7 @@ class RelayAPI:
     def register(self, request, agent: str) -> Deferred:
         body = protocol.parse_json_object(raw_body(request))
         protocol.check_body_agent(body, agent)
-        d = self.broker.register(agent)
+        d = self.broker.register(agent, protocol.parse_card(body))
         d.addCallback(lambda ts: write_json(request, 200, {"ok": True, "agent": agent, "ts": ts}))
         return d
 
@@ -218,8 +218,10 @@ class RelayAPI:
     @app.route("/messages", methods=["POST"])
     @authenticated
     def send(self, request, agent: str) -> Deferred:
-        envelope = protocol.normalize_envelope(protocol.parse_json_body(raw_body(request)), agent)
-        d = self.broker.send(agent, envelope)
+        body = protocol.parse_json_body(raw_body(request))
+        envelope = protocol.normalize_envelope(body, agent)
+        ttl, delay = protocol.parse_send_options(body)
+        d = self.broker.send(agent, envelope, ttl, delay)
         d.addCallback(self._sent, request, envelope["id"])
         return d
 
@@ -260,7 +262,8 @@ class RelayAPI:
         limit = protocol.clamp_limit(body.get("limit"))
         lease_seconds = protocol.parse_lease_seconds(body)
         wait = protocol.parse_wait_seconds(body.get("waitSeconds"), "waitSeconds")
-        d = self.broker.pull(agent, limit, lease_seconds, wait)
+        parent_id = protocol.optional_id(body, "parentId")
+        d = self.broker.pull(agent, limit, lease_seconds, wait, parent_id)
         d.addCallback(self._listed, request)
         return d
 
@@ -270,12 +273,13 @@ class RelayAPI:
     @app.route("/v1/ack", methods=["POST"])
     @authenticated
     def ack(self, request, agent: str) -> Deferred:
-        message_id, lease_id, outcome, error = protocol.parse_ack_outcome(
-            protocol.parse_json_object(raw_body(request))
-        )
-        d = self.broker.ack(agent, message_id, lease_id, outcome, error)
-        d.addCallback(lambda result: write_json(request, 200, result))
+        ack = protocol.parse_ack(protocol.parse_json_object(raw_body(request)))
+        d = self.broker.ack(agent, ack)
+        d.addCallback(self._ok, request)
         return d
+
+    def _ok(self, result: Dict[str, Any], request) -> bytes:
+        return write_json(request, 200, result)
 
     @app.route("/v1/status", methods=["POST"])
     @authenticated
@@ -302,6 +306,46 @@ class RelayAPI:
         filters = protocol.parse_query_filters(body)
         d = self.broker.query(agent, protocol.clamp_limit(body.get("limit")), filters)
         d.addCallback(self._listed, request)
+        return d
+
+    # -- v1.2 (EXTENSIONS.md) ------------------------------------------------
+
+    @app.route("/v1/lease/renew", methods=["POST"])
+    @authenticated
+    def renew(self, request, agent: str) -> Deferred:
+        message_id, lease_id, seconds = protocol.parse_renew(
+            protocol.parse_json_object(raw_body(request)))
+        d = self.broker.renew(agent, message_id, lease_id, seconds)
+        d.addCallback(self._ok, request)
+        return d
+
+    @app.route("/v1/requeue", methods=["POST"])
+    @authenticated
+    def requeue(self, request, agent: str) -> Deferred:
+        body = protocol.parse_json_object(raw_body(request))
+        d = self.broker.requeue(agent, protocol.required_id(body, "messageId"))
+        d.addCallback(self._ok, request)
+        return d
+
+    @app.route("/v1/cancel", methods=["POST"])
+    @authenticated
+    def cancel(self, request, agent: str) -> Deferred:
+        body = protocol.parse_json_object(raw_body(request))
+        message_id = protocol.required_id(body, "messageId")
+        d = self.broker.cancel(agent, message_id, protocol.parse_reason(body))
+        d.addCallback(self._ok, request)
+        return d
+
+    @app.route("/v1/thread", methods=["POST"])
+    @authenticated
+    def thread(self, request, agent: str) -> Deferred:
+        body = protocol.parse_json_object(raw_body(request))
+        protocol.check_body_agent(body, agent)
+        root_id = protocol.required_id(body, "rootId")
+        since = protocol.optional_id(body, "since")
+        d = self.broker.thread(agent, root_id, since, protocol.clamp_limit(body.get("limit")))
+        d.addCallback(lambda page: write_json(
+            request, 200, {"messages": page[0], "count": len(page[0]), "cursor": page[1]}))
         return d
 
 

@@ -171,7 +171,10 @@ def test_handler_failure_retries_then_fails_after_max_attempts(tmp_path: Path) -
     # spec 5.1: retry gives attempts+1 and "> maxAttempts -> failed"
     assert handler.calls == [request] * 4
     assert world.status(request) == ("failed", 4)
-    assert world.replies() == []
+    # no answer: only the broker's failure notice (EXTENSIONS.md §4)
+    (notice,) = world.replies()
+    assert notice["body"]["relayNotice"]["event"] == "failed"
+    assert notice["parentId"] == request
     stop(world, service)
 
 
@@ -462,7 +465,8 @@ def test_exec_script_as_an_agent(tmp_path: Path) -> Any:
             break
         yield _sleep(reactor, 0.025)
     assert world.status(good)[0] == "done"
-    assert world.replies()[0]["body"] == {"text": "desserts"}
+    answers = [r["body"] for r in world.replies() if "relayNotice" not in r["body"]]
+    assert answers == [{"text": "desserts"}]
     assert world.status(bad) == ("failed", 4)
     d = service.stopService()
     world.settle()

@@ -14,6 +14,7 @@ import pytest_twisted
 
 from relay import __version__
 from relay.protocol import MAX_BODY_BYTES
+from relay.testing import START
 from tests.http_support import Broker, assert_error, assert_json_headers
 
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\Z")
@@ -282,7 +283,7 @@ async def test_send_to_unregistered_recipient_is_404():
     b = await two_agents()
     reply = await b.post("alpha", "/messages", {"to": "nobody", "id": "lost"})
     assert_error(reply, 404, "no_such_agent")
-    assert (await b.store.find("lost")) is None
+    assert (await b.store.find("lost", START)) is None
 
 
 @pytest_twisted.ensureDeferred
@@ -300,7 +301,7 @@ async def test_a_store_answering_is_registered_with_a_deferred_is_honoured():
     await b.register("alpha", "beta")
     assert_error(await b.post("alpha", "/messages", {"to": "nobody", "id": "lost"}),
                  404, "no_such_agent")
-    assert (await b.store.find("lost")) is None
+    assert (await b.store.find("lost", START)) is None
     assert (await b.post("alpha", "/messages", {"to": "beta", "id": "kept"})).code == 201
 
 
@@ -555,7 +556,7 @@ async def test_receipt_for_expired_message_is_404():
     b = await two_agents()
     await b.message("alpha", "beta", id="m1")
     b.clock.advance(8 * 86400)
-    await b.store.sweep_expired(b.clock.seconds() - 7 * 86400)
+    await b.broker.sweep_expired()
     assert_error(await b.post("beta", "/messages/m1/ack", {}), 404, "no_such_message")
 
 

@@ -10,6 +10,7 @@ import pytest
 import pytest_twisted
 
 from relay.protocol import MAX_STATUS_IDS
+from relay.testing import START
 from tests.http_support import Broker, assert_error, assert_json_headers
 
 START_MS = 1_712_345_678_000
@@ -292,7 +293,7 @@ async def test_status_entries_and_visibility():
     assert_json_headers(reply)
     (entry, missing) = reply.json["messages"]
     assert entry == {"id": "req", "status": "queued", "attempts": 0, "ts": entry["ts"],
-                     "from": "alpha", "to": "beta", "kind": "request"}
+                     "from": "alpha", "to": "beta", "kind": "request", "deliveries": 0}
     assert missing == {"id": "unknown", "status": "not_found", "attempts": 0}
     assert (await b.status("beta", "req"))[0]["status"] == "queued"
     assert await b.status("gamma", "req") == [
@@ -416,7 +417,7 @@ async def test_acl_on_send():
     assert (await b.post("alpha", "/messages", {"to": "beta"})).code == 201
     assert_error(await b.post("alpha", "/messages", {"to": "gamma", "id": "x"}),
                  403, "forbidden")
-    assert (await b.store.find("x")) is None
+    assert (await b.store.find("x", START)) is None
     assert (await b.post("beta", "/messages", {"to": "gamma"})).code == 201, "no entry"
     assert (await b.post("gamma", "/messages", {"to": "alpha"})).code == 201, "no list"
 

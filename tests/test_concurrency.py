@@ -204,7 +204,7 @@ def check(broker: BrokerProcess, ledger: Ledger, per_sender: int) -> Dict[str, i
 
 def start(tmp_path, storage: str, lease_seconds: int) -> BrokerProcess:
     b = BrokerProcess(str(tmp_path), storage=storage, leaseSeconds=lease_seconds,
-                      sweepSeconds=0.2, maxAttempts=1000)
+                      sweepSeconds=0.2, maxAttempts=1000, maxDeliveries=0)
     b.start()
     for agent in (RECIPIENT, "sender0", "sender1"):
         assert b.request(agent, "POST", "/register", {})[0] == 200

@@ -179,7 +179,7 @@ def start_cleanly(broker: BrokerProcess) -> None:
 @pytest.mark.parametrize("storage", ["sqlite", "jsonl"])
 def test_sigkill_under_load_loses_nothing_acknowledged(tmp_path, storage):
     broker = BrokerProcess(str(tmp_path), storage=storage, leaseSeconds=1, sweepSeconds=0.2,
-                           maxAttempts=1000)
+                           maxAttempts=1000, maxDeliveries=0)
     acked = Acknowledged()
     rng = random.Random()
     data_dir = os.path.join(str(tmp_path), "data")

@@ -345,3 +345,48 @@ async def test_the_page_and_its_files_are_served_with_a_strict_policy():
     assert (await ops.get("/static/../web.py"))[0] == 404
     code, body, _ = await ops.get("/static/other.js")
     assert (code, body["error"]["code"]) == (404, "not_found")
+
+
+# -- operator actions ----------------------------------------------------------------
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_operator_requeues_a_dead_letter_and_cancels_a_lease():
+    ops = Ops(maxAttempts=0)
+    await ops.traffic()
+    code, result, _ = await ops.get("/api/requeue", JSON, "POST", b'{"messageId": "m1"}')
+    assert (code, result) == (200, {"ok": True, "status": "queued", "attempts": 0})
+    assert (await ops.get("/api/dead-letters"))[1]["deadLetters"] == []
+    code, result, _ = await ops.get("/api/cancel", JSON, "POST", b'{"messageId": "g0"}')
+    assert code == 200 and result["status"] == "failed"
+    (letter,) = (await ops.get("/api/dead-letters"))[1]["deadLetters"]
+    assert (letter["id"], letter["reason"], letter["error"]) == (
+        "g0", "cancelled", "cancelled by the operator")
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_messages_dead_lettered"], reason="cancelled") == 1
+    assert value(f["relay_messages_dead_lettered"], reason="attempts") == 1
+    code, body, _ = await ops.get("/api/requeue", JSON, "POST", b'{"messageId": "m2"}')
+    assert (code, body["error"]["code"]) == (409, "wrong_state")
+    code, body, _ = await ops.get("/api/requeue", JSON, "POST", b'{"messageId": "nope"}')
+    assert (code, body["error"]["code"]) == (404, "no_such_message")
+    code, body, _ = await ops.get("/api/requeue", JSON, "POST", b"{}")
+    assert (code, body["error"]["code"]) == (400, "bad_request")
+
+
+@pytest_twisted.ensureDeferred
+async def test_actions_are_json_posts_from_the_listeners_own_origin():
+    ops = Ops(tokens=(TOKEN,), maxAttempts=0)
+    await ops.traffic()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = b'{"messageId": "m1"}'
+    assert (await ops.get("/api/requeue", JSON, "POST", body))[0] == 401
+    form = dict(auth, **{"Content-Type": "text/plain"})
+    assert (await ops.get("/api/requeue", form, "POST", body))[0] == 400
+    foreign = dict(auth, Origin="http://evil.example", **JSON)
+    assert (await ops.get("/api/requeue", foreign, "POST", body))[0] == 403
+    own = dict(auth, Origin="http://127.0.0.1:19122", Host="127.0.0.1:19122", **JSON)
+    assert (await ops.get("/api/requeue", own, "POST", body))[0] == 200
+    assert (await ops.get("/api/requeue", dict(auth), "GET"))[0] == 404

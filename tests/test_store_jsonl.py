@@ -150,7 +150,8 @@ async def test_compaction_keeps_everything(tmp_path):
     try:
         await store.register("gamma", START)
         await fill(store, 5)
-        assert await store.sweep_expired(START + 1) == 1  # removes beta0 (created START)
+        # removes beta0 (created START)
+        assert await store.sweep_expired(START + 1, START + 1, RULES) == 1
         await store.pull("beta", 2, LEASE, START, RULES)
         await store.sweep_leases(START + LEASE, RULES)  # beta1, beta2 get recovery marks
         leased = await store.pull("beta", 1, LEASE * 100, START + LEASE, RULES)  # beta1 again
@@ -193,7 +194,7 @@ async def test_writes_during_compaction_reach_the_new_file(tmp_path, monkeypatch
         done = store.compact()
         compaction = store.compaction
         # requests keep coming while the chunks are written, one per reactor turn
-        await store.sweep_expired(START + 2)
+        await store.sweep_expired(START + 2, START + 2, RULES)
         i = 0
         while not done.called:
             await store.add(new_message("alpha", "gamma", START, id=f"during{i}"))

@@ -53,7 +53,7 @@ async def populate(store) -> Dict[str, str]:
     _, cursor = await store.poll("beta", None, 50, START, RULES)
     assert [m.id for m in await store.pull("beta", 1, LEASE, START, RULES)] == ["m1"]
     assert await store.sweep_leases(START + LEASE + 1, RULES) == 1
-    assert (await store.find("m1")).recovery is True
+    assert (await store.find("m1", START)).recovery is True
     # live leases, valid for long after the restart
     leased = await store.pull("gamma", 2, LEASE * 10, START + LEASE, RULES)
     live = {m.id: m.lease_id for m in leased}
@@ -116,13 +116,13 @@ async def test_seq_never_goes_back_after_expiry(persistent, tmp_path):
     store = open_backend(persistent, tmp_path)
     for i in range(3):
         await store.add(new_message("alpha", "beta", START, id=f"old{i}"))
-    last = (await store.find("old2")).seq
-    assert await store.sweep_expired(START + 1) == 3
+    last = (await store.find("old2", START)).seq
+    assert await store.sweep_expired(START + 1, START + 1, RULES) == 3
     await store.close()
 
     store = open_backend(persistent, tmp_path)
     try:
-        assert await store.find("old0") is None
+        assert await store.find("old0", START) is None
         m = new_message("alpha", "beta", START + 2, id="young")
         await store.add(m)
         assert m.seq > last
@@ -142,7 +142,7 @@ async def test_state_changed_after_restart_survives_another(persistent, tmp_path
         await store.close()
     store = open_backend(persistent, tmp_path)
     try:
-        found = await store.find("a")
+        found = await store.find("a", START)
         assert (found.status, found.attempts, found.error) == (QUEUED, 3, "e2")
     finally:
         await store.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sqlite3
 from pathlib import Path
 from typing import List
@@ -14,6 +15,7 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.logger import capturedLogs
 
+from relay.delivery import notice_id
 from relay.errors import ConfigError, RelayError
 from relay.protocol import DONE, LEASED, QUEUED
 from relay.store import sqlite as backend
@@ -51,7 +53,7 @@ async def test_no_statement_scans_a_table(tmp_path):
         await store.add(new_message("alpha", "beta", START, id="a"))
         await store.add(new_message("alpha", "beta", START, id="a"))
         await store.add(new_message("alpha", "beta", START, id="b", kind="request"))
-        await store.find("a")
+        await store.find("a", START)
         (m,) = await store.pull("beta", 1, LEASE, START, RULES)
         with pytest.raises(RelayError):
             await ack(store, "a", "beta", "wrong", "completed", None, START, RULES)
@@ -67,7 +69,7 @@ async def test_no_statement_scans_a_table(tmp_path):
             for kind, status in ((None, None), ("request", None), (None, QUEUED)):
                 filters = {"kind": kind, "status": status, "from": sender, "to": to}
                 await store.query("beta", 10, filters, START, RULES)
-        await store.sweep_expired(START + 5)
+        await store.sweep_expired(START + 5, START + 5, RULES)
         store.db.set_trace_callback(None)
         statements = {s for s in executed if s.split()[0].upper() not in ("BEGIN", "COMMIT")}
         statements -= set(backend.LISTINGS)
@@ -87,6 +89,33 @@ async def test_declared_statements_use_indexes(tmp_path):
                 assert scans(store.db, sql) == [], (name, sql)
     finally:
         await store.close()
+
+
+def plan_of(db: sqlite3.Connection, sql: str) -> str:
+    return " | ".join(row[-1] for row in db.execute("EXPLAIN QUERY PLAN " + sql,
+                                                    [None] * sql.count("?")))
+
+
+@pytest.mark.parametrize(("lookup", "index"), [
+    ("pull by parent id", "messages_parent"), ("pull by reply-to", "messages_reply_to"),
+    ("thread by root", "messages_root"), ("query of the sent box", "messages_outbox"),
+    ("query by root", "messages_root"), ("query by parent", "messages_parent"),
+    ("TTL sweep", "messages_expiry"), ("v1.0 recovery", "messages_recovery"),
+])
+def test_the_v12_lookups_use_their_indexes(tmp_path, lookup, index):
+    statements = {
+        "pull by parent id": backend.STATEMENTS["queued"][1],
+        "pull by reply-to": backend.STATEMENTS["queued"][2],
+        "thread by root": backend.STATEMENTS["thread"][1],
+        "query of the sent box": backend._listing_statement("box", "sent", {})[0],
+        "query by root": backend._listing_statement("root", "inbox", {"rootId": "r"})[0],
+        "query by parent": backend._listing_statement("parent", "all", {"parentId": "p"})[0],
+        "TTL sweep": backend.STATEMENTS["expire"][1],
+        "v1.0 recovery": backend.STATEMENTS["recovered"][0],
+    }
+    db = sqlite3.connect(":memory:")
+    db.executescript(backend.schema_script(backend.SCHEMA_VERSION))
+    assert f"INDEX {index} " in plan_of(db, statements[lookup])
 
 
 @pytest_twisted.ensureDeferred
@@ -130,13 +159,21 @@ def old_schema(version: int) -> str:
     return (SCHEMAS / f"sqlite-v{version}.sql").read_text("utf-8")
 
 
-def schema_dump(db: sqlite3.Connection) -> List[str]:
-    """The schema of ``db`` as SQL, without comments or blank lines, sorted."""
-    statements = []
-    for line in db.iterdump():
-        if line.startswith("CREATE"):
-            statements.append(re.sub(r"--[^\n]*", "", line))
-    return sorted(" ".join(s.split()) for s in statements)
+def schema_dump(db: sqlite3.Connection) -> List[tuple]:
+    """The schema of ``db``: each table's columns (as SQLite describes them, so an
+    ``ALTER TABLE ADD COLUMN`` and a ``CREATE TABLE`` that mean the same compare
+    equal) and rowid kind, and every index's SQL without comments, by name."""
+    out: List[tuple] = []
+    rows = db.execute("SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL "
+                      "ORDER BY name").fetchall()
+    for kind, name, sql in rows:
+        if kind == "table":
+            columns = tuple(db.execute(f"PRAGMA table_xinfo({name})").fetchall())
+            without_rowid = sql.rstrip().upper().endswith("WITHOUT ROWID")
+            out.append((kind, name, columns, without_rowid))
+        else:
+            out.append((kind, name, " ".join(re.sub(r"--[^\n]*", "", sql).split())))
+    return out
 
 
 def version_1_database(path: str) -> None:
@@ -146,7 +183,9 @@ def version_1_database(path: str) -> None:
     db.execute("INSERT INTO version (version) VALUES (1)")
     message = new_message("alpha", "beta", START, id="kept")
     message.seq = 1
-    db.execute(backend._INSERT, backend._row(message))
+    columns = backend.COLUMNS.split(", ")[:19]  # the columns of schemas 1 and 2
+    db.execute(f"INSERT INTO messages ({', '.join(columns)}) VALUES ({', '.join('?' * 19)})",
+               backend._row(message)[:19])
     db.execute("INSERT INTO peers VALUES ('beta', 1)")
     db.close()
 
@@ -171,16 +210,16 @@ def test_upgrade_applies_scripts_in_order_after_a_backup(tmp_path):
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_version_1_database_is_brought_to_version_2(tmp_path):
-    """Version 2 drops the per-sender index, which no query reads any more."""
+async def test_a_version_1_database_is_brought_to_the_newest_version(tmp_path):
+    """Version 2 dropped the per-sender index; version 3 brings one back, by status."""
     version_1_database(str(tmp_path / "relay.db"))
     store = open_sqlite(tmp_path)
     try:
-        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 2
-        indexes = {row[0] for row in store.db.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'index'")}
-        assert "messages_outbox" not in indexes and "messages_inbox" in indexes
-        assert (await store.find("kept")).body == {"text": "hello"}
+        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 3
+        indexes = {row[0]: row[1] for row in store.db.execute(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'index'")}
+        assert "(sender, status, seq)" in indexes["messages_outbox"]
+        assert (await store.find("kept", START)).body == {"text": "hello"}
         assert store.is_registered("beta")
         await store.add(new_message("alpha", "beta", START, id="after"))
         leased = await store.pull("beta", 10, LEASE, START, RULES)
@@ -204,7 +243,49 @@ async def test_an_upgraded_database_has_the_schema_of_a_new_one(tmp_path):
         assert db.execute("SELECT version FROM version").fetchall() == [(backend.SCHEMA_VERSION,)]
         db.close()
     assert dumps[0] == dumps[1]
-    assert any("messages_inbox" in statement for statement in dumps[0])
+    assert any(entry[1] == "messages_inbox" for entry in dumps[0])
+    assert any(entry[1] == "messages_root" for entry in dumps[0])
+
+
+V2_DATABASE = SCHEMAS / "relay-v2.db"  # written by the release with schema 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_real_version_2_database_is_upgraded_after_a_backup(tmp_path):
+    shutil.copy(V2_DATABASE, tmp_path / "relay.db")
+    store = open_sqlite(tmp_path)
+    try:
+        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 3
+        found = {i: await store.find(f"v2-{i}", START) for i in range(6)}
+        assert [found[i].status for i in range(6)] == [
+            DONE, "failed", LEASED, QUEUED, QUEUED, QUEUED]
+        assert found[1].error == "busy" and found[1].attempts == 1
+        assert found[0].body == {"n": 0, "text": "hé ☃"}
+        assert all(m.deliveries == 0 and m.not_before is None and m.expires_at is None
+                   for m in found.values()), "v1.2 fields take their defaults"
+        assert await store.peers() == [("alpha", int(START), None),
+                                       ("beta", int(START) + 1, None)]
+        # the lease taken before the upgrade still acks; the thread index works
+        (entry,) = await store.status(["v2-2"], "alpha", START, RULES)
+        assert entry["status"] == LEASED and entry["deliveries"] == 0
+        result = await ack(store, "v2-2", "beta", found[2].lease_id, "completed", None, START)
+        assert result["status"] == DONE
+        thread, _ = await store.thread("alpha", "root-1", None, 50, START, RULES)
+        assert [m.id for m in thread] == ["v2-1", "v2-2", "v2-3", "v2-4", "v2-5", "v2-reply"]
+        await store.register("beta", START + 2, {"skills": ["sql"]})
+        assert (await store.peers())[1][2] == {"skills": ["sql"]}
+    finally:
+        await store.close()
+    backup = sqlite3.connect(tmp_path / "relay.db.v2.bak")
+    assert backup.execute("SELECT version FROM version").fetchone()[0] == 2
+    backup.close()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    await open_sqlite(fresh).close()
+    upgraded, new = (sqlite3.connect(p) for p in (tmp_path / "relay.db", fresh / "relay.db"))
+    assert schema_dump(upgraded) == schema_dump(new)
+    upgraded.close()
+    new.close()
 
 
 def test_unopenable_database_names_the_path(tmp_path):
@@ -259,24 +340,26 @@ async def test_imports_a_reference_jsonl_once(tmp_path):
         imported = [e for e in events if "imported" in e.get("log_format", "")]
         assert len(imported) == 1 and imported[0]["count"] == 4
         assert "ref 1" not in repr(events)
-        r1, r2, r3, r4 = [await store.find(f"r{i}") for i in range(1, 5)]
+        r1, r2, r3, r4 = [await store.find(f"r{i}", START) for i in range(1, 5)]
         assert (r1.status, r1.seq, r1.body) == (QUEUED, 1, {"text": "ref 1"})
         assert r1.created == 1712344478.0 and r1.ts == "2024-04-05T19:14:38.000Z"
         assert r2.status == DONE
         assert (r3.status, r3.kind, r3.attempts, r3.lease_until) == (
             LEASED, "request", 1, int(START * 1000) + 5000)
         assert (r4.status, r4.error) == ("failed", "boom")
-        assert await store.sweep_expired(START + 10**7) == 4
+        assert await store.sweep_expired(START + 10**7, START + 10**7, RULES) == 4
+        # r3, a request still leased, expired unprocessed: its notice took seq 5
+        assert (await store.find(notice_id("r3"), START)).seq == 5
         fresh = new_message("alpha", "beta", START, id="new")
         await store.add(fresh)
-        assert fresh.seq == 5
+        assert fresh.seq == 6
     finally:
         await store.close()
     with capturedLogs() as events:
         store = open_sqlite(tmp_path)
     try:
         assert not [e for e in events if "imported" in e.get("log_format", "")]
-        assert await store.find("r1") is None, "an emptied database does not re-import"
+        assert await store.find("r1", START) is None, "an emptied database does not re-import"
     finally:
         await store.close()
 
@@ -292,9 +375,9 @@ async def test_imports_the_jsonl_backends_own_log(tmp_path):
     store = open_sqlite(tmp_path)
     try:
         assert store.is_registered("beta") is True
-        j1 = await store.find("j1")
+        j1 = await store.find("j1", START)
         assert (j1.status, j1.lease_id) == (LEASED, leased.lease_id)
-        assert (await store.find("j2")).status == QUEUED
+        assert (await store.find("j2", START)).status == QUEUED
     finally:
         await store.close()
 
@@ -325,8 +408,8 @@ async def test_an_expiry_sweep_leaves_no_read_open(tmp_path):
     try:
         for i in range(10):
             await store.add(new_message("alpha", "beta", START + i, id=f"m{i}"))
-        assert await store.sweep_expired(START + 3) == 3
-        assert await store.sweep_expired(START + 3) == 0
+        assert await store.sweep_expired(START + 3, START + 3, RULES) == 3
+        assert await store.sweep_expired(START + 3, START + 3, RULES) == 0
         other = sqlite3.connect(tmp_path / "relay.db", isolation_level=None)
         try:
             busy, _, _ = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()

@@ -22,13 +22,13 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 
 from relay.auth import FAILURE_REASONS
+from relay.delivery import DEAD_REASONS
 from relay.ops.counters import OTHER, Counters
 from relay.protocol import OUTCOMES
 from relay.store.interface import QueueDepth
 
 MAX_AGENT_SERIES = 1000
 QUEUE_STATES = ("queued", "leased", "delayed", "failed")
-DEAD_LETTER_REASONS = ("attempts",)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -105,7 +105,7 @@ class Report:
         yield _labelled("relay_messages_acked", "Leases settled by /v1/ack, by outcome.",
                         "outcome", c.acked, OUTCOMES)
         yield _labelled("relay_messages_dead_lettered", "Messages that became failed, by reason.",
-                        "reason", c.dead_lettered, DEAD_LETTER_REASONS)
+                        "reason", c.dead_lettered, DEAD_REASONS)
         yield _counter("relay_messages_expired", "Messages removed by the messageTtlDays sweep.",
                        c.expired)
         yield _counter("relay_lease_expirations", "Leases released because their deadline "

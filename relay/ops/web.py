@@ -115,8 +115,9 @@ def message_view(message: Message, now: float) -> Dict[str, Any]:
         "ts": message.ts,
         "status": message.status,
         "attempts": message.attempts,
-        "deliveries": getattr(message, "deliveries", None),
+        "deliveries": message.deliveries,
         "error": message.error,
+        "reason": message.dead_reason,
     }
     if message.status == LEASED and message.lease_until is not None:
         view["leaseUntil"] = message.lease_until
@@ -351,3 +352,29 @@ class OpsAPI:
     def dead_letters(self, request) -> Deferred:
         """Failed messages (the dead letters), newest first."""
         return self._listing(request, FAILED, "deadLetters")
+
+    @app.route("/api/requeue", methods=["POST"])
+    @guarded
+    def requeue(self, request) -> Deferred:
+        """Put a dead letter back in its recipient's queue, as the operator
+        (``/v1/requeue`` without the sender-or-recipient rule)."""
+        message_id = protocol.required_id(self.check_post(request), "messageId")
+        d = self.broker.requeue(None, message_id)
+        d.addCallback(lambda result: self._done(request, "requeued", message_id, result))
+        return d
+
+    @app.route("/api/cancel", methods=["POST"])
+    @guarded
+    def cancel(self, request) -> Deferred:
+        """Withdraw a queued or leased message, as the operator (``/v1/cancel``
+        without the sender rule): it becomes a dead letter."""
+        body = self.check_post(request)
+        message_id = protocol.required_id(body, "messageId")
+        reason = protocol.parse_reason(body) or "cancelled by the operator"
+        d = self.broker.cancel(None, message_id, reason)
+        d.addCallback(lambda result: self._done(request, "cancelled", message_id, result))
+        return d
+
+    def _done(self, request, action: str, message_id: str, result: Dict[str, Any]) -> bytes:
+        log.info("operator {action} message {id}", action=action, id=message_id)
+        return write_json(request, 200, result)

@@ -24,12 +24,15 @@ from typing import Optional
 
 from zope.interface import Attribute, Interface
 
+from relay.protocol import KEEP_CARD
+
 
 @dataclass(frozen=True)
 class QueueDepth:
     """One recipient's backlog (:meth:`IMessageStore.queue_depths`): messages by
-    state, and when its oldest queued message was stored (epoch seconds, None
-    when nothing is queued)."""
+    state (``queued`` without the ``delayed`` ones), and when its oldest queued
+    message that is not delayed was stored (epoch seconds; None when there is
+    none)."""
 
     agent: str
     queued: int = 0
@@ -57,8 +60,9 @@ class IMessageStore(Interface):
         only once the message is durable.
         """
 
-    def find(message_id):
-        """Fires with (a copy of) the message of that id, or None."""
+    def find(message_id, now):
+        """Fires with (a copy of) the message of that id, or None (also when its
+        ``ttlSeconds`` ran out by ``now``)."""
 
     def poll(agent, since_id, limit, now, rules):
         """v1.0 poll: fires with ``(messages, cursor)``.
@@ -69,21 +73,27 @@ class IMessageStore(Interface):
         those after it (all when None or unknown); at most ``limit``.
         """
 
-    def pull(agent, limit, lease_seconds, now, rules):
-        """Lease up to ``limit`` deliverable messages to ``agent``, oldest first.
+    def pull(agent, limit, lease_seconds, now, rules, parent_id=None):
+        """Lease up to ``limit`` deliverable messages to ``agent``, oldest first
+        (with ``parent_id``: only those whose ``parent_id`` or ``reply_to`` is it).
 
         A lease past its deadline is released first, so its message can be
         leased again. Fires with the leased messages, each with a fresh
-        ``lease_id`` and ``lease_until``.
+        ``lease_id`` and ``lease_until`` and one more delivery.
         """
 
     def settle(message_id, transition, now, rules):
-        """Apply ``transition(message, now)`` (a :mod:`relay.delivery` transition)
-        to the message of that id and persist what it changed, also when it
-        raises; fires with its result.
+        """Apply :func:`relay.delivery.catch_up`, then ``transition(message, now)`` (a
+        :mod:`relay.delivery` transition) to the message of that id, in one
+        transaction: its changes, the failure notices of its
+        :class:`~relay.delivery.Outcome` (one per request: an existing notice id is
+        not stored again) and its reply. What ``catch_up`` changed is kept also when
+        the transition raises. Fires with the outcome's value.
 
         Errbacks with :class:`relay.errors.RelayError`: 404 ``no_such_message``
-        for an unknown id, or whatever the transition raised.
+        for an unknown or expired id, :class:`relay.delivery.IdConflict` when the
+        reply's id exists (then nothing is written), or whatever the transition
+        raised.
         """
 
     def status(message_ids, agent, now, rules):
@@ -94,13 +104,22 @@ class IMessageStore(Interface):
         """Fires with the newest ``limit`` messages to ``agent``, any status."""
 
     def query(agent, limit, filters, now, rules):
-        """Fires with the newest ``limit`` messages addressed to ``agent`` that
-        match every filter of ``filters`` (a mapping of ``kind``, ``status``,
-        ``from``, ``to`` to a value or None; a ``to`` other than ``agent``
-        matches nothing), as the reference broker searches."""
+        """Fires with the newest ``limit`` messages of ``agent``'s box that match every
+        filter of ``filters``: ``box`` (``inbox``, the default — the messages
+        addressed to ``agent``, as the reference broker searches —, ``sent`` or
+        ``all``), and ``kind``, ``status``, ``from``, ``to``, ``rootId`` (id or root
+        id), ``parentId`` (parent id or reply-to), each a value or None."""
 
-    def register(agent, now):
-        """Record a heartbeat of ``agent`` at ``now``; fires with None."""
+    def thread(agent, root_id, since_id, limit, now, rules):
+        """Fires with ``(messages, cursor)``: the messages whose id or root id is
+        ``root_id`` that ``agent`` sent or received, oldest first, after
+        ``since_id`` (from the start when None or unknown); ``cursor`` as for
+        :meth:`poll`, None for an unknown root."""
+
+    def register(agent, now, card=KEEP_CARD):
+        """Record a heartbeat of ``agent`` at ``now`` with its peer card (a dict; None
+        removes it; :data:`relay.protocol.KEEP_CARD` keeps the stored one); fires
+        with None."""
 
     def is_registered(agent):
         """True when ``agent`` has ever registered. Answered at once with a bool by the
@@ -109,20 +128,23 @@ class IMessageStore(Interface):
         elsewhere."""
 
     def peers():
-        """Fires with ``[(agent, last_seen_seconds)]`` sorted by agent name."""
+        """Fires with ``[(agent, last_seen_seconds, card or None)]`` sorted by name."""
 
     def sweep_leases(now, rules):
         """Release every lease past its deadline; fires with how many."""
 
-    def sweep_expired(cutoff):
-        """Remove every message stored before ``cutoff``; fires with how many."""
+    def sweep_expired(cutoff, now, rules):
+        """Remove every message stored before ``cutoff`` or whose ``ttlSeconds`` ran
+        out by ``now``, storing the failure notices of requests that expired
+        unprocessed; fires with how many were removed."""
 
-    def queue_depths():
+    def queue_depths(now):
         """Fires with a :class:`QueueDepth` per agent that has messages queued,
-        leased or failed, sorted by agent. Answered from indexes or counters the
-        store keeps, never by reading every message (metrics ask for it at each
-        scrape). Leases are counted as stored: one past its deadline counts as
-        leased until a sweep or a read releases it."""
+        leased, delayed (queued and held back past ``now``) or failed, sorted by
+        agent; ``queued`` does not count the delayed ones. Answered from indexes
+        or counters the store keeps, never by reading every message (metrics ask
+        for it at each scrape). Leases are counted as stored: one past its
+        deadline counts as leased until a sweep or a read releases it."""
 
     def health():
         """Fires with None while the store accepts writes, else a short reason

@@ -1,23 +1,29 @@
 """The jsonl backend (``broker.storage: jsonl``): memory indexes and an append-only log.
 
-The state is that of :class:`relay.store.memory.MemoryState`; every change is
+The state is that of :class:`relay.store.memory.MemoryRecords`; every change is
 appended to ``dataDir/messages.jsonl`` and the file is replayed at start. One
 JSON object per line:
 
 ``{"seq": N, "message": {...}}``
     A full snapshot of one message: the wire envelope (spec §2, §5.1) plus
-    ``leaseId``, ``error``, ``created`` (epoch seconds) and ``recovery`` (the
-    v1.0 recovery-delivery mark). A later snapshot of the same id replaces the
-    earlier one. This is the reference broker's own line format (its v1.0
-    lines lack the v1.1 fields and default to ``queued``), so its files load
-    here; new messages are written this way, so it can read ours back (it
-    skips the other records).
-``{"op": "state", "id": ID, "status", "attempts", "leaseUntil", "leaseId", "error", "recovery"}``
-    The delivery state of a message changed (pull, ack, lease expiry, poll).
-``{"op": "peer", "agent": NAME, "lastSeen": SECONDS}``
-    A registration (heartbeat).
+    ``leaseId``, ``error``, ``created`` (epoch seconds), ``recovery`` (the
+    v1.0 recovery-delivery mark) and the v1.2 bookkeeping when it is not the
+    default: ``deliveries``, ``deadReason``, and the times (epoch seconds)
+    ``notBeforeTime``, ``delayUntilTime``, ``expiresAtTime``. A later snapshot
+    of the same id replaces the earlier one. This is the reference broker's
+    own line format (its v1.0 lines lack the v1.1 fields and default to
+    ``queued``), so its files load here; new messages are written this way, so
+    it can read ours back (it skips the other records).
+``{"op": "state", "id": ID, "status", "attempts", "leaseUntil", "leaseId", ...}``
+    The delivery state of a message changed (pull, ack, lease lapse, poll, …):
+    also ``error``, ``recovery``, ``deliveries``, ``notBeforeTime``, ``deadReason``.
+``{"op": "peer", "agent": NAME, "lastSeen": SECONDS, "card"?}``
+    A registration (heartbeat); ``card`` (an object, or null for none) only when
+    the registration changed it.
 ``{"op": "expire", "through": SEQ}``
-    The TTL sweep removed every message up to and including SEQ.
+    The expiry sweep removed every message up to and including SEQ.
+``{"op": "drop", "id": ID}``
+    The expiry sweep removed that message (its ``ttlSeconds`` ran out).
 ``{"op": "next", "seq": N}``
     The next sequence number (head of a compacted file), so seqs never repeat.
 
@@ -55,9 +61,16 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from relay.config import Config, check_keys, read_int
-from relay.delivery import Message
-from relay.errors import ConfigError
-from relay.protocol import MESSAGE_KINDS, MESSAGE_TYPES, STATUSES, iso_timestamp
+from relay.delivery import DEAD_REASONS, Message
+from relay.errors import ConfigError, RelayError
+from relay.protocol import (
+    KEEP_CARD,
+    MESSAGE_KINDS,
+    MESSAGE_TYPES,
+    STATUSES,
+    iso_timestamp,
+    parse_card,
+)
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
 from relay.store.memory import MemoryRecords
@@ -82,21 +95,61 @@ def _encode(record: Dict[str, Any]) -> bytes:
 def snapshot_record(message: Message) -> Dict[str, Any]:
     """The full-snapshot record of ``message`` (the reference broker's line format)."""
     envelope = message.envelope()
+    envelope.pop("expiresAt", None)
+    envelope.pop("notBefore", None)
     envelope["leaseId"] = message.lease_id
     if message.error is not None:
         envelope["error"] = message.error
     envelope["created"] = message.created
     if message.recovery:
         envelope["recovery"] = True
+    for key, value in (("deliveries", message.deliveries or None),
+                       ("deadReason", message.dead_reason),
+                       ("notBeforeTime", message.not_before),
+                       ("delayUntilTime", message.delay_until),
+                       ("expiresAtTime", message.expires_at)):
+        if value is not None:
+            envelope[key] = value
     return {"seq": message.seq, "message": envelope}
 
 
 def state_record(message: Message) -> Dict[str, Any]:
     """The record of a change of ``message``'s delivery state."""
-    status, attempts, lease_until, lease_id, error, recovery = message.state()
+    (status, attempts, lease_until, lease_id, error, recovery, deliveries, not_before,
+     dead_reason) = message.state()
     return {"op": "state", "id": message.id, "status": status, "attempts": attempts,
             "leaseUntil": lease_until, "leaseId": lease_id, "error": error,
-            "recovery": recovery}
+            "recovery": recovery, "deliveries": deliveries, "notBeforeTime": not_before,
+            "deadReason": dead_reason}
+
+
+def peer_record(agent: str, last_seen: int, card: Any = KEEP_CARD) -> Dict[str, Any]:
+    """The record of a registration; ``card`` only when it changed."""
+    record: Dict[str, Any] = {"op": "peer", "agent": agent, "lastSeen": last_seen}
+    if card is not KEEP_CARD:
+        record["card"] = card
+    return record
+
+
+def _time(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("not a time")
+    return float(value)
+
+
+def _reason(value: Any) -> Optional[str]:
+    if value is None or value in DEAD_REASONS:
+        return value
+    raise ValueError("bad dead reason")
+
+
+def _card(value: Any) -> Optional[Dict[str, Any]]:
+    try:
+        return parse_card({"card": value})
+    except RelayError:
+        raise ValueError("bad card") from None
 
 
 def _text(value: Any, optional: bool = True) -> Optional[str]:
@@ -172,6 +225,11 @@ def message_from_snapshot(seq: Any, envelope: Any, now: float) -> Message:
         lease_id=_text(envelope.get("leaseId")),
         error=_text(envelope.get("error")),
         recovery=bool(envelope.get("recovery", False)),
+        deliveries=_int(envelope.get("deliveries") or 0),
+        dead_reason=_reason(envelope.get("deadReason")),
+        not_before=_time(envelope.get("notBeforeTime")),
+        delay_until=_time(envelope.get("delayUntilTime")),
+        expires_at=_time(envelope.get("expiresAtTime")),
     )
 
 
@@ -187,8 +245,14 @@ def _apply_state(message: Message, record: Dict[str, Any]) -> None:
     message.attempts = attempts
     message.lease_until = lease_until
     message.lease_id = lease_id
+    deliveries = _int(record.get("deliveries") or 0)
+    not_before = _time(record.get("notBeforeTime"))
+    dead_reason = _reason(record.get("deadReason"))
     message.error = error
     message.recovery = bool(record.get("recovery", False))
+    message.deliveries = deliveries
+    message.not_before = not_before
+    message.dead_reason = dead_reason
 
 
 class LoadedLog:
@@ -197,6 +261,7 @@ class LoadedLog:
     def __init__(self) -> None:
         self.messages: List[Message] = []
         self.peers: Dict[str, int] = {}
+        self.cards: Dict[str, Dict[str, Any]] = {}
         self.next_seq = 1
         self.records = 0
         self.skipped = 0
@@ -233,9 +298,17 @@ def read_log(path: str, now: float) -> LoadedLog:
                         _apply_state(target, record)
                 elif op == "peer":
                     agent = _text(record["agent"], optional=False)
-                    loaded.peers[agent] = _int(record["lastSeen"])
+                    last_seen = _int(record["lastSeen"])
+                    card = _card(record["card"]) if "card" in record else KEEP_CARD
+                    loaded.peers[agent] = last_seen
+                    if card is None:
+                        loaded.cards.pop(agent, None)
+                    elif card is not KEEP_CARD:
+                        loaded.cards[agent] = card
                 elif op == "expire":
                     through = max(through, _int(record["through"]))
+                elif op == "drop":
+                    by_id.pop(_text(record["id"], optional=False), None)
                 elif op == "next":
                     max_seq = max(max_seq, _int(record["seq"]) - 1)
                 else:
@@ -276,11 +349,16 @@ class LoggedRecords(MemoryRecords):
     def saved(self, stored: Message) -> None:
         self.append(state_record(stored))
 
-    def registered(self, agent: str) -> None:
-        self.append({"op": "peer", "agent": agent, "lastSeen": self.peer_seen[agent]})
+    def registered(self, agent: str, card_changed: bool) -> None:
+        card = self.cards.get(agent) if card_changed else KEEP_CARD
+        self.append(peer_record(agent, self.peer_seen[agent], card))
 
-    def removed(self, messages: List[Message]) -> None:
-        self.append({"op": "expire", "through": messages[-1].seq})
+    def removed(self, messages: List[Message], through: int) -> None:
+        if through:
+            self.append({"op": "expire", "through": through})
+        for message in messages:
+            if message.seq > through:
+                self.append({"op": "drop", "id": message.id})
 
     def live_records(self) -> int:
         return len(self.by_id) + len(self.peer_seen)
@@ -309,7 +387,8 @@ class Compaction:
         self.records = 1 + len(state.peer_seen)
         self.file.write(_encode({"op": "next", "seq": state.next_seq}))
         for agent, seen in sorted(state.peer_seen.items()):
-            self.file.write(_encode({"op": "peer", "agent": agent, "lastSeen": seen}))
+            card = state.cards.get(agent, KEEP_CARD)
+            self.file.write(_encode(peer_record(agent, seen, card)))
         self.waiters: List[Deferred] = []
         self.call = None
 
@@ -575,6 +654,7 @@ def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
     for message in loaded.messages:
         state.load(message)
     state.peer_seen.update(loaded.peers)
+    state.cards.update(loaded.cards)
     state.next_seq = max(state.next_seq, loaded.next_seq)
 
 

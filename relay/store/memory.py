@@ -7,14 +7,14 @@ appends every change to its log.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from relay import delivery
 from relay.delivery import Message
 from relay.errors import ConfigError
-from relay.protocol import FAILED, LEASED, QUEUED
+from relay.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
 from relay.store.interface import QueueDepth
 from relay.store.records import Records, RecordStore
 
@@ -22,14 +22,21 @@ from relay.store.records import Records, RecordStore
 _COUNTED = (QUEUED, LEASED, FAILED)
 
 
+def _has(seqs: List[int], seq: int) -> bool:
+    i = bisect_left(seqs, seq)
+    return i < len(seqs) and seqs[i] == seq
+
+
 class MemoryRecords(Records):
     """Messages and peers with the index each primitive needs.
 
     The records keep their own copies of the messages: what :meth:`get` and the
     listings hand out, and what :meth:`insert` and :meth:`save` receive, stay the
-    caller's. The lease heap holds ``(deadline, seq, lease id)``; an entry counts
-    only while it still matches the message, so a deadline that moved leaves a
-    stale entry that is skipped.
+    caller's. Queued messages held back by ``not_before`` wait in a heap and join
+    their recipient's queue when due. Heap entries (leases, delays, TTLs) count
+    only while they still match the message, so a deadline that moved leaves a
+    stale entry that is skipped; per-agent sequence lists may hold the seqs of
+    removed messages, which are skipped too.
     """
 
     def __init__(self) -> None:
@@ -38,61 +45,109 @@ class MemoryRecords(Records):
         self.by_id: Dict[str, Message] = {}
         self.by_seq: Dict[int, Message] = {}
         self.inbox_seqs: Dict[str, Deque[int]] = {}
+        self.outbox_seqs: Dict[str, Deque[int]] = {}
         self.queued_seqs: Dict[str, List[int]] = {}
         self.recovery_seqs: Dict[str, Set[int]] = {}
+        self.parents: Dict[str, Set[int]] = {}  # parent_id and reply_to values
+        self.roots: Dict[str, Set[int]] = {}
         self.leases: List[Tuple[int, int, str]] = []
+        self.delayed: List[Tuple[float, int]] = []
+        self.expiries: List[Tuple[float, int]] = []
         self.peer_seen: Dict[str, int] = {}
-        # agent -> status -> how many of its messages are in that (counted) state
+        self.cards: Dict[str, Dict[str, Any]] = {}
+        # agent -> status -> how many of its messages are in that (counted) state, and
+        # agent -> how many of its queued messages wait in the delayed heap
         self.depth: Dict[str, Dict[str, int]] = {}
+        self.held: Dict[str, int] = {}
 
     # -- indexes -----------------------------------------------------------------------
 
     def _index(self, message: Message, lease_moved: bool = True) -> None:
         """Enter ``message`` (a stored copy) in the indexes of its delivery state."""
         if message.status == QUEUED:
-            insort(self.queued_seqs.setdefault(message.to, []), message.seq)
+            if message.not_before is not None:
+                heapq.heappush(self.delayed, (message.not_before, message.seq))
+                self._tally(self.held, message.to, 1)
+            else:
+                insort(self.queued_seqs.setdefault(message.to, []), message.seq)
             if message.recovery:
                 self.recovery_seqs.setdefault(message.to, set()).add(message.seq)
         elif message.status == LEASED and lease_moved:
             heapq.heappush(self.leases, (message.lease_until, message.seq, message.lease_id))
 
     def _unindex(self, message: Message) -> None:
-        """Leave the queue indexes (lease heap entries go stale on their own)."""
+        """Leave the queue indexes (heap entries go stale on their own)."""
         if message.status != QUEUED:
             return
         queue = self.queued_seqs.get(message.to)
+        promoted = False
         if queue:
-            i = bisect_right(queue, message.seq) - 1
-            if i >= 0 and queue[i] == message.seq:
+            i = bisect_left(queue, message.seq)
+            if i < len(queue) and queue[i] == message.seq:
                 del queue[i]
+                promoted = True
             if not queue:
                 del self.queued_seqs[message.to]
+        if message.not_before is not None and not promoted:
+            self._tally(self.held, message.to, -1)
         marks = self.recovery_seqs.get(message.to)
         if marks is not None:
             marks.discard(message.seq)
             if not marks:
                 del self.recovery_seqs[message.to]
 
-    def _count(self, agent: str, status: str, delta: int) -> None:
-        if status not in _COUNTED:
-            return
-        counts = self.depth.setdefault(agent, {})
-        left = counts.get(status, 0) + delta
+    @staticmethod
+    def _tally(counts: Dict[str, int], key: str, delta: int) -> None:
+        left = counts.get(key, 0) + delta
         if left:
-            counts[status] = left
+            counts[key] = left
         else:
-            counts.pop(status, None)
+            counts.pop(key, None)
+
+    def _count(self, agent: str, status: str, delta: int) -> None:
+        if status in _COUNTED:
+            counts = self.depth.setdefault(agent, {})
+            self._tally(counts, status, delta)
             if not counts:
                 del self.depth[agent]
 
     def load(self, message: Message) -> None:
         """Index a message that already has its seq and state (when replaying a log)."""
+        seq = message.seq
         self.by_id[message.id] = message
-        self.by_seq[message.seq] = message
-        self.inbox_seqs.setdefault(message.to, deque()).append(message.seq)
+        self.by_seq[seq] = message
+        self.inbox_seqs.setdefault(message.to, deque()).append(seq)
+        self.outbox_seqs.setdefault(message.sender, deque()).append(seq)
+        for value in {message.parent_id, message.reply_to} - {None}:
+            self.parents.setdefault(value, set()).add(seq)
+        if message.root_id is not None:
+            self.roots.setdefault(message.root_id, set()).add(seq)
+        if message.expires_at is not None:
+            heapq.heappush(self.expiries, (message.expires_at, seq))
         self._index(message)
         self._count(message.to, message.status, 1)
-        self.next_seq = max(self.next_seq, message.seq + 1)
+        self.next_seq = max(self.next_seq, seq + 1)
+
+    def _promote(self, now: float) -> None:
+        """Move the delayed messages that are due into their recipients' queues."""
+        heap = self.delayed
+        while heap and heap[0][0] <= now:
+            when, seq = heapq.heappop(heap)
+            message = self.by_seq.get(seq)
+            if message is None or message.status != QUEUED or message.not_before != when:
+                continue
+            queue = self.queued_seqs.setdefault(message.to, [])
+            if not _has(queue, seq):
+                insort(queue, seq)
+                self._tally(self.held, message.to, -1)
+
+    def _live(self, seqs: Iterable[int], now: float) -> Iterable[Message]:
+        """The stored messages of ``seqs`` that still exist and have not expired."""
+        by_seq = self.by_seq
+        for seq in seqs:
+            message = by_seq.get(seq)
+            if message is not None and not delivery.expired(message, now):
+                yield message
 
     # -- hooks of a subclass that records every change ---------------------------------
 
@@ -102,15 +157,12 @@ class MemoryRecords(Records):
     def saved(self, stored: Message) -> None:
         """The delivery state of ``stored`` changed."""
 
-    def removed(self, messages: List[Message]) -> None:
-        """The TTL sweep removed ``messages`` (the oldest, in seq order)."""
+    def removed(self, messages: List[Message], through: int) -> None:
+        """The expiry sweep removed ``messages``: every message up to seq ``through``
+        (0: none by age) and the others of the list (their TTL ran out)."""
 
-    def registered(self, agent: str) -> None:
-        """``agent`` sent a heartbeat."""
-
-    def _copies(self, seqs) -> List[Message]:
-        by_seq = self.by_seq
-        return [by_seq[seq].copy() for seq in seqs]
+    def registered(self, agent: str, card_changed: bool) -> None:
+        """``agent`` sent a heartbeat (with a new card or none, when ``card_changed``)."""
 
     # -- Records ---------------------------------------------------------------------
 
@@ -141,23 +193,41 @@ class MemoryRecords(Records):
             if old[0] != new[0]:
                 self._count(stored.to, old[0], -1)
                 self._count(stored.to, new[0], 1)
-            (stored.status, stored.attempts, stored.lease_until, stored.lease_id,
-             stored.error, stored.recovery) = new
+            stored.set_state(new)
             self._index(stored, lease_moved=old[0] != LEASED or old[2:4] != new[2:4])
             self.saved(stored)
 
-    def queued(self, agent: str, after_seq: int, limit: int) -> List[Message]:
-        queue = self.queued_seqs.get(agent)
-        if not queue:
-            return []
-        start = bisect_right(queue, after_seq) if after_seq else 0
-        return self._copies(queue[start : start + limit])
+    def queued(self, agent: str, after_seq: int, limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        self._promote(now)
+        if parent_id is not None:
+            candidates: Iterable[int] = sorted(
+                s for s in self.parents.get(parent_id, ()) if s > after_seq)
+        else:
+            queue = self.queued_seqs.get(agent)
+            if not queue:
+                return []
+            start = bisect_right(queue, after_seq) if after_seq else 0
+            candidates = (queue[i] for i in range(start, len(queue)))
+        out = []
+        for message in self._live(candidates, now):
+            if message.to == agent and delivery.deliverable(message, now):
+                out.append(message.copy())
+                if len(out) >= limit:
+                    break
+        return out
 
-    def recovered(self, agent: str, upto_seq: int, limit: int) -> List[Message]:
+    def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
         marks = self.recovery_seqs.get(agent)
         if not marks:
             return []
-        return self._copies(sorted(s for s in marks if s <= upto_seq)[:limit])
+        out = []
+        for message in self._live(sorted(s for s in marks if s <= upto_seq), now):
+            if delivery.deliverable(message, now):
+                out.append(message.copy())
+                if len(out) >= limit:
+                    break
+        return out
 
     def lapsed(self, now: float) -> List[Message]:
         deadline = delivery.now_ms(now)
@@ -173,66 +243,151 @@ class MemoryRecords(Records):
         # Live entries stay until the release is saved: a lease is never left untracked.
         for entry in live.values():
             heapq.heappush(heap, entry)
-        return self._copies(live)
+        return [self.by_seq[seq].copy() for seq in live]
 
-    def inbox(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> List[Message]:
+    def _box(self, agent: str, box: str) -> Iterable[int]:
+        """``agent``'s box, newest first."""
+        inbox = reversed(self.inbox_seqs.get(agent, ()))
+        if box == "inbox":
+            return inbox
+        outbox = reversed(self.outbox_seqs.get(agent, ()))
+        if box == "sent":
+            return outbox
+        return heapq.merge(inbox, outbox, reverse=True)
+
+    def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
+                now: float) -> List[Message]:
         kind, status, sender = filters.get("kind"), filters.get("status"), filters.get("from")
+        recipient = filters.get("to")
+        root_id, parent_id = filters.get("rootId"), filters.get("parentId")
+        if root_id is not None:
+            candidates: Iterable[int] = sorted(self._thread_seqs(root_id), reverse=True)
+        elif parent_id is not None:
+            candidates = sorted(self.parents.get(parent_id, ()), reverse=True)
+        else:
+            candidates = self._box(agent, box)
         out = []
-        for seq in reversed(self.inbox_seqs.get(agent, ())):
-            message = self.by_seq[seq]
+        for message in self._live(candidates, now):
+            in_box = (message.to == agent if box == "inbox" else
+                      message.sender == agent if box == "sent" else
+                      agent in (message.to, message.sender))
             if (
-                (kind is None or message.kind == kind)
+                in_box
+                and (kind is None or message.kind == kind)
                 and (status is None or message.status == status)
                 and (sender is None or message.sender == sender)
+                and (recipient is None or message.to == recipient)
+                and (root_id is None or root_id in (message.id, message.root_id))
+                and (parent_id is None or parent_id in (message.parent_id, message.reply_to))
             ):
                 out.append(message.copy())
                 if len(out) >= limit:
                     break
         return out
 
-    def expire(self, cutoff: float, batch: int) -> int:
-        """Remove up to ``batch`` messages stored before ``cutoff``, oldest first."""
+    def _thread_seqs(self, root_id: str) -> Set[int]:
+        seqs = set(self.roots.get(root_id, ()))
+        root = self.by_id.get(root_id)
+        if root is not None:
+            seqs.add(root.seq)
+        return seqs
+
+    def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
+               now: float) -> List[Message]:
+        seqs = sorted(s for s in self._thread_seqs(root_id) if s > after_seq)
+        out = []
+        for message in self._live(seqs, now):
+            if agent in (message.sender, message.to):
+                out.append(message.copy())
+                if len(out) >= limit:
+                    break
+        return out
+
+    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
         removed: List[Message] = []
+        through = 0
         for message in self.by_seq.values():
             if message.created >= cutoff or len(removed) >= batch:
                 break
             removed.append(message)
+            through = message.seq
+        seen = {m.seq for m in removed}
+        heap = self.expiries
+        while heap and heap[0][0] <= now and len(removed) < batch:
+            when, seq = heapq.heappop(heap)
+            message = self.by_seq.get(seq)
+            if message is not None and seq not in seen and message.expires_at == when:
+                removed.append(message)
+                seen.add(seq)
         for message in removed:
-            del self.by_seq[message.seq]
-            del self.by_id[message.id]
-            seqs = self.inbox_seqs[message.to]
-            seqs.popleft()
-            if not seqs:
-                del self.inbox_seqs[message.to]
-            self._unindex(message)
-            self._count(message.to, message.status, -1)
+            self._remove(message)
         if removed:
-            self.removed(removed)
-        return len(removed)
+            self.removed(removed, through)
+        unprocessed = [m.copy() for m in removed
+                       if m.kind == REQUEST_KIND and m.status in (QUEUED, LEASED)]
+        return len(removed), unprocessed
 
-    def depths(self) -> List[QueueDepth]:
+    def _remove(self, message: Message) -> None:
+        del self.by_seq[message.seq]
+        del self.by_id[message.id]
+        self._unindex(message)
+        self._count(message.to, message.status, -1)
+        for index, key in ((self.inbox_seqs, message.to), (self.outbox_seqs, message.sender)):
+            seqs = index[key]
+            while seqs and seqs[0] not in self.by_seq:
+                seqs.popleft()
+            if not seqs:
+                del index[key]
+        for index, keys in ((self.parents, {message.parent_id, message.reply_to}),
+                            (self.roots, {message.root_id})):
+            for key in keys - {None}:
+                seqs = index.get(key)
+                if seqs is not None:
+                    seqs.discard(message.seq)
+                    if not seqs:
+                        del index[key]
+
+    def depths(self, now: float) -> List[QueueDepth]:
+        self._promote(now)
         out = []
         for agent in sorted(self.depth):
             counts = self.depth[agent]
+            held = self.held.get(agent, 0)
             queue = self.queued_seqs.get(agent)
             out.append(QueueDepth(
                 agent,
-                queued=counts.get(QUEUED, 0),
+                queued=counts.get(QUEUED, 0) - held,
                 leased=counts.get(LEASED, 0),
                 failed=counts.get(FAILED, 0),
+                delayed=held,
                 oldest_queued=self.by_seq[queue[0]].created if queue else None,
             ))
         return out
 
-    def register(self, agent: str, now: float) -> None:
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
         self.peer_seen[agent] = int(now)
-        self.registered(agent)
+        if card is not KEEP_CARD:
+            if card is None:
+                self.cards.pop(agent, None)
+            else:
+                self.cards[agent] = dict(card)
+        self.registered(agent, card is not KEEP_CARD)
 
     def is_registered(self, agent: str) -> bool:
         return agent in self.peer_seen
 
-    def peers(self) -> List[Tuple[str, int]]:
-        return sorted(self.peer_seen.items())
+    def peers(self) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
+        return [(agent, seen, _copy_card(self.cards.get(agent)))
+                for agent, seen in sorted(self.peer_seen.items())]
+
+
+def _copy_card(card: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    if card is None:
+        return None
+    out = dict(card)
+    if "skills" in out:
+        out["skills"] = list(out["skills"])
+    return out
 
 
 class MemoryStore(RecordStore):

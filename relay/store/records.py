@@ -19,6 +19,7 @@ from zope.interface import implementer
 
 from relay import delivery, errors
 from relay.delivery import Changes, Message, Rules, Transition
+from relay.protocol import KEEP_CARD
 from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore, QueueDepth
 
@@ -29,7 +30,8 @@ Listener = Callable[[Changes], None]
 
 class Records:
     """A backend's synchronous primitives. Messages handed out are copies owned by
-    the caller; :meth:`save` writes their delivery state back.
+    the caller; :meth:`save` writes their delivery state back. Listings leave out
+    messages whose ``ttlSeconds`` ran out (:func:`relay.delivery.expired`).
 
     ``changes`` collects what the operations' writes mean for waiting requests
     until the store reports them.
@@ -40,11 +42,11 @@ class Records:
 
     def insert(self, message: Message) -> bool:
         """Store a new message under the next sequence number (set on ``message``);
-        False when its id exists."""
+        False, writing nothing, when its id exists."""
         raise NotImplementedError
 
     def get(self, message_id: str) -> Optional[Message]:
-        """The message of that id, or None."""
+        """The message of that id (expired or not), or None."""
         raise NotImplementedError
 
     def seq_of(self, message_id: str) -> int:
@@ -55,41 +57,59 @@ class Records:
         """Persist the delivery state (:meth:`Message.state`) of messages got from here."""
         raise NotImplementedError
 
-    def queued(self, agent: str, after_seq: int, limit: int) -> List[Message]:
-        """Queued messages to ``agent`` with a sequence after ``after_seq``, in order."""
+    def queued(self, agent: str, after_seq: int, limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        """Deliverable messages to ``agent`` (:func:`relay.delivery.deliverable`) with
+        a sequence after ``after_seq``, in order; with ``parent_id``, only those
+        whose ``parent_id`` or ``reply_to`` equals it."""
         raise NotImplementedError
 
-    def recovered(self, agent: str, upto_seq: int, limit: int) -> List[Message]:
-        """Queued messages to ``agent`` at or before ``upto_seq`` that carry the v1.0
-        recovery mark, in order."""
+    def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
+        """Deliverable messages to ``agent`` at or before ``upto_seq`` that carry the
+        v1.0 recovery mark, in order."""
         raise NotImplementedError
 
     def lapsed(self, now: float) -> List[Message]:
         """Leased messages whose lease deadline has passed."""
         raise NotImplementedError
 
-    def inbox(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> List[Message]:
-        """The newest ``limit`` messages to ``agent`` matching the ``kind``, ``status``
-        and ``from`` of ``filters`` (None matches anything), newest first."""
+    def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
+                now: float) -> List[Message]:
+        """The newest ``limit`` messages of ``agent``'s ``box`` (``inbox``: to it,
+        ``sent``: from it, ``all``: either) matching ``filters`` (``kind``,
+        ``status``, ``from``, ``to``, ``rootId`` — the message's id or root id —,
+        ``parentId`` — its parent id or reply-to —; None matches anything), newest
+        first."""
         raise NotImplementedError
 
-    def expire(self, cutoff: float, batch: int) -> int:
-        """Remove up to ``batch`` of the oldest messages stored before ``cutoff``."""
+    def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
+               now: float) -> List[Message]:
+        """Messages whose id or root id is ``root_id`` that ``agent`` sent or received,
+        with a sequence after ``after_seq``, oldest first."""
         raise NotImplementedError
 
-    def depths(self) -> List[QueueDepth]:
-        """A :class:`QueueDepth` per agent with messages queued, leased or failed,
-        sorted by agent; from indexes or counters, never a scan of every message."""
+    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
+        """Remove up to ``batch`` messages stored before ``cutoff`` or whose TTL ran out
+        by ``now``; returns how many, and the removed requests that were still queued
+        or leased."""
         raise NotImplementedError
 
-    def register(self, agent: str, now: float) -> None:
+    def depths(self, now: float) -> List[QueueDepth]:
+        """A :class:`QueueDepth` per agent with messages queued, leased, delayed
+        (queued with ``not_before`` after ``now``) or failed, sorted by agent; from
+        indexes or counters, never a scan of every message."""
+        raise NotImplementedError
+
+    def register(self, agent: str, now: float, card: Any) -> None:
+        """A heartbeat; ``card`` is the new card, None to remove it, or
+        :data:`relay.protocol.KEEP_CARD`."""
         raise NotImplementedError
 
     def is_registered(self, agent: str) -> bool:
         raise NotImplementedError
 
-    def peers(self) -> List[Tuple[str, int]]:
-        """``[(agent, last_seen)]`` sorted by name."""
+    def peers(self) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
+        """``[(agent, last_seen, card or None)]`` sorted by name."""
         raise NotImplementedError
 
 
@@ -102,15 +122,23 @@ def _saved(records: Records, befores: Iterable[Tuple[Any, ...]], messages: List[
         delivery.wakes(records.changes, before, message)
 
 
+def _store_notices(records: Records, notices: Iterable[Message]) -> None:
+    for notice in notices:
+        if records.insert(notice):  # an existing id: that request's notice is stored
+            delivery.wakes(records.changes, None, notice)
+
+
 def release_lapsed(records: Records, now: float, rules: Rules) -> int:
     """Release every lease past its deadline, so reads report it truthfully."""
     lapsed = records.lapsed(now)
     if not lapsed:
         return 0
     befores = [m.state() for m in lapsed]
+    notices: List[Message] = []
     for message in lapsed:
-        delivery.catch_up(message, now, rules)
+        notices.extend(delivery.catch_up(message, now, rules))
     _saved(records, befores, lapsed)
+    _store_notices(records, notices)
     records.changes.lapsed += len(lapsed)
     return len(lapsed)
 
@@ -122,17 +150,20 @@ def add(records: Records, message: Message) -> bool:
     return True
 
 
-def find(records: Records, message_id: str) -> Optional[Message]:
-    return records.get(message_id)
+def find(records: Records, message_id: str, now: float) -> Optional[Message]:
+    message = records.get(message_id)
+    if message is None or delivery.expired(message, now):
+        return None
+    return message
 
 
 def poll(records: Records, agent: str, since_id: Optional[str], limit: int, now: float,
          rules: Rules) -> Tuple[List[Message], Optional[str]]:
     release_lapsed(records, now, rules)
     since_seq = records.seq_of(since_id) if since_id else 0
-    recovered = records.recovered(agent, since_seq, limit) if since_seq else []
+    recovered = records.recovered(agent, since_seq, limit, now) if since_seq else []
     room = limit - len(recovered)
-    fresh = records.queued(agent, since_seq, room) if room > 0 else []
+    fresh = records.queued(agent, since_seq, room, now) if room > 0 else []
     messages, cursor, unmarked = delivery.poll_page(recovered, fresh, limit, since_id)
     if unmarked:
         records.save(unmarked)
@@ -140,9 +171,9 @@ def poll(records: Records, agent: str, since_id: Optional[str], limit: int, now:
 
 
 def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: float,
-         rules: Rules) -> List[Message]:
+         rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
     release_lapsed(records, now, rules)
-    messages = records.queued(agent, 0, limit)
+    messages = records.queued(agent, 0, limit, now, parent_id)
     if messages:
         befores = [m.state() for m in messages]
         for message in messages:
@@ -154,14 +185,26 @@ def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: fl
 def settle(records: Records, message_id: str, transition: Transition, now: float,
            rules: Rules) -> Any:
     message = records.get(message_id)
-    if message is None:
+    if message is None or delivery.expired(message, now):
         raise errors.no_such_message()
     before = message.state()
+    notices = list(delivery.catch_up(message, now, rules))
     try:
-        return transition(message, now)
-    finally:
+        outcome = transition(message, now)
+    except errors.RelayError:
         if message.state() != before:
             _saved(records, [before], [message])
+        _store_notices(records, notices)
+        raise
+    reply = outcome.reply
+    if reply is not None:
+        if not records.insert(reply):
+            raise delivery.IdConflict(reply.id)  # nothing was written
+        delivery.wakes(records.changes, None, reply)
+    if message.state() != before:
+        _saved(records, [before], [message])
+    _store_notices(records, notices + list(outcome.notices))
+    return outcome.value
 
 
 def status(records: Records, message_ids: Iterable[str], agent: str, now: float,
@@ -169,42 +212,59 @@ def status(records: Records, message_ids: Iterable[str], agent: str, now: float,
     release_lapsed(records, now, rules)
     out = []
     for message_id in message_ids:
-        message = records.get(message_id)
+        message = find(records, message_id, now)
         if message is None or agent not in (message.sender, message.to):
             out.append(delivery.not_found_status(message_id))
         else:
-            out.append(message.status_entry())
+            out.append(message.status_entry(now))
     return out
 
 
 def recent(records: Records, agent: str, limit: int, now: float, rules: Rules) -> List[Message]:
     release_lapsed(records, now, rules)
-    return records.inbox(agent, limit, {})
+    return records.listing(agent, "inbox", limit, {}, now)
 
 
 def query(records: Records, agent: str, limit: int, filters: Mapping[str, Optional[str]],
           now: float, rules: Rules) -> List[Message]:
     release_lapsed(records, now, rules)
-    recipient = filters.get("to")
-    if recipient is not None and recipient != agent:
+    box = filters.get("box") or "inbox"
+    recipient, sender = filters.get("to"), filters.get("from")
+    if box == "inbox" and recipient is not None and recipient != agent:
         return []  # the inbox holds only messages to ``agent``
-    return records.inbox(agent, limit, filters)
+    if box == "sent" and sender is not None and sender != agent:
+        return []
+    return records.listing(agent, box, limit, filters, now)
 
 
-def register(records: Records, agent: str, now: float) -> None:
-    records.register(agent, now)
+def thread(records: Records, agent: str, root_id: str, since_id: Optional[str], limit: int,
+           now: float, rules: Rules) -> Tuple[List[Message], Optional[str]]:
+    release_lapsed(records, now, rules)
+    since_seq = records.seq_of(since_id) if since_id else 0
+    messages = records.thread(agent, root_id, since_seq, limit, now)
+    if messages:
+        return messages, messages[-1].id
+    if since_seq and records.thread(agent, root_id, 0, 1, now):
+        return [], since_id  # nothing new in a thread the caller has read
+    return [], None
 
 
-def peers(records: Records) -> List[Tuple[str, int]]:
+def register(records: Records, agent: str, now: float, card: Any) -> None:
+    records.register(agent, now, card)
+
+
+def peers(records: Records) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
     return records.peers()
 
 
-def expire(records: Records, cutoff: float, batch: int) -> int:
-    return records.expire(cutoff, batch)
+def expire(records: Records, cutoff: float, now: float, rules: Rules, batch: int) -> int:
+    count, unprocessed = records.expire(cutoff, now, batch)
+    _store_notices(records, delivery.expiry_notices(unprocessed, now, rules))
+    return count
 
 
-def depths(records: Records) -> List[QueueDepth]:
-    return records.depths()
+def depths(records: Records, now: float) -> List[QueueDepth]:
+    return records.depths(now)
 
 
 # -- the store ---------------------------------------------------------------------------
@@ -253,16 +313,16 @@ class RecordStore:
     def add(self, message: Message) -> Deferred:
         return self._run(add, message)
 
-    def find(self, message_id: str) -> Deferred:
-        return self._run(find, message_id)
+    def find(self, message_id: str, now: float) -> Deferred:
+        return self._run(find, message_id, now)
 
     def poll(self, agent: str, since_id: Optional[str], limit: int, now: float,
              rules: Rules) -> Deferred:
         return self._run(poll, agent, since_id, limit, now, rules)
 
-    def pull(self, agent: str, limit: int, lease_seconds: float, now: float,
-             rules: Rules) -> Deferred:
-        return self._run(pull, agent, limit, lease_seconds, now, rules)
+    def pull(self, agent: str, limit: int, lease_seconds: float, now: float, rules: Rules,
+             parent_id: Optional[str] = None) -> Deferred:
+        return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id)
 
     def settle(self, message_id: str, transition: Transition, now: float,
                rules: Rules) -> Deferred:
@@ -279,8 +339,12 @@ class RecordStore:
               rules: Rules) -> Deferred:
         return self._run(query, agent, limit, filters, now, rules)
 
-    def register(self, agent: str, now: float) -> Deferred:
-        return self._run(register, agent, now)
+    def thread(self, agent: str, root_id: str, since_id: Optional[str], limit: int,
+               now: float, rules: Rules) -> Deferred:
+        return self._run(thread, agent, root_id, since_id, limit, now, rules)
+
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> Deferred:
+        return self._run(register, agent, now, card)
 
     def is_registered(self, agent: str) -> bool:
         return self.records.is_registered(agent)
@@ -292,17 +356,17 @@ class RecordStore:
         return self._run(release_lapsed, now, rules)
 
     @inlineCallbacks
-    def sweep_expired(self, cutoff: float):
+    def sweep_expired(self, cutoff: float, now: float, rules: Rules):
         """Removes in batches, one per run, so a large expiry never stalls requests."""
         total = 0
         while True:
-            removed = yield self._run(expire, cutoff, EXPIRE_BATCH)
+            removed = yield self._run(expire, cutoff, now, rules, EXPIRE_BATCH)
             total += removed
             if removed < EXPIRE_BATCH:
                 return total
 
-    def queue_depths(self) -> Deferred:
-        return self._run(depths)
+    def queue_depths(self, now: float) -> Deferred:
+        return self._run(depths, now)
 
     def health(self) -> Deferred:
         return succeed(self.commits.failure if self.commits is not None else None)

@@ -1,7 +1,7 @@
 """The SQLite backend (``broker.storage: sqlite``): the database ``dataDir/relay.db``.
 
 The database is the source of truth: messages and peers live in indexed
-tables (``sqlite-v2.sql``) and every operation reads and writes only the rows
+tables (``sqlite-v3.sql``) and every operation reads and writes only the rows
 it needs; no copy of the messages is kept in memory. The delivery rules are
 those of :mod:`relay.delivery`: a row is read, the rule applied to it, and
 what changed written back.
@@ -43,11 +43,12 @@ transaction that creates the schema, so the import happens exactly once.
 from __future__ import annotations
 
 import heapq
+import json
 import os
 import sqlite3
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
@@ -58,7 +59,7 @@ from relay import delivery
 from relay.config import Config, check_keys
 from relay.delivery import Message
 from relay.errors import ConfigError
-from relay.protocol import STATUSES
+from relay.protocol import KEEP_CARD, STATUSES
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
@@ -66,7 +67,7 @@ from relay.store.records import Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
@@ -74,17 +75,21 @@ WAL_AUTOCHECKPOINT_PAGES = 8192
 
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
-    "status, attempts, lease_until, lease_id, error, created, recovery"
+    "status, attempts, lease_until, lease_id, error, created, recovery, deliveries, "
+    "not_before, dead_reason, delay_until, expires_at"
 )
 _SELECT = f"SELECT {COLUMNS} FROM messages"
 _INSERT = (
     f"INSERT OR IGNORE INTO messages ({COLUMNS}) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f"VALUES ({', '.join('?' * len(COLUMNS.split(',')))})"
 )
 _SAVE_STATE = (
     "UPDATE messages SET status = ?, attempts = ?, lease_until = ?, lease_id = ?, error = ?, "
-    "recovery = ? WHERE seq = ?"
+    "recovery = ?, deliveries = ?, not_before = ?, dead_reason = ? WHERE seq = ?"
 )
+# Deliverable at ?: not held back and not past its TTL.
+_DUE = "(not_before IS NULL OR not_before <= ?) AND (expires_at IS NULL OR expires_at > ?)"
+_LIVE = "(expires_at IS NULL OR expires_at > ?)"
 
 # Every statement a primitive runs, by primitive; tests check their query plans.
 STATEMENTS = {
@@ -93,56 +98,97 @@ STATEMENTS = {
     "seq_of": ["SELECT seq FROM messages WHERE id = ?"],
     "save": [_SAVE_STATE],
     "queued": [
-        f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > ? ORDER BY seq LIMIT ?"
+        f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > ? AND {_DUE} "
+        "ORDER BY seq LIMIT ?",
+        # by parent: the answers by parent id, then by reply-to, merged
+        f"{_SELECT} WHERE parent_id = ? AND seq > ? AND recipient = ? AND status = 'queued' "
+        f"AND {_DUE} ORDER BY seq LIMIT ?",
+        f"{_SELECT} WHERE reply_to = ? AND seq > ? AND recipient = ? AND status = 'queued' "
+        f"AND {_DUE} ORDER BY seq LIMIT ?",
     ],
     "recovered": [
-        f"{_SELECT} WHERE recipient = ? AND recovery = 1 AND seq <= ? ORDER BY seq LIMIT ?"
+        f"{_SELECT} INDEXED BY messages_recovery WHERE recipient = ? AND recovery = 1 "
+        f"AND seq <= ? AND status = 'queued' AND {_DUE} ORDER BY seq LIMIT ?"
     ],
     "lapsed": [f"{_SELECT} WHERE status = 'leased' AND lease_until <= ?"],
+    "thread": [
+        f"{_SELECT} WHERE id = ? AND seq > ? AND (sender = ? OR recipient = ?) AND {_LIVE}",
+        f"{_SELECT} WHERE root_id = ? AND seq > ? AND (sender = ? OR recipient = ?) AND {_LIVE} "
+        "ORDER BY seq LIMIT ?",
+    ],
     "expire": [
         "SELECT seq, created FROM messages WHERE seq > 0 ORDER BY seq LIMIT ?",
+        "SELECT seq FROM messages WHERE expires_at <= ? LIMIT ?",
+        f"{_SELECT} WHERE seq <= ? AND kind = 'request' AND status IN ('queued', 'leased')",
+        f"{_SELECT} WHERE seq = ? AND kind = 'request' AND status IN ('queued', 'leased')",
         "INSERT INTO meta (key, value) SELECT 'last_seq', max(seq) FROM messages "
         "WHERE true ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)",
         "DELETE FROM messages WHERE seq <= ?",
+        "DELETE FROM messages WHERE seq = ?",
     ],
-    "register": ["INSERT OR REPLACE INTO peers (agent, last_seen) VALUES (?, ?)"],
+    "register": [
+        "INSERT INTO peers (agent, last_seen) VALUES (?, ?) "
+        "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen",
+        "INSERT INTO peers (agent, last_seen, card) VALUES (?, ?, ?) "
+        "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen, card = excluded.card",
+    ],
     # One index seek per recipient (a loose scan of messages_inbox), then counts of
-    # the queued, leased and failed ranges: done messages are never visited.
+    # its queued, leased and failed ranges: done messages are never visited.
     "depths": [
         "SELECT recipient FROM messages WHERE recipient > ? ORDER BY recipient LIMIT 1",
         "SELECT status, count(*) FROM messages "
         "WHERE recipient = ? AND status IN ('queued', 'leased', 'failed') GROUP BY status",
+        "SELECT count(*) FROM messages WHERE recipient = ? AND status = 'queued' "
+        "AND not_before > ?",
         "SELECT created FROM messages WHERE recipient = ? AND status = 'queued' "
-        "ORDER BY seq LIMIT 1",
+        "AND (not_before IS NULL OR not_before <= ?) ORDER BY seq LIMIT 1",
     ],
 }
 
 # Statements that return a whole table by design (the peers list is small).
-LISTINGS = ("SELECT agent, last_seen FROM peers ORDER BY agent",)
+LISTINGS = ("SELECT agent, last_seen, card FROM peers ORDER BY agent",)
 
 
-def _query_statement(kind: Optional[str], status: Optional[str],
-                     sender: Optional[str]) -> Tuple[str, List[str]]:
-    """The SELECT of one agent's inbox narrowed by the filters, and the filters' names."""
-    where = ["recipient = ?"]
-    names = []
-    if sender is not None:
-        where.append("sender = ?")
-        names.append("sender")
-    if kind is not None:
-        where.append("kind = ?")
-        names.append("kind")
-    if status is not None:
-        where.append("status = ?")
-        names.append("status")
-    sql = f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?"
-    return sql, names
+_BOX = {"inbox": "recipient = ?", "sent": "sender = ?", "all": "(recipient = ? OR sender = ?)"}
+# How a listing finds its rows: by box and status, or, with a conversation filter,
+# by the index of that filter (a few rows) whatever the box.
+_LISTING_SOURCES = {
+    "box": ("", "status = ?"),
+    "id": ("", "id = ?"),
+    "root": ("INDEXED BY messages_root", "root_id = ?"),
+    "parent": ("INDEXED BY messages_parent", "parent_id = ?"),
+    "reply_to": ("INDEXED BY messages_reply_to", "reply_to = ?"),
+}
 
 
-STATEMENTS["inbox"] = [
-    _query_statement(kind, "queued", sender)[0]
-    for kind in (None, "request")
-    for sender in (None, "x")
+def _listing_statement(source: str, box: str,
+                       filters: Mapping[str, Optional[str]]) -> Tuple[str, List[str]]:
+    """The SELECT of a listing from ``source`` narrowed to ``box`` and the filters,
+    and the names of its parameters after the source's own."""
+    hint, where_source = _LISTING_SOURCES[source]
+    where = [where_source, _BOX[box]]
+    names = ["agent"] * _BOX[box].count("?")
+    for name, clause in (("status", "status = ?"), ("from", "sender = ?"),
+                         ("to", "recipient = ?"), ("kind", "kind = ?"),
+                         ("rootId", "(id = ? OR root_id = ?)"),
+                         ("parentId", "(parent_id = ? OR reply_to = ?)")):
+        if filters.get(name) is not None and not (name == "status" and source == "box"):
+            where.append(clause)
+            names.extend([name] * clause.count("?"))
+    where.append(_LIVE)
+    names.append("now")
+    sql = f"{_SELECT} {hint} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?"
+    return " ".join(sql.split()), names
+
+
+STATEMENTS["listing"] = [
+    _listing_statement(source, box, filters)[0]
+    for box in ("inbox", "sent", "all")
+    for source, filters in (("box", {}), ("box", {"kind": "request"}), ("box", {"from": "x"}),
+                            ("box", {"to": "x"}), ("id", {"rootId": "r"}),
+                            ("root", {"rootId": "r"}), ("parent", {"parentId": "p"}),
+                            ("reply_to", {"parentId": "p", "status": "queued"}))
+    if not (box == "all" and source == "box")  # the box index is read box by box
 ]
 
 
@@ -178,6 +224,11 @@ def _row(message: Message) -> Tuple[Any, ...]:
         message.error,
         message.created,
         int(message.recovery),
+        message.deliveries,
+        message.not_before,
+        message.dead_reason,
+        message.delay_until,
+        message.expires_at,
     )
 
 
@@ -202,6 +253,11 @@ def _message(row: Sequence[Any]) -> Message:
         error=row[16],
         created=row[17],
         recovery=bool(row[18]),
+        deliveries=row[19],
+        not_before=row[20],
+        dead_reason=row[21],
+        delay_until=row[22],
+        expires_at=row[23],
     )
 
 
@@ -212,15 +268,10 @@ def _newest(parts: List[List[Message]], limit: int) -> List[Message]:
 
 
 def _state_row(message: Message) -> Tuple[Any, ...]:
-    return (
-        message.status,
-        message.attempts,
-        message.lease_until,
-        message.lease_id,
-        message.error,
-        int(message.recovery),
-        message.seq,
-    )
+    (status, attempts, lease_until, lease_id, error, recovery, deliveries, not_before,
+     dead_reason) = message.state()
+    return (status, attempts, lease_until, lease_id, error, int(recovery), deliveries,
+            not_before, dead_reason, message.seq)
 
 
 class Checkpointer:
@@ -339,39 +390,67 @@ class SQLiteRecords(Records):
         return True
 
     def get(self, message_id: str) -> Optional[Message]:
-        row = self.cursor.execute(STATEMENTS["get"][0], (message_id,)).fetchone()
-        return None if row is None else _message(row)
+        # fetchall: a statement left unfinished (fetchone) blocks COMMIT on PyPy
+        rows = self.cursor.execute(STATEMENTS["get"][0], (message_id,)).fetchall()
+        return _message(rows[0]) if rows else None
 
     def seq_of(self, message_id: str) -> int:
-        row = self.cursor.execute(STATEMENTS["seq_of"][0], (message_id,)).fetchone()
-        return 0 if row is None else row[0]
+        rows = self.cursor.execute(STATEMENTS["seq_of"][0], (message_id,)).fetchall()
+        return rows[0][0] if rows else 0
 
     def save(self, messages: Sequence[Message]) -> None:
         self._begin()
         self.cursor.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
 
-    def queued(self, agent: str, after_seq: int, limit: int) -> List[Message]:
-        return self._select(STATEMENTS["queued"][0], agent, after_seq, limit)
+    def queued(self, agent: str, after_seq: int, limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        if parent_id is None:
+            return self._select(STATEMENTS["queued"][0], agent, after_seq, now, now, limit)
+        parts = [self._select(sql, parent_id, after_seq, agent, now, now, limit)
+                 for sql in STATEMENTS["queued"][1:]]
+        unique = {m.seq: m for m in parts[0] + parts[1]}
+        return [unique[seq] for seq in sorted(unique)][:limit]
 
-    def recovered(self, agent: str, upto_seq: int, limit: int) -> List[Message]:
-        return self._select(STATEMENTS["recovered"][0], agent, upto_seq, limit)
+    def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
+        return self._select(STATEMENTS["recovered"][0], agent, upto_seq, now, now, limit)
 
     def lapsed(self, now: float) -> List[Message]:
         return self._select(STATEMENTS["lapsed"][0], delivery.now_ms(now))
 
-    def inbox(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> List[Message]:
-        """The inbox index is by status: without a status filter, the newest of
-        each status are read and merged."""
-        kind, status, sender = filters.get("kind"), filters.get("status"), filters.get("from")
-        if status is None:
-            parts = [self.inbox(agent, limit, dict(filters, status=s)) for s in STATUSES]
-            return _newest(parts, limit)
-        sql, names = _query_statement(kind, status, sender)
-        values = {"sender": sender, "kind": kind, "status": status}
-        return self._select(sql, agent, *[values[n] for n in names], limit)
+    def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
+                now: float) -> List[Message]:
+        """Without a conversation filter the box index is read status by status and
+        merged; with ``rootId`` (``parentId``) the root (parent and reply-to) index
+        gives the few candidate rows."""
+        if filters.get("rootId") is not None:
+            reads = [("id", box, filters["rootId"]), ("root", box, filters["rootId"])]
+        elif filters.get("parentId") is not None:
+            reads = [("parent", box, filters["parentId"]),
+                     ("reply_to", box, filters["parentId"])]
+        else:
+            status = filters.get("status")
+            reads = [("box", name, state)
+                     for name in (("inbox", "sent") if box == "all" else (box,))
+                     for state in (STATUSES if status is None else (status,))]
+        values = dict(filters, agent=agent, now=now)
+        parts = []
+        for source, name, key in reads:
+            sql, names = _listing_statement(source, name, filters)
+            parts.append(self._select(sql, key, *[values[n] for n in names], limit))
+        unique = {m.seq: m for part in parts for m in part}
+        return [unique[seq] for seq in sorted(unique, reverse=True)][:limit]
 
-    def expire(self, cutoff: float, batch: int) -> int:
-        """Remove the oldest messages (in seq order) stored before ``cutoff``, up to ``batch``."""
+    def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
+               now: float) -> List[Message]:
+        root = self._select(STATEMENTS["thread"][0], root_id, after_seq, agent, agent, now)
+        rest = self._select(STATEMENTS["thread"][1], root_id, after_seq, agent, agent, now,
+                            limit)
+        merged = sorted(root + [m for m in rest if m.id != root_id], key=lambda m: m.seq)
+        return merged[:limit]
+
+    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
+        """Remove the oldest messages (in seq order) stored before ``cutoff``, then those
+        whose TTL ran out, up to ``batch`` in all."""
         last = None
         # Its own cursor, closed at once: this scan stops early, and a statement left
         # half-read would hold a read snapshot (and the WAL) until the next request.
@@ -383,43 +462,65 @@ class SQLiteRecords(Records):
                 last = seq
         finally:
             scan.close()
-        if last is None:
-            return 0
-        self._begin()
-        self.cursor.execute(STATEMENTS["expire"][1])
-        return self.cursor.execute(STATEMENTS["expire"][2], (last,)).rowcount
+        removed = 0
+        unprocessed: List[Message] = []
+        if last is not None:
+            unprocessed = self._select(STATEMENTS["expire"][2], last)
+            self._begin()
+            self.cursor.execute(STATEMENTS["expire"][4])
+            removed = self.cursor.execute(STATEMENTS["expire"][5], (last,)).rowcount
+        room = batch - removed
+        if room > 0:
+            ttl = [row[0] for row in self.cursor.execute(STATEMENTS["expire"][1], (now, room))]
+            if ttl:
+                for seq in ttl:
+                    unprocessed.extend(self._select(STATEMENTS["expire"][3], seq))
+                self._begin()
+                self.cursor.execute(STATEMENTS["expire"][4])
+                self.cursor.executemany(STATEMENTS["expire"][6], [(seq,) for seq in ttl])
+                removed += len(ttl)
+        return removed, unprocessed
 
-    def depths(self) -> List[QueueDepth]:
-        next_recipient, counts, oldest = STATEMENTS["depths"]
+    def depths(self, now: float) -> List[QueueDepth]:
+        next_recipient, counts, delayed, oldest = STATEMENTS["depths"]
         out = []
         agent = ""
         while True:
-            row = self.cursor.execute(next_recipient, (agent,)).fetchone()
-            if row is None:
+            rows = self.cursor.execute(next_recipient, (agent,)).fetchall()
+            if not rows:
                 return out
-            agent = row[0]
+            agent = rows[0][0]
             by_status = dict(self.cursor.execute(counts, (agent,)).fetchall())
             if not by_status:
                 continue
-            first = self.cursor.execute(oldest, (agent,)).fetchone()
+            held = 0
+            if by_status.get("queued"):
+                held = self.cursor.execute(delayed, (agent, now)).fetchall()[0][0]
+            first = self.cursor.execute(oldest, (agent, now)).fetchall()
             out.append(QueueDepth(
                 agent,
-                queued=by_status.get("queued", 0),
+                queued=by_status.get("queued", 0) - held,
                 leased=by_status.get("leased", 0),
                 failed=by_status.get("failed", 0),
-                oldest_queued=first[0] if first else None,
+                delayed=held,
+                oldest_queued=first[0][0] if first else None,
             ))
 
-    def register(self, agent: str, now: float) -> None:
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
         self.registered.add(agent)
         self._begin()
-        self.cursor.execute(STATEMENTS["register"][0], (agent, int(now)))
+        if card is KEEP_CARD:
+            self.cursor.execute(STATEMENTS["register"][0], (agent, int(now)))
+        else:
+            text = None if card is None else json.dumps(card, separators=(",", ":"))
+            self.cursor.execute(STATEMENTS["register"][1], (agent, int(now), text))
 
     def is_registered(self, agent: str) -> bool:
         return agent in self.registered
 
-    def peers(self) -> List[Tuple[str, int]]:
-        return [tuple(row) for row in self.cursor.execute(LISTINGS[0])]
+    def peers(self) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
+        return [(agent, seen, None if card is None else json.loads(card))
+                for agent, seen, card in self.cursor.execute(LISTINGS[0])]
 
 
 class SQLiteStore(RecordStore):
@@ -497,7 +598,10 @@ def _import_jsonl(db: sqlite3.Connection, data_dir: str, now: float) -> None:
         return
     loaded = read_log(path, now)
     db.executemany(_INSERT, [_row(m) for m in loaded.messages])
-    db.executemany(STATEMENTS["register"][0], sorted(loaded.peers.items()))
+    db.executemany(STATEMENTS["register"][1], [
+        (agent, seen, None if agent not in loaded.cards
+         else json.dumps(loaded.cards[agent], separators=(",", ":")))
+        for agent, seen in sorted(loaded.peers.items())])
     db.execute(
         "INSERT INTO meta (key, value) VALUES ('last_seq', ?) "
         "ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)",

@@ -183,10 +183,17 @@ function showFlow(flow) {
 }
 
 function showLeases(leases) {
-  fill($("leases").tBodies[0], leases.map((m) => [
-    el("td", m.id, "id"), el("td", `${m.from} → ${m.to}`), el("td", m.attempts, "n"),
-    el("td", m.secondsLeft > 0 ? age(m.secondsLeft) : "lapsing", "n"),
-  ]), 4, "no leases in flight");
+  fill($("leases").tBodies[0], leases.map((m) => {
+    const action = el("td");
+    const button = el("button", "cancel");
+    button.title = "withdraw it: it becomes a dead letter";
+    button.addEventListener("click", () => act("/api/cancel", "cancelled", m.id, button));
+    action.append(button);
+    return [
+      el("td", m.id, "id"), el("td", `${m.from} → ${m.to}`), el("td", m.attempts, "n"),
+      el("td", m.secondsLeft > 0 ? age(m.secondsLeft) : "lapsing", "n"), action,
+    ];
+  }), 5, "no leases in flight");
 }
 
 function showDeadLetters(dead) {
@@ -194,22 +201,23 @@ function showDeadLetters(dead) {
     const action = el("td");
     const button = el("button", "requeue");
     button.dataset.id = m.id;
-    button.addEventListener("click", () => requeue(m.id, button));
+    button.addEventListener("click", () => act("/api/requeue", "requeued", m.id, button));
     action.append(button);
     return [
       el("td", m.id, "id"), el("td", m.from), el("td", m.to), el("td", m.attempts, "n"),
-      el("td", m.deliveries === null ? "–" : m.deliveries, "n"), el("td", m.error || ""), action,
+      el("td", m.deliveries, "n"), el("td", [m.reason, m.error].filter(Boolean).join(": ")),
+      action,
     ];
   }), 7, "no dead letters");
 }
 
-async function requeue(id, button) {
+async function act(path, done, id, button) {
   button.disabled = true;
   try {
-    await postJSON("/api/requeue", { messageId: id });
-    $("action").textContent = `requeued ${id}`;
+    await postJSON(path, { messageId: id });
+    $("action").textContent = `${done} ${id}`;
   } catch (error) {
-    $("action").textContent = `could not requeue ${id}: ${error.message}`;
+    $("action").textContent = `${id}: ${error.message}`;
   }
   refresh();
 }
