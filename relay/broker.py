@@ -199,8 +199,9 @@ class Broker:
         return envelope["id"]
 
     def poll(self, agent: str, since: Optional[str], limit: int, wait: int) -> Deferred:
-        """The v1.0 poll; fires with ``(envelopes, cursor)``. With ``wait``, waits up
-        to that many seconds for a message to become deliverable."""
+        """The v1.0 poll; fires with ``(envelopes, cursor)`` (each envelope JSON text).
+        With ``wait``, waits up to that many seconds for a message to become
+        deliverable."""
 
         def attempt() -> Deferred:
             return self.store.poll(agent, since, limit, self.clock.seconds(), self.policy.rules)
@@ -214,7 +215,7 @@ class Broker:
     def pull(self, agent: str, limit: int, lease_seconds: Optional[float], wait: int,
              parent_id: Optional[str] = None) -> Deferred:
         """Lease up to ``limit`` messages (with ``parent_id``: only the answers to
-        that message); fires with their envelopes (``leaseId`` included).
+        that message); fires with their envelopes as JSON texts (``leaseId`` included).
         ``lease_seconds`` None means ``broker.leaseSeconds``."""
         seconds = self.policy.lease_seconds if lease_seconds is None else lease_seconds
 
@@ -228,11 +229,13 @@ class Broker:
         d.addCallback(self._delivered, agent)
         return d
 
-    def _envelopes(self, messages: Sequence[Message], agent: str) -> List[Dict[str, Any]]:
+    def _envelopes(self, messages: Sequence[Message], agent: str) -> List[str]:
+        """The envelopes as ``agent`` sees them now, each as JSON text: a stored body
+        is sent as stored, never decoded."""
         now = self.clock.seconds()
-        return [m.envelope(agent, now) for m in messages]
+        return [m.envelope_json(agent, now) for m in messages]
 
-    def _delivered(self, messages: Sequence[Message], agent: str) -> List[Dict[str, Any]]:
+    def _delivered(self, messages: Sequence[Message], agent: str) -> List[str]:
         if messages:
             self.counters.messages_delivered(len(messages))
         return self._envelopes(messages, agent)
@@ -310,13 +313,14 @@ class Broker:
         return self.store.status(message_ids, agent, self.clock.seconds(), self.policy.rules)
 
     def recent(self, agent: str, limit: int) -> Deferred:
-        """Fires with the envelopes of ``agent``'s newest messages, any status."""
+        """Fires with the envelopes (JSON texts) of ``agent``'s newest messages."""
         d = self.store.recent(agent, limit, self.clock.seconds(), self.policy.rules)
         d.addCallback(self._envelopes, agent)
         return d
 
     def query(self, agent: str, limit: int, filters: Mapping[str, Optional[str]]) -> Deferred:
-        """Fires with the envelopes of ``agent``'s messages matching ``filters``."""
+        """Fires with the envelopes (JSON texts) of ``agent``'s messages matching
+        ``filters``."""
         d = self.store.query(agent, limit, filters, self.clock.seconds(), self.policy.rules)
         d.addCallback(self._envelopes, agent)
         return d

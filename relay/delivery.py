@@ -30,6 +30,7 @@ import json
 import os
 import uuid
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from relay import errors
@@ -37,6 +38,15 @@ from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
 
 _UNDECODED = object()  # Message._body before its stored JSON text is read
 _new_message = object.__new__
+_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _text(value: Optional[str]) -> str:
+    return "null" if value is None else encode_basestring(value)
+
+
+def _number(value: Optional[int]) -> str:
+    return "null" if value is None else str(value)
 
 # Why a message failed (kept with it; the reason label of dead-letter metrics).
 ATTEMPTS = "attempts"
@@ -158,9 +168,9 @@ class Message:
         self._body_json = None
 
     def body_json(self) -> str:
-        """The body as compact JSON text."""
+        """The body as compact JSON text (UTF-8 characters kept, not escaped)."""
         if self._body_json is None:
-            return json.dumps(self._body, separators=(",", ":"))
+            return _compact(self._body)
         return self._body_json
 
     def copy(self) -> Message:
@@ -210,7 +220,9 @@ class Message:
             to=envelope["to"],
             created=created,
             type=envelope["type"],
-            body=envelope["body"],
+            # Kept as the compact text of the validated body from here on: nothing
+            # decodes a stored body again to send it.
+            body_json=_compact(envelope["body"]),
             reply_to=envelope["replyTo"],
             ack=envelope["ack"],
             kind=envelope["kind"],
@@ -253,6 +265,37 @@ class Message:
         if self.delay_until is not None and (now is None or now < self.delay_until):
             out["notBefore"] = iso_timestamp(self.delay_until)
         return out
+
+    def envelope_json(self, viewer: Optional[str] = None, now: Optional[float] = None) -> str:
+        """:meth:`envelope` as JSON text, with the stored body text spliced in undecoded."""
+        parts = [
+            '{"id":', encode_basestring(self.id),
+            ',"from":', encode_basestring(self.sender),
+            ',"to":', encode_basestring(self.to),
+            ',"ts":', encode_basestring(self.ts),
+            ',"type":', encode_basestring(self.type),
+            ',"body":', self.body_json(),
+            ',"replyTo":', _text(self.reply_to),
+            ',"ack":', "true" if self.ack else "false",
+            ',"kind":', encode_basestring(self.kind),
+            ',"rootId":', _text(self.root_id),
+            ',"parentId":', _text(self.parent_id),
+            ',"status":', encode_basestring(self.status),
+            ',"attempts":', str(self.attempts),
+            ',"leaseUntil":', _number(self.lease_until),
+        ]
+        if viewer is not None and viewer == self.to and self.status == LEASED:
+            parts += ',"leaseId":', _text(self.lease_id)
+        if self.expires_at is not None:
+            parts += ',"expiresAt":', encode_basestring(iso_timestamp(self.expires_at))
+        if self.delay_until is not None and (now is None or now < self.delay_until):
+            parts += ',"notBefore":', encode_basestring(iso_timestamp(self.delay_until))
+        parts.append("}")
+        return "".join(parts)
+
+    def size(self) -> int:
+        """About how many bytes this message takes in a response (its body dominates)."""
+        return len(self.body_json()) + 400
 
     def status_entry(self, now: float) -> Dict[str, Any]:
         """The ``/v1/status`` entry of this message at ``now``; ``error``, ``notBefore``
@@ -443,7 +486,7 @@ def failure_notice(request: Message, event: str, now: float) -> Message:
         sender=request.to,
         to=request.sender,
         created=now,
-        body=body,
+        body_json=_compact(body),
         reply_to=request.id,
         kind="reply",
         root_id=request.root_id or request.id,
@@ -544,7 +587,7 @@ def reply_message(message: Message, agent: str, fields: Dict[str, Any], now: flo
         sender=agent,
         to=message.sender,
         created=now,
-        body=fields["body"],
+        body_json=_compact(fields["body"]),
         reply_to=message.id,
         ack=fields["ack"],
         kind=fields["kind"],
@@ -668,11 +711,26 @@ def expiry_notices(messages: Iterable[Message], now: float, rules: Rules
 # -- the v1.0 poll -------------------------------------------------------------------
 
 
+def within_budget(messages: Iterable[Message], budget: int) -> List[Message]:
+    """The first of ``messages`` whose sizes add up to at most ``budget`` bytes, and
+    always the first one: a response is bounded in bytes, and never empty when
+    there is something to say."""
+    out: List[Message] = []
+    total = 0
+    for message in messages:
+        total += message.size()
+        if out and total > budget:
+            break
+        out.append(message)
+    return out
+
+
 def poll_page(
     recovered: Iterable[Message],
     fresh: Iterable[Message],
     limit: int,
     since_id: Optional[str],
+    budget: int,
 ) -> Tuple[List[Message], Optional[str], List[Message]]:
     """One v1.0 poll page: ``(messages, cursor, unmarked)``.
 
@@ -680,12 +738,13 @@ def poll_page(
     cursor that carry the recovery mark (a lapsed lease, a delay run out),
     ``fresh`` its deliverable messages after the cursor, both in sequence order.
     Recovery deliveries come first, each once (``unmarked`` are the messages whose
-    mark this page clears); the cursor is the last fresh message returned and
-    never moves backwards (spec §5.1, v1.2 §7).
+    mark this page clears); the page stops at ``limit`` messages or at
+    ``budget`` bytes (:func:`within_budget`); the cursor is the last fresh message
+    returned and never moves backwards (spec §5.1, v1.2 §7).
     """
-    out = list(recovered)[:limit]
-    page_fresh = list(fresh)[: limit - len(out)]
-    out.extend(page_fresh)
+    recovered = list(recovered)[:limit]
+    out = within_budget(recovered + list(fresh)[: limit - len(recovered)], budget)
+    page_fresh = out[len(recovered):]
     unmarked = [m for m in out if m.recovery]
     for message in unmarked:
         message.recovery = False

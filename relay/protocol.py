@@ -27,6 +27,9 @@ MAX_STATUS_IDS = 200
 MAX_LEASE_SECONDS = 86400
 MAX_WAIT_SECONDS = 20
 MAX_JSON_DEPTH = 100
+# The most JSON values (objects, arrays, strings, numbers, literals) one request body
+# may hold: parsing is bounded work, whatever the body's shape.
+MAX_JSON_VALUES = 100_000
 
 MESSAGE_TYPES = ("message", "ack")
 MESSAGE_KINDS = ("message", "request", "reply")
@@ -107,22 +110,30 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _too_deep(value: Any, raw: bytes) -> bool:
-    """True when ``value`` nests arrays and objects deeper than ``MAX_JSON_DEPTH``.
+def _shape(value: Any, raw: bytes) -> Optional[str]:
+    """Why ``value`` is too big in shape — nested deeper than ``MAX_JSON_DEPTH`` or
+    holding more than ``MAX_JSON_VALUES`` values — else None.
 
-    Iterative, and skipped when ``raw`` holds too few brackets to be that deep.
+    Iterative, and skipped when ``raw`` holds too few brackets and commas to reach
+    either bound (each value but the first follows a comma or an opening bracket).
     """
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return False
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets <= MAX_JSON_DEPTH and brackets + raw.count(b",") < MAX_JSON_VALUES:
+        return None
+    count = 1
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            return True
-        for child in item.values() if isinstance(item, dict) else item:
+            return f"nested deeper than {MAX_JSON_DEPTH} levels"
+        children = item.values() if isinstance(item, dict) else item
+        count += len(children)
+        if count > MAX_JSON_VALUES:
+            return f"made of more than {MAX_JSON_VALUES} JSON values"
+        for child in children:
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1))
-    return False
+    return None
 
 
 # A \u escape of a UTF-16 surrogate: alone it decodes to text UTF-8 cannot carry.
@@ -136,7 +147,8 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
 
     ``NaN``, ``Infinity``, numbers that overflow a double and lone surrogate
     escapes are refused: stored, they would be served back as text no JSON
-    parser (or no UTF-8 encoder) accepts. So is
+    parser (or no UTF-8 encoder) accepts. So is a body of more than
+    ``MAX_JSON_VALUES`` values (parsing one costs work in proportion), and
     nesting deeper than ``MAX_JSON_DEPTH``: near the interpreter's recursion
     limit a body can parse yet fail to encode when served, and block its
     recipient's queue with 503s.
@@ -153,8 +165,10 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
         value = _STRICT_DECODER.decode(text)
     except (ValueError, RecursionError):
         raise bad_request("request body is not valid JSON") from None
-    if isinstance(value, (dict, list)) and _too_deep(value, raw):
-        raise bad_request(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, (dict, list)):
+        problem = _shape(value, raw)
+        if problem is not None:
+            raise bad_request(f"request body is {problem}")
     if _SURROGATE_ESCAPE.search(raw):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")

@@ -51,10 +51,21 @@ def set_json_headers(request, status: int) -> None:
 
 def write_json(request, status: int, value: Any) -> bytes:
     """Set the status and JSON headers of ``request``; returns the encoded body."""
+    return write_body(request, status, encode_json(value))
+
+
+def write_body(request, status: int, body: bytes) -> bytes:
+    """Set the status and JSON headers of ``request`` for the encoded ``body``."""
     set_json_headers(request, status)
-    body = encode_json(value)
     request.setHeader(b"content-length", b"%d" % len(body))
     return body
+
+
+def message_list(envelopes: List[str], **fields: Any) -> bytes:
+    """``{"messages": [...], **fields}`` from envelopes already encoded as JSON text."""
+    tail = encode_json(fields)[1:] if fields else b"}"
+    return b'{"messages":[' + ",".join(envelopes).encode("utf-8") + b"]" + (
+        b"," + tail if fields else tail)
 
 
 def check_body_size(request) -> None:
@@ -240,7 +251,7 @@ class RelayAPI:
         wait = protocol.parse_wait_seconds(_query_arg(request, b"wait"), "wait")
         d = self.broker.poll(agent, since, limit, wait)
         d.addCallback(
-            lambda page: write_json(request, 200, {"messages": page[0], "cursor": page[1]})
+            lambda page: write_body(request, 200, message_list(page[0], cursor=page[1]))
         )
         return d
 
@@ -267,8 +278,8 @@ class RelayAPI:
         d.addCallback(self._listed, request)
         return d
 
-    def _listed(self, messages: List[Dict[str, Any]], request) -> bytes:
-        return write_json(request, 200, {"messages": messages, "count": len(messages)})
+    def _listed(self, envelopes: List[str], request) -> bytes:
+        return write_body(request, 200, message_list(envelopes, count=len(envelopes)))
 
     @app.route("/v1/ack", methods=["POST"])
     @authenticated
@@ -344,8 +355,8 @@ class RelayAPI:
         root_id = protocol.required_id(body, "rootId")
         since = protocol.optional_id(body, "since")
         d = self.broker.thread(agent, root_id, since, protocol.clamp_limit(body.get("limit")))
-        d.addCallback(lambda page: write_json(
-            request, 200, {"messages": page[0], "count": len(page[0]), "cursor": page[1]}))
+        d.addCallback(lambda page: write_body(
+            request, 200, message_list(page[0], count=len(page[0]), cursor=page[1])))
         return d
 
 

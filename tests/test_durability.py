@@ -124,3 +124,52 @@ def test_sigkill_loses_no_acknowledged_message(tmp_path, storage):
     finally:
         burst.stop.set()
         broker.kill()
+
+
+@pytest.mark.parametrize("storage", ["sqlite", "jsonl"])
+def test_sigkill_keeps_every_v12_change_it_acknowledged(tmp_path, storage):
+    """EXTENSIONS.md §10: deliveries, errors, notBefore, expiresAt, cards, notices and
+    renewed deadlines survive a SIGKILL right after they were answered."""
+    broker = BrokerProcess(str(tmp_path), storage=storage).start()
+    try:
+        card = {"description": "durable", "skills": ["x"]}
+        assert broker.request("beta", "POST", "/register", {"card": card})[0] == 200
+        assert broker.request("alpha", "POST", "/register", {})[0] == 200
+        for i in range(3):
+            body = {"id": f"k{i}", "to": "beta", "kind": "request", "ttlSeconds": 3600}
+            assert broker.request("alpha", "POST", "/messages", body)[0] == 201
+        assert broker.request("alpha", "POST", "/messages",
+                              {"id": "later", "to": "beta", "delaySeconds": 3600})[0] == 201
+        _, pulled = broker.request("beta", "POST", "/v1/pull", {"limit": 3})
+        lease = {m["id"]: m["leaseId"] for m in pulled["messages"]}
+        _, renewed = broker.request("beta", "POST", "/v1/lease/renew",
+                                    {"messageId": "k0", "leaseId": lease["k0"],
+                                     "leaseSeconds": 7200})
+        assert broker.request("beta", "POST", "/v1/ack", {
+            "messageId": "k1", "leaseId": lease["k1"], "outcome": "reject",
+            "error": "bad input"})[0] == 200
+        assert broker.request("beta", "POST", "/v1/ack", {
+            "messageId": "k2", "leaseId": lease["k2"], "outcome": "retry",
+            "retryAfterSeconds": 900})[0] == 200
+        _, before = broker.request("alpha", "POST", "/v1/status",
+                                   {"messageIds": ["k0", "k1", "k2", "later"]})
+        broker.kill()
+        broker.start()
+        _, after = broker.request("alpha", "POST", "/v1/status",
+                                  {"messageIds": ["k0", "k1", "k2", "later"]})
+        assert after == before
+        k0, k1, k2, later = after["messages"]
+        assert (k0["status"], k0["deliveries"], "expiresAt" in k0) == ("leased", 1, True)
+        assert (k1["status"], k1["error"]) == ("failed", "bad input")
+        assert k2["status"] == "queued" and k2["notBefore"] > time.time() * 1000
+        assert later["notBefore"] > time.time() * 1000
+        _, recent = broker.request("beta", "POST", "/v1/recent", {})
+        held = {m["id"]: m for m in recent["messages"]}
+        assert held["k0"]["leaseUntil"] == renewed["leaseUntil"]
+        _, peers = broker.request("alpha", "GET", "/peers")
+        assert [p.get("card") for p in peers["peers"]] == [None, card]
+        _, notices = broker.request("alpha", "POST", "/v1/pull", {"parentId": "k1"})
+        (notice,) = notices["messages"]
+        assert notice["body"]["relayNotice"]["error"] == "bad input"
+    finally:
+        broker.kill()

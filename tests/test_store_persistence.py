@@ -7,6 +7,7 @@ from typing import Any, Dict
 import pytest
 import pytest_twisted
 
+from relay import delivery
 from relay.delivery import Rules
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store.jsonl import snapshot_record
@@ -25,7 +26,7 @@ async def everything(store, agents=("alpha", "beta", "gamma")) -> Dict[str, Any]
     """Every stored message (all fields, lease ids included) and the peers."""
     messages = {}
     for agent in agents:
-        for m in await store.recent(agent, 200, START, RULES):
+        for m in await store.query(agent, 200, {"box": "all"}, START, RULES):
             messages[m.id] = (m.seq, snapshot_record(m)["message"], m.created, m.recovery)
     return {"messages": messages, "peers": await store.peers()}
 
@@ -144,5 +145,71 @@ async def test_state_changed_after_restart_survives_another(persistent, tmp_path
     try:
         found = await store.find("a", START)
         assert (found.status, found.attempts, found.error) == (QUEUED, 3, "e2")
+    finally:
+        await store.close()
+
+
+async def populate_v12(store) -> Dict[str, Any]:
+    """Every kind of v1.2 state: deliveries, a renewed lease, retry-after, a delay, a TTL,
+    dead letters with their reasons, a failure notice, an atomic reply, cards."""
+    await store.register("beta", START, {"description": "worker", "skills": ["a", "b"]})
+    await store.register("alpha", START)
+    for i in range(6):
+        assert await store.add(new_message("alpha", "beta", START, id=f"x{i}",
+                                           kind="request")) is True
+    assert await store.add(new_message("alpha", "beta", START, id="delayed",
+                                       delay_seconds=3600)) is True
+    assert await store.add(new_message("alpha", "beta", START, id="brief",
+                                       ttl_seconds=7200)) is True
+    leased = {m.id: m for m in await store.pull("beta", 6, LEASE, START, RULES)}
+    renewed = await store.settle("x0", delivery.renew("beta", leased["x0"].lease_id, 86400),
+                                 START, RULES)
+    await ack(store, "x1", "beta", leased["x1"].lease_id, "reject", "poison", START, RULES)
+    await store.settle("x2", delivery.ack("beta", leased["x2"].lease_id, "retry", "later",
+                                          RULES, 600), START, RULES)
+    await store.settle("x3", delivery.cancel("alpha", "not needed"), START, RULES)
+    reply = {"id": "answer", "body": {"text": "ok"}, "kind": "reply", "ack": False}
+    await store.settle("x4", delivery.ack("beta", leased["x4"].lease_id, "completed", None,
+                                          RULES, reply=reply), START, RULES)
+    return {"x0": (leased["x0"].lease_id, renewed["leaseUntil"])}
+
+
+@pytest_twisted.ensureDeferred
+async def test_restart_keeps_every_v12_field(persistent, tmp_path):
+    store = open_backend(persistent, tmp_path)
+    state = await populate_v12(store)
+    before = await everything(store)
+    statuses_before = await store.status(list(before["messages"]), "alpha", START, RULES)
+    await store.close()
+
+    store = open_backend(persistent, tmp_path)
+    try:
+        after = await everything(store)
+        assert after == before
+        assert await store.status(list(before["messages"]), "alpha", START,
+                                  RULES) == statuses_before
+        assert after["peers"][1] == ("beta", int(START),
+                                     {"description": "worker", "skills": ["a", "b"]})
+        x = {k: v[1] for k, v in after["messages"].items()}
+        assert (x["x0"]["leaseId"], x["x0"]["leaseUntil"]) == state["x0"], "renewed deadline"
+        assert (x["x1"]["status"], x["x1"]["deadReason"]) == (FAILED, "rejected")
+        assert (x["x2"]["status"], x["x2"]["notBeforeTime"]) == (QUEUED, START + 600)
+        assert (x["x3"]["deadReason"], x["x3"]["error"]) == ("cancelled", "not needed")
+        assert x["x4"]["status"] == DONE and x["answer"]["parentId"] == "x4"
+        assert x["delayed"]["delayUntilTime"] == START + 3600
+        assert x["brief"]["expiresAtTime"] == START + 7200
+        assert all(x[f"x{i}"]["deliveries"] == 1 for i in range(5))
+        assert delivery.notice_id("x1") in x, "the notice was stored with the failure"
+        # and they still act: the renewed lease acks, the delay holds, the notice is once
+        assert (await ack(store, "x0", "beta", state["x0"][0], "completed", None,
+                          START + 3000, RULES))["status"] == DONE
+        assert [m.id for m in await store.pull("beta", 10, LEASE, START + 3000, RULES)] == [
+            "x2", "x5", "brief"]
+        await store.settle("x1", delivery.requeue("alpha"), START, RULES)
+        (m,) = await store.pull("beta", 1, LEASE, START + 3000, RULES)
+        await ack(store, "x1", "beta", m.lease_id, "reject", None, START + 3000, RULES)
+        notices = await store.query("alpha", 50, {"kind": "reply", "from": "beta"},
+                                    START + 3000, RULES)
+        assert [n.id for n in notices].count(delivery.notice_id("x1")) == 1
     finally:
         await store.close()

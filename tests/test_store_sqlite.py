@@ -15,6 +15,7 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.logger import capturedLogs
 
+from relay import delivery
 from relay.delivery import notice_id
 from relay.errors import ConfigError, RelayError
 from relay.protocol import DONE, LEASED, QUEUED
@@ -69,7 +70,30 @@ async def test_no_statement_scans_a_table(tmp_path):
             for kind, status in ((None, None), ("request", None), (None, QUEUED)):
                 filters = {"kind": kind, "status": status, "from": sender, "to": to}
                 await store.query("beta", 10, filters, START, RULES)
-        await store.sweep_expired(START + 5, START + 5, RULES)
+        # v1.2: renew, every outcome, requeue, cancel, reply, delay, TTL, threads, boxes, cards
+        await store.register("beta", START, {"skills": ["x"]})
+        await store.add(new_message("alpha", "beta", START, id="c", kind="request",
+                                    rootId="b", ttl_seconds=5))
+        await store.add(new_message("alpha", "beta", START, id="d", delay_seconds=5))
+        (m,) = await store.pull("beta", 1, LEASE, START + LEASE, RULES)
+        await store.settle(m.id, delivery.renew("beta", m.lease_id, 30), START + LEASE, RULES)
+        reply = {"id": "rep", "body": {}, "kind": "reply", "ack": False}
+        await store.settle(m.id, delivery.ack("beta", m.lease_id, "completed", None, RULES,
+                                              reply=reply), START + LEASE, RULES)
+        await store.pull("alpha", 5, LEASE, START + LEASE, RULES, "a")
+        for outcome in ("release", "reject"):
+            (m,) = await store.pull("beta", 1, LEASE, START + LEASE, RULES)
+            await store.settle(m.id, delivery.ack("beta", m.lease_id, outcome, None, RULES, None),
+                               START + LEASE, RULES)
+        await store.settle(m.id, delivery.requeue("alpha"), START + LEASE, RULES)
+        await store.settle(m.id, delivery.cancel("alpha", None), START + LEASE, RULES)
+        await store.thread("alpha", "b", None, 10, START, RULES)
+        await store.thread("alpha", "b", "a", 10, START, RULES)
+        for box in ("inbox", "sent", "all"):
+            for filters in ({}, {"rootId": "b"}, {"parentId": "a"}, {"status": "failed"}):
+                await store.query("alpha", 10, dict(filters, box=box), START, RULES)
+        await store.poll("beta", None, 50, START + 10, RULES)
+        await store.sweep_expired(START + 5, START + 10, RULES)
         store.db.set_trace_callback(None)
         statements = {s for s in executed if s.split()[0].upper() not in ("BEGIN", "COMMIT")}
         statements -= set(backend.LISTINGS)

@@ -94,23 +94,35 @@ def _encode(record: Dict[str, Any]) -> bytes:
 
 def snapshot_record(message: Message) -> Dict[str, Any]:
     """The full-snapshot record of ``message`` (the reference broker's line format)."""
-    envelope = message.envelope()
-    envelope.pop("expiresAt", None)
-    envelope.pop("notBefore", None)
-    envelope["leaseId"] = message.lease_id
+    return json.loads(snapshot_line(message))
+
+
+def snapshot_line(message: Message) -> bytes:
+    """:func:`snapshot_record` as one encoded line, the body's stored text spliced in."""
+    extra: Dict[str, Any] = {"leaseId": message.lease_id}
     if message.error is not None:
-        envelope["error"] = message.error
-    envelope["created"] = message.created
+        extra["error"] = message.error
+    extra["created"] = message.created
     if message.recovery:
-        envelope["recovery"] = True
+        extra["recovery"] = True
     for key, value in (("deliveries", message.deliveries or None),
                        ("deadReason", message.dead_reason),
                        ("notBeforeTime", message.not_before),
                        ("delayUntilTime", message.delay_until),
                        ("expiresAtTime", message.expires_at)):
         if value is not None:
-            envelope[key] = value
-    return {"seq": message.seq, "message": envelope}
+            extra[key] = value
+    # The envelope without its view-only fields (the times are kept as epoch seconds).
+    envelope = _plain(message).envelope_json()
+    members = json.dumps(extra, separators=(",", ":"))[1:-1]
+    return (b'{"seq":%d,"message":' % message.seq
+            + f"{envelope[:-1]},{members}}}}}\n".encode())
+
+
+def _plain(message: Message) -> Message:
+    plain = message.copy()
+    plain.expires_at = plain.delay_until = None
+    return plain
 
 
 def state_record(message: Message) -> Dict[str, Any]:
@@ -344,7 +356,7 @@ class LoggedRecords(MemoryRecords):
         self.append = append
 
     def inserted(self, stored: Message) -> None:
-        self.append(snapshot_record(stored))
+        self.append(snapshot_line(stored))
 
     def saved(self, stored: Message) -> None:
         self.append(state_record(stored))
@@ -401,7 +413,7 @@ class Compaction:
         for seq in chunk:
             message = by_seq.get(seq)
             if message is not None:
-                lines.append(_encode(snapshot_record(message)))
+                lines.append(snapshot_line(message))
         self.file.write(b"".join(lines))
         self.records += len(lines)
         return self.position >= len(self.seqs)
@@ -466,8 +478,9 @@ class JsonlStore(RecordStore):
 
     # -- the log ---------------------------------------------------------------------
 
-    def _append(self, record: Dict[str, Any]) -> None:
-        self._buffer.append(_encode(record))
+    def _append(self, record: Any) -> None:
+        """Queue a record (a dict, or a line already encoded) for the turn's write."""
+        self._buffer.append(record if isinstance(record, bytes) else _encode(record))
         self.commits.touch()
 
     def _write(self) -> None:

@@ -24,6 +24,9 @@ from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore, QueueDepth
 
 EXPIRE_BATCH = 2000
+# The most bytes of messages one answer carries (at least one message, whatever its
+# size): a listing of large bodies is cut short instead of held whole in memory.
+RESPONSE_BUDGET_BYTES = 4 * 1024 * 1024
 
 Listener = Callable[[Changes], None]
 
@@ -31,7 +34,9 @@ Listener = Callable[[Changes], None]
 class Records:
     """A backend's synchronous primitives. Messages handed out are copies owned by
     the caller; :meth:`save` writes their delivery state back. Listings leave out
-    messages whose ``ttlSeconds`` ran out (:func:`relay.delivery.expired`).
+    messages whose ``ttlSeconds`` ran out (:func:`relay.delivery.expired`), and may
+    stop before ``limit`` once they hold :data:`RESPONSE_BUDGET_BYTES` (the
+    operations cut them there anyway).
 
     ``changes`` collects what the operations' writes mean for waiting requests
     until the store reports them.
@@ -164,7 +169,8 @@ def poll(records: Records, agent: str, since_id: Optional[str], limit: int, now:
     recovered = records.recovered(agent, since_seq, limit, now) if since_seq else []
     room = limit - len(recovered)
     fresh = records.queued(agent, since_seq, room, now) if room > 0 else []
-    messages, cursor, unmarked = delivery.poll_page(recovered, fresh, limit, since_id)
+    messages, cursor, unmarked = delivery.poll_page(recovered, fresh, limit, since_id,
+                                                    RESPONSE_BUDGET_BYTES)
     if unmarked:
         records.save(unmarked)
     return messages, cursor
@@ -173,7 +179,7 @@ def poll(records: Records, agent: str, since_id: Optional[str], limit: int, now:
 def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: float,
          rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
     release_lapsed(records, now, rules)
-    messages = records.queued(agent, 0, limit, now, parent_id)
+    messages = _budgeted(records.queued(agent, 0, limit, now, parent_id))
     if messages:
         befores = [m.state() for m in messages]
         for message in messages:
@@ -220,9 +226,13 @@ def status(records: Records, message_ids: Iterable[str], agent: str, now: float,
     return out
 
 
+def _budgeted(messages: List[Message]) -> List[Message]:
+    return delivery.within_budget(messages, RESPONSE_BUDGET_BYTES)
+
+
 def recent(records: Records, agent: str, limit: int, now: float, rules: Rules) -> List[Message]:
     release_lapsed(records, now, rules)
-    return records.listing(agent, "inbox", limit, {}, now)
+    return _budgeted(records.listing(agent, "inbox", limit, {}, now))
 
 
 def query(records: Records, agent: str, limit: int, filters: Mapping[str, Optional[str]],
@@ -234,14 +244,14 @@ def query(records: Records, agent: str, limit: int, filters: Mapping[str, Option
         return []  # the inbox holds only messages to ``agent``
     if box == "sent" and sender is not None and sender != agent:
         return []
-    return records.listing(agent, box, limit, filters, now)
+    return _budgeted(records.listing(agent, box, limit, filters, now))
 
 
 def thread(records: Records, agent: str, root_id: str, since_id: Optional[str], limit: int,
            now: float, rules: Rules) -> Tuple[List[Message], Optional[str]]:
     release_lapsed(records, now, rules)
     since_seq = records.seq_of(since_id) if since_id else 0
-    messages = records.thread(agent, root_id, since_seq, limit, now)
+    messages = _budgeted(records.thread(agent, root_id, since_seq, limit, now))
     if messages:
         return messages, messages[-1].id
     if since_seq and records.thread(agent, root_id, 0, 1, now):

@@ -63,7 +63,7 @@ from relay.protocol import KEEP_CARD, STATUSES
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
-from relay.store.records import Records, RecordStore
+from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
@@ -72,6 +72,7 @@ DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
 WAL_AUTOCHECKPOINT_PAGES = 8192
+LISTING_CHUNK = 16
 
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
@@ -377,6 +378,27 @@ class SQLiteRecords(Records):
     def _select(self, sql: str, *args: Any) -> List[Message]:
         return [_message(row) for row in self.cursor.execute(sql, args)]
 
+    def _listed(self, sql: str, *args: Any) -> List[Message]:
+        """:meth:`_select` for listings: rows are read a few at a time and the reading
+        stops once they hold the response budget, so large bodies are never all
+        loaded at once."""
+        cursor = self.cursor.execute(sql, args)
+        out: List[Message] = []
+        total = 0
+        while True:
+            rows = cursor.fetchmany(LISTING_CHUNK)
+            for row in rows:
+                out.append(_message(row))
+                total += len(row[6]) + 400
+            if len(rows) < LISTING_CHUNK:
+                return out
+            if total > RESPONSE_BUDGET_BYTES:
+                # A statement left unfinished holds a read snapshot (and on PyPy blocks
+                # COMMIT): this rare early stop gets a cursor of its own.
+                self.cursor.close()
+                self.cursor = self.db.cursor()
+                return out
+
     # -- Records ---------------------------------------------------------------------
 
     def insert(self, message: Message) -> bool:
@@ -405,14 +427,14 @@ class SQLiteRecords(Records):
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
                parent_id: Optional[str] = None) -> List[Message]:
         if parent_id is None:
-            return self._select(STATEMENTS["queued"][0], agent, after_seq, now, now, limit)
-        parts = [self._select(sql, parent_id, after_seq, agent, now, now, limit)
+            return self._listed(STATEMENTS["queued"][0], agent, after_seq, now, now, limit)
+        parts = [self._listed(sql, parent_id, after_seq, agent, now, now, limit)
                  for sql in STATEMENTS["queued"][1:]]
         unique = {m.seq: m for m in parts[0] + parts[1]}
         return [unique[seq] for seq in sorted(unique)][:limit]
 
     def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
-        return self._select(STATEMENTS["recovered"][0], agent, upto_seq, now, now, limit)
+        return self._listed(STATEMENTS["recovered"][0], agent, upto_seq, now, now, limit)
 
     def lapsed(self, now: float) -> List[Message]:
         return self._select(STATEMENTS["lapsed"][0], delivery.now_ms(now))
@@ -436,14 +458,14 @@ class SQLiteRecords(Records):
         parts = []
         for source, name, key in reads:
             sql, names = _listing_statement(source, name, filters)
-            parts.append(self._select(sql, key, *[values[n] for n in names], limit))
+            parts.append(self._listed(sql, key, *[values[n] for n in names], limit))
         unique = {m.seq: m for part in parts for m in part}
         return [unique[seq] for seq in sorted(unique, reverse=True)][:limit]
 
     def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
                now: float) -> List[Message]:
         root = self._select(STATEMENTS["thread"][0], root_id, after_seq, agent, agent, now)
-        rest = self._select(STATEMENTS["thread"][1], root_id, after_seq, agent, agent, now,
+        rest = self._listed(STATEMENTS["thread"][1], root_id, after_seq, agent, agent, now,
                             limit)
         merged = sorted(root + [m for m in rest if m.id != root_id], key=lambda m: m.seq)
         return merged[:limit]
