@@ -8,16 +8,17 @@ names or source addresses cannot grow the broker's memory.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 from collections import OrderedDict
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 
 from relay import errors
 from relay.config import AgentConfig, Config
 from relay.protocol import MAX_CLOCK_SKEW_SECONDS, is_loopback_host, is_valid_agent_name
-from relay.signing import signing_string
+from relay.signing import NONCE, signing_string
 
 RATE_WINDOW_SECONDS = 60.0
 MAX_TRACKED = 50_000
@@ -129,9 +130,50 @@ class Lockout:
         return len(self._failures), len(self._locked)
 
 
+MAX_NONCES = 200_000
+
+
+class NonceTable:
+    """The nonces seen within the skew window (EXTENSIONS.md §9), each accepted once.
+
+    An entry lives as long as a request carrying it could still pass the timestamp
+    check. The table is bounded: when it is full of live entries, a nonce request
+    is refused (``503 busy``) rather than an entry forgotten early.
+    """
+
+    def __init__(self, clock: IReactorTime, max_entries: int = MAX_NONCES) -> None:
+        self.clock = clock
+        self.max_entries = max_entries
+        self._seen: Dict[Tuple[str, str], int] = {}
+        self._expiry: List[Tuple[int, Tuple[str, str]]] = []
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _purge(self, now: int) -> None:
+        expiry = self._expiry
+        while expiry and expiry[0][0] < now:
+            until, key = heapq.heappop(expiry)
+            if self._seen.get(key) == until:
+                del self._seen[key]
+
+    def use(self, agent: str, nonce: str, timestamp: int) -> None:
+        """Accept ``nonce`` of ``agent`` once; 401 when it was used, 503 when full."""
+        now = int(self.clock.seconds())
+        self._purge(now)
+        key = (agent, nonce)
+        if key in self._seen:
+            raise errors.unauthenticated("replayed request (this nonce was used)")
+        if len(self._seen) >= self.max_entries:
+            raise errors.busy("too many requests with nonces in the skew window")
+        until = timestamp + MAX_CLOCK_SKEW_SECONDS
+        self._seen[key] = until
+        heapq.heappush(self._expiry, (until, key))
+
+
 # Why a request failed authentication: the ``reason`` of ``relay_auth_failures_total``.
-FAILURE_REASONS = ("missing_headers", "bad_agent_name", "unknown_agent", "locked",
-                   "bad_timestamp", "clock_skew", "bad_signature")
+FAILURE_REASONS = ("missing_headers", "bad_nonce", "bad_agent_name", "unknown_agent", "locked",
+                   "bad_timestamp", "clock_skew", "bad_signature", "replayed")
 
 
 def _keys(secrets: Sequence[str]) -> Tuple[hmac.HMAC, ...]:
@@ -139,11 +181,14 @@ def _keys(secrets: Sequence[str]) -> Tuple[hmac.HMAC, ...]:
 
 
 class Authenticator:
-    """Checks the §3 headers of a request and names the agent that signed it.
+    """Checks the §3 headers of a request (and the §9 nonce) and names the agent that
+    signed it.
 
     An agent (or the shared secret) may have several secrets, while one is
     rotated: a signature made with any of them verifies. ``on_failure(reason)``
     hears of every refused request (a reason of :data:`FAILURE_REASONS`).
+    ``lockout`` and ``nonces`` carry over the state of the authenticator this one
+    replaces (a reload), so a reload neither lifts a lock nor forgets a nonce.
     """
 
     def __init__(
@@ -155,13 +200,18 @@ class Authenticator:
         lock_seconds: float = 300.0,
         max_tracked: int = MAX_TRACKED,
         on_lock: Optional[Callable[[str], None]] = None,
+        require_nonce: bool = False,
+        max_nonces: int = MAX_NONCES,
         shared_secrets: Sequence[str] = (),
         lockout: Optional[Lockout] = None,
+        nonces: Optional[NonceTable] = None,
         on_failure: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.clock = clock
         self.on_lock = on_lock
         self.on_failure = on_failure
+        self.require_nonce = require_nonce
+        self.nonces = nonces if nonces is not None else NonceTable(clock, max_nonces)
         self.per_agent = any(a.secrets for a in agents.values())
         self._keys: Dict[str, Tuple[hmac.HMAC, ...]] = {}
         self._shared: Optional[Tuple[hmac.HMAC, ...]] = None
@@ -179,10 +229,10 @@ class Authenticator:
     @classmethod
     def from_config(cls, config: Config, clock: IReactorTime,
                     on_lock: Optional[Callable[[str], None]] = None,
-                    lockout: Optional[Lockout] = None,
+                    replacing: Optional[Authenticator] = None,
                     on_failure: Optional[Callable[[str], None]] = None) -> Authenticator:
         """An authenticator for the broker's settings; ``on_lock(agent)`` hears of new
-        locks. ``lockout`` carries over the locks of the authenticator it replaces."""
+        locks. ``replacing`` is the authenticator it takes over from (a reload)."""
         return cls(
             clock,
             config.secret,
@@ -190,8 +240,10 @@ class Authenticator:
             config.lock_after_failures,
             config.lock_minutes * 60.0,
             on_lock=on_lock,
+            require_nonce=config.require_nonce,
             shared_secrets=config.secrets,
-            lockout=lockout,
+            lockout=replacing.lockout if replacing is not None else None,
+            nonces=replacing.nonces if replacing is not None else None,
             on_failure=on_failure,
         )
 
@@ -218,11 +270,30 @@ class Authenticator:
         timestamp_header: Optional[bytes],
         signature_header: Optional[bytes],
         raw_body: bytes,
+        nonce_header: Optional[bytes] = None,
     ) -> str:
-        """The authenticated agent name, or a RelayError (401 or 403 ``locked``)."""
+        """The authenticated agent name, or a RelayError (401, 403 ``locked``, or 503
+        when the nonce table is full).
+
+        With ``X-Relay-Nonce`` the signing string covers the agent and the nonce,
+        and each nonce is accepted once; a replay is refused without counting
+        toward the lockout. ``require_nonce`` refuses requests without one.
+        """
         if not agent_header or not timestamp_header or not signature_header:
             raise self._refused("missing_headers",
                                 errors.unauthenticated("missing authentication headers"))
+        nonce = None
+        if nonce_header is not None:
+            try:
+                nonce = nonce_header.decode("ascii")
+            except UnicodeDecodeError:
+                nonce = ""
+            if not NONCE.match(nonce):
+                raise self._refused("bad_nonce", errors.unauthenticated(
+                    "invalid X-Relay-Nonce (16 to 64 of A-Z a-z 0-9 _ -)"))
+        elif self.require_nonce:
+            raise self._refused("bad_nonce", errors.unauthenticated(
+                "this broker requires X-Relay-Nonce (signed nonce)"))
         try:
             agent = agent_header.decode("ascii")
         except UnicodeDecodeError:
@@ -240,15 +311,26 @@ class Authenticator:
         # Whole seconds on both sides: a fractional clock would make the window lopsided.
         if abs(int(self.clock.seconds()) - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
             raise self._failed(agent, "clock_skew", errors.unauthenticated("timestamp skew"))
-        signed = signing_string(method, path, timestamp_header, raw_body)
+        if nonce is None:
+            signed = signing_string(method, path, timestamp_header, raw_body)
+        else:
+            signed = signing_string(method, path, timestamp_header, raw_body, agent_header,
+                                    nonce_header)
         signature = signature_header.lower()
         for key in keys:
             mac = key.copy()
             mac.update(signed)
             if hmac.compare_digest(mac.hexdigest().encode("ascii"), signature):
-                self.lockout.succeeded(agent)
-                return agent
-        raise self._failed(agent, "bad_signature", errors.unauthenticated("invalid signature"))
+                break
+        else:
+            raise self._failed(agent, "bad_signature", errors.unauthenticated("invalid signature"))
+        if nonce is not None:
+            try:
+                self.nonces.use(agent, nonce, int(timestamp_header))
+            except errors.RelayError as error:
+                raise (self._refused("replayed", error) if error.status == 401 else error) from None
+        self.lockout.succeeded(agent)
+        return agent
 
 
 def _is_integer(value: bytes) -> bool:

@@ -41,6 +41,8 @@ class Policy:
     allowed_targets: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
     # spec §2: a recipient must have registered (404 no_such_agent otherwise)
     registered_recipients: bool = True
+    # EXTENSIONS.md §9: requests without a signed nonce are refused
+    require_nonce: bool = False
 
     @classmethod
     def from_config(cls, config) -> Policy:
@@ -55,6 +57,7 @@ class Policy:
                 for name, agent in config.agents.items()
                 if agent.allowed_targets is not None
             },
+            require_nonce=config.require_nonce,
         )
 
     @property
@@ -124,6 +127,7 @@ class Broker:
                 "messageTtl": {"maxSeconds": self.policy.max_ttl_seconds},
                 "delayedDelivery": {"maxSeconds": protocol.MAX_DELAY_SECONDS},
                 "peerCards": True,
+                "signedNonce": {"required": self.policy.require_nonce},
             },
             "storage": self.store.name,
         }

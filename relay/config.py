@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
@@ -31,6 +31,8 @@ __all__ = ["AgentConfig", "Config", "ConfigError", "load_config", "parse_config"
 # The storage backends shipped with the relay; a dropin adds its own name (see
 # relay.store.plugins.store_factories, which load_config's callers pass in).
 BUILTIN_BACKENDS = ("memory", "sqlite", "jsonl")
+# A secret shorter than this is refused: HMAC is only as strong as its key.
+MIN_SECRET_BYTES = 16
 PLACEHOLDER_SECRETS = frozenset({"CHANGE_ME_RUN_SETUP_INIT", "CHANGE_ME"})
 SYNC_LEVELS = ("off", "normal", "full")
 _MISSING = object()
@@ -90,8 +92,10 @@ class Config:
     tls_client_ca: Optional[str] = None
     lock_after_failures: int = 5
     lock_minutes: float = 5
+    require_nonce: bool = False
     agents: Mapping[str, AgentConfig] = field(default_factory=dict)
     ignored_keys: Tuple[str, ...] = ()
+    warnings: Tuple[str, ...] = ()
     backend_sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     base_dir: str = "."
     ops: OpsConfig = OpsConfig()
@@ -150,7 +154,7 @@ _BROKER_KEYS = frozenset(
         "opsTokenFile",
     }
 )
-_SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes"})
+_SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes", "requireNonce"})
 _AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets"})
 
 # Endpoint-string options that name files; resolved against the config file.
@@ -360,6 +364,8 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
             raise ConfigError(prefix, "must be a mapping")
         skipped += check_keys(entry, prefix, _AGENT_KEYS, _IGNORED_AGENT_KEYS)
         agent_secrets = read_secrets(entry, "secret", prefix) or ()
+        for secret in agent_secrets:
+            check_secret_strength(f"{prefix}.secret", secret)
         key = "allowed_targets" if "allowed_targets" in entry else "allowedTargets"
         targets = entry.get(key)
         if targets is not None:
@@ -400,6 +406,8 @@ def _ops(broker: Mapping[str, Any], base_dir: str, token_from_file: Optional[str
         tokens = split_secrets(token_from_file or "")
         if not tokens:
             raise ConfigError("broker.opsTokenFile", f"{token_file} holds no token")
+    for token in tokens:
+        check_secret_strength("broker.opsTokenFile" if token_file else "broker.opsToken", token)
     for description in listen:
         exposed = beyond_loopback(description)
         if exposed is None:
@@ -470,6 +478,16 @@ def parse_config(
         raise ConfigError(
             "broker.secret", "is not set (set broker.secret, or broker.secretFile to have one made)"
         )
+    for secret in shared:
+        check_secret_strength(
+            "broker.secretFile" if secret_file is not None else "broker.secret", secret)
+    warnings: List[str] = []
+    if not any(a.secret for a in agents.values()) and any(
+            a.allowed_targets is not None for a in agents.values()):
+        warnings.append(
+            "agents.*.allowed_targets is set but the agents share one secret: any agent can "
+            "sign as any other, so the routing ACL protects nothing; give each agent its own "
+            "agents.<name>.secret")
 
     listen_raw = broker.get("listen")
     if listen_raw is None:
@@ -532,12 +550,23 @@ def parse_config(
         tls_client_ca=tls_client_ca,
         lock_after_failures=read_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
         lock_minutes=read_number(security, "lockMinutes", "security", 5, 0.01, 525600),
+        require_nonce=read_bool(security, "requireNonce", "security", False),
         agents=agents,
         ignored_keys=tuple(skipped + skipped_agents),
+        warnings=tuple(warnings),
         backend_sections=MappingProxyType(backend_sections),
         base_dir=base_dir,
         ops=_ops(broker, base_dir, token_from_file, allow_insecure),
     )
+
+
+def check_secret_strength(key: str, secret: str) -> None:
+    """ConfigError naming ``key`` when ``secret`` is shorter than ``MIN_SECRET_BYTES``
+    (the secret itself is never shown)."""
+    size = len(secret.encode("utf-8"))
+    if size < MIN_SECRET_BYTES:
+        raise ConfigError(key, f"is {size} bytes long; a secret must be at least "
+                               f"{MIN_SECRET_BYTES} bytes (for example: openssl rand -hex 32)")
 
 
 def read_or_create_secret(path: str, key: str = "broker.secretFile") -> Tuple[str, bool]:
@@ -622,4 +651,18 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
     secret_from_file = from_file("secretFile", "secret")
     token_from_file = from_file("opsTokenFile", "opsToken")
     config = parse_config(data, base_dir, secret_from_file, backends, token_from_file)
+    if _holds_secrets(data) and os.stat(path).st_mode & 0o077:
+        config = replace(config, warnings=config.warnings + (
+            f"{path} holds secrets and is readable by other users: chmod 600 it, or keep the "
+            "secret in broker.secretFile",))
     return config, tuple(created)
+
+
+def _holds_secrets(data: Any) -> bool:
+    if not isinstance(data, dict):
+        return False
+    broker = data.get("broker")
+    agents = data.get("agents")
+    return (isinstance(broker, dict) and broker.get("secret") is not None) or (
+        isinstance(agents, dict)
+        and any(isinstance(a, dict) and a.get("secret") for a in agents.values()))

@@ -13,7 +13,7 @@ from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.auth import Authenticator, Lockout, RateLimiter
+from relay.auth import Authenticator, RateLimiter
 from relay.broker import Broker, Policy
 from relay.config import Config
 from relay.errors import ConfigError
@@ -110,11 +110,11 @@ def _lock_reporter(counters: Counters) -> Callable[[str], None]:
 
 
 def make_authenticator(config: Config, clock: IReactorTime, counters: Counters,
-                       lockout: Optional[Lockout] = None) -> Authenticator:
-    """The authenticator of ``config``, reporting to ``counters``; ``lockout`` carries
-    over the locks of the one it replaces (a reload)."""
-    return Authenticator.from_config(config, clock, _lock_reporter(counters), lockout=lockout,
-                                     on_failure=counters.auth_failed)
+                       replacing: Optional[Authenticator] = None) -> Authenticator:
+    """The authenticator of ``config``, reporting to ``counters``; it takes over the
+    locks and seen nonces of ``replacing`` (a reload)."""
+    return Authenticator.from_config(config, clock, _lock_reporter(counters),
+                                     replacing=replacing, on_failure=counters.auth_failed)
 
 
 def make_api(config: Config, store, clock: IReactorTime,
@@ -245,7 +245,7 @@ class RelayService(MultiService):
     def apply(self, config: Config) -> None:
         """Put the settings of ``config`` that need no restart in force."""
         api = self.api
-        api.auth = make_authenticator(config, self.clock, self.counters, api.auth.lockout)
+        api.auth = make_authenticator(config, self.clock, self.counters, api.auth)
         api.rate_limiter.loopback = config.rate_limit_loopback
         api.rate_limiter.remote = config.rate_limit_remote
         self.broker.policy = Policy.from_config(config)
@@ -285,6 +285,8 @@ class RelayService(MultiService):
             log.info("created a new ops token in {path}", path=self.config.ops.token_file)
         for key in self.config.ignored_keys:
             log.warn("config key {key} has no effect in this broker", key=key)
+        for warning in self.config.warnings:
+            log.warn("config: {warning}", warning=warning)
         if self.config.allow_insecure_remote:
             log.warn(
                 "broker.allowInsecureRemote is set: plaintext HTTP may be reachable beyond "

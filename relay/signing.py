@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Dict, Union
+import re
+import secrets
+from typing import Dict, Optional, Union
 
 AGENT_HEADER = "X-Relay-Agent"
 TIMESTAMP_HEADER = "X-Relay-Timestamp"
 SIGNATURE_HEADER = "X-Relay-Signature"
+NONCE_HEADER = "X-Relay-Nonce"
+# EXTENSIONS.md §9: 16..64 characters of [A-Za-z0-9_-], fresh per request.
+NONCE = re.compile(r"[A-Za-z0-9_-]{16,64}\Z")
 
 BytesOrText = Union[bytes, str]
 
@@ -25,23 +30,35 @@ def _as_bytes(value: BytesOrText) -> bytes:
 
 
 def signing_string(
-    method: BytesOrText, path: BytesOrText, timestamp: Union[int, bytes], raw_body: BytesOrText
+    method: BytesOrText, path: BytesOrText, timestamp: Union[int, bytes], raw_body: BytesOrText,
+    agent: Optional[BytesOrText] = None, nonce: Optional[BytesOrText] = None,
 ) -> bytes:
-    """The exact bytes that are MACed for one request (spec §3).
+    """The exact bytes that are MACed for one request (spec §3); with a ``nonce``
+    (EXTENSIONS.md §9) two more lines: the agent and the nonce.
 
     ``timestamp`` is the epoch seconds as an int, or the header's bytes as received.
     """
     stamp = timestamp if isinstance(timestamp, bytes) else str(int(timestamp)).encode("ascii")
-    return b"\n".join((_as_bytes(method).upper(), _as_bytes(path), stamp, _as_bytes(raw_body)))
+    parts = [_as_bytes(method).upper(), _as_bytes(path), stamp, _as_bytes(raw_body)]
+    if nonce is not None:
+        parts += [_as_bytes(agent or b""), _as_bytes(nonce)]
+    return b"\n".join(parts)
 
 
 def sign(
-    secret: BytesOrText, method: str, path: str, timestamp: int, raw_body: BytesOrText = b""
+    secret: BytesOrText, method: str, path: str, timestamp: int, raw_body: BytesOrText = b"",
+    agent: Optional[str] = None, nonce: Optional[str] = None,
 ) -> str:
     """The lowercase hex HMAC-SHA256 signature of one request."""
     return hmac.new(
-        _as_bytes(secret), signing_string(method, path, timestamp, raw_body), hashlib.sha256
+        _as_bytes(secret), signing_string(method, path, timestamp, raw_body, agent, nonce),
+        hashlib.sha256,
     ).hexdigest()
+
+
+def new_nonce() -> str:
+    """A fresh nonce for ``X-Relay-Nonce`` (32 URL-safe characters)."""
+    return secrets.token_urlsafe(24)
 
 
 def verify(
@@ -64,10 +81,15 @@ def auth_headers(
     path: str,
     timestamp: int,
     raw_body: BytesOrText,
+    nonce: Optional[str] = None,
 ) -> Dict[str, str]:
-    """The three authentication headers of spec §3 for one request."""
-    return {
+    """The authentication headers of spec §3 for one request, with ``X-Relay-Nonce``
+    (EXTENSIONS.md §9) when a ``nonce`` is given."""
+    headers = {
         AGENT_HEADER: agent,
         TIMESTAMP_HEADER: str(int(timestamp)),
-        SIGNATURE_HEADER: sign(secret, method, path, timestamp, raw_body),
+        SIGNATURE_HEADER: sign(secret, method, path, timestamp, raw_body, agent, nonce),
     }
+    if nonce is not None:
+        headers[NONCE_HEADER] = nonce
+    return headers

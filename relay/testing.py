@@ -19,13 +19,13 @@ from relay.delivery import Changes, Message, Rules
 from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
 from relay.signing import sign
 
-SECRET = "s3cret"
+SECRET = "s3cret-for-the-tests"
 START = 1_712_345_678.0
 
 
 def make_config(base_dir: str = "/tmp", agents: Optional[Dict[str, Any]] = None,
                 security: Optional[Dict[str, Any]] = None, **broker: Any) -> Config:
-    """A validated Config: the shared secret ``s3cret``, memory storage, and ``broker``."""
+    """A validated Config: the shared secret :data:`SECRET`, memory storage, and ``broker``."""
     values = {"secret": SECRET, "storage": "memory"}
     values.update(broker)
     data: Dict[str, Any] = {"broker": values}

@@ -154,6 +154,7 @@ class RelayAPI:
             _header(headers, b"x-relay-timestamp"),
             _header(headers, b"x-relay-signature"),
             raw_body(request),
+            _header(headers, b"x-relay-nonce"),
         )
 
     def matches_as_sent(self, request, endpoint: str) -> bool:

@@ -29,7 +29,8 @@ def free_port() -> int:
 class BrokerProcess:
     """A broker subprocess on a free loopback port with a temp config."""
 
-    def __init__(self, directory: str, secret: str = "e2e-secret", **broker: Any) -> None:
+    def __init__(self, directory: str, secret: str = "e2e-secret-0123456789",
+                 **broker: Any) -> None:
         self.directory = directory
         self.secret = secret
         self.port = free_port()

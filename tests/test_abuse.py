@@ -407,8 +407,8 @@ def test_lockout_and_rate_tables_stay_bounded_for_thousands_of_names_and_address
 
 # -- per-agent secrets and ACLs ------------------------------------------------------------
 
-SECRETS = {"alpha": "alpha-secret", "beta": "beta-secret", "gamma": "gamma-secret",
-           "delta": "delta-secret"}
+SECRETS = {"alpha": "alpha-secret-0123", "beta": "beta-secret-01234", "gamma": "gamma-secret-0123",
+           "delta": "delta-secret-0123"}
 
 
 @pytest.fixture(scope="module")

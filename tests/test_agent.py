@@ -21,6 +21,7 @@ from relay.agent import AgentService, ExecFailed, ExecHandler, exec_input, reply
 from relay.client import RelayClient
 from relay.errors import RelayError
 from relay.receipts import ReceiptStore, legacy_receipts_path, receipts_path
+from relay.testing import SECRET as TEST_SECRET
 
 
 def test_reply_body_shapes() -> None:
@@ -55,7 +56,8 @@ class World:
         self.alpha = self.client("alpha")
 
     def client(self, agent: str) -> RelayClient:
-        return RelayClient("http://relay.test", agent, "s3cret", clock=self.clock, http=self.stub)
+        return RelayClient("http://relay.test", agent, TEST_SECRET, clock=self.clock,
+                           http=self.stub)
 
     def runtime(
         self, handler: Any, client: Optional[RelayClient] = None, **kwargs: Any
@@ -226,7 +228,8 @@ def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
 ) -> None:
     world = World(tmp_path)
     handler = Recorder()
-    lossy = LosesAcks("http://relay.test", "worker", "s3cret", clock=world.clock, http=world.stub)
+    lossy = LosesAcks("http://relay.test", "worker", TEST_SECRET, clock=world.clock,
+                      http=world.stub)
     first = world.runtime(handler, client=lossy, lease_seconds=60)
     start(world, first)
     request = world.request("once", ack=True)

@@ -630,10 +630,11 @@ async def test_rate_limit_at_http_level():
 
 @pytest_twisted.ensureDeferred
 async def test_per_agent_secrets_and_unknown_agent():
-    b = Broker(agents={"alpha": {"secret": "a-secret"}, "beta": {"secret": "b-secret"}})
-    b.secrets.update(alpha="a-secret", beta="b-secret")
+    b = Broker(agents={"alpha": {"secret": "a-secret-0123456789"},
+                       "beta": {"secret": "b-secret-0123456789"}})
+    b.secrets.update(alpha="a-secret-0123456789", beta="b-secret-0123456789")
     await b.register("alpha", "beta")
-    assert_error(await b.post("alpha", "/register", {}, secret="b-secret"),
+    assert_error(await b.post("alpha", "/register", {}, secret="b-secret-0123456789"),
                  401, "unauthenticated")
     assert_error(await b.post("gamma", "/register", {}), 401, "unknown_agent")
 

@@ -46,7 +46,7 @@ async def test_capabilities_are_advertised_as_listed():
     capabilities = (await b.get(None, "/")).json["capabilities"]
     assert {key: capabilities[key] for key in (
         "leaseRenew", "ackOutcomes", "retryAfter", "deadLetters", "replyInAck", "pullFilter",
-        "threads", "messageTtl", "delayedDelivery", "peerCards")} == {
+        "threads", "messageTtl", "delayedDelivery", "peerCards", "signedNonce")} == {
         "leaseRenew": True,
         "ackOutcomes": ["completed", "retry", "release", "reject"],
         "retryAfter": {"maxSeconds": 43200},
@@ -57,8 +57,12 @@ async def test_capabilities_are_advertised_as_listed():
         "messageTtl": {"maxSeconds": 172800},
         "delayedDelivery": {"maxSeconds": 86400},
         "peerCards": True,
+        "signedNonce": {"required": False},
     }
     assert capabilities["leaseDelivery"] is True  # the v1.1 keys stay
+    required = Broker(security={"requireNonce": True})
+    assert (await required.get(None, "/")).json["capabilities"]["signedNonce"] == {
+        "required": True}
 
 
 @pytest_twisted.ensureDeferred

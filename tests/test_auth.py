@@ -224,6 +224,7 @@ def test_lockout_threshold_is_configurable():
 
 
 def test_lockout_from_config_minutes():
+    from relay.testing import SECRET as CONFIG_SECRET
     from relay.testing import make_config
 
     clock = clock_at()
@@ -231,9 +232,9 @@ def test_lockout_from_config_minutes():
         make_config(security={"lockAfterFailures": 2, "lockMinutes": 1}), clock)
     refused(check, auth, secret="wrong")
     refused(check, auth, secret="wrong")
-    assert refused(check, auth).code == "locked"
+    assert refused(check, auth, secret=CONFIG_SECRET).code == "locked"
     clock.advance(60)
-    assert check(auth) == "alpha"
+    assert check(auth, secret=CONFIG_SECRET) == "alpha"
 
 
 # -- per-agent secrets --------------------------------------------------------------------
@@ -405,3 +406,90 @@ def test_a_replacement_authenticator_keeps_the_locks_under_new_settings():
                         lockout=old.lockout)
     assert new.lockout is old.lockout and (new.lockout.after, new.lockout.seconds) == (3, 600)
     assert refused(check, new, secret="other").code == "locked"
+
+
+# -- signed nonce (EXTENSIONS.md §9) -----------------------------------------------------------
+
+NONCE = "n0nce-0123456789_AB"
+
+
+def check_nonce(auth: Authenticator, agent: str = "alpha", nonce: str = NONCE,
+                secret: str = SECRET, signed_agent: Optional[str] = None,
+                timestamp: Optional[int] = None) -> str:
+    ts = int(auth.clock.seconds()) if timestamp is None else timestamp
+    sig = sign(secret, "POST", "/messages", ts, BODY, signed_agent or agent, nonce)
+    return auth.authenticate(b"POST", b"/messages", agent.encode(), str(ts).encode(),
+                             sig.encode(), BODY, nonce.encode())
+
+
+def test_the_nonce_signing_string_has_the_agent_and_the_nonce():
+    expected = hmac_hex(SECRET, b"POST\n/messages\n1712345678\n" + BODY + b"\nalpha\n" +
+                        NONCE.encode())
+    assert sign(SECRET, "POST", "/messages", NOW, BODY, "alpha", NONCE) == expected
+    assert check_nonce(make_auth(clock_at())) == "alpha"
+
+
+def test_a_nonce_is_accepted_once_and_a_replay_does_not_lock():
+    auth = make_auth(clock_at(), after=2)
+    check_nonce(auth)
+    for _ in range(5):
+        e = refused(check_nonce, auth)
+        assert (e.status, e.code) == (401, "unauthenticated") and "replayed" in e.message
+    assert check_nonce(auth, nonce=NONCE + "x") == "alpha", "replays did not lock the agent"
+    assert check_nonce(auth, agent="beta") == "beta", "nonces are per agent"
+
+
+def test_the_signature_covers_the_agent_name_with_a_nonce():
+    auth = make_auth(clock_at())
+    e = refused(check_nonce, auth, agent="beta", signed_agent="alpha")
+    assert e.message == "invalid signature"
+
+
+@pytest.mark.parametrize("nonce", ["short", "x" * 65, "has space0123456789", "ünicode-0123456789",
+                                   "slash/0123456789abc", ""])
+def test_a_malformed_nonce_is_401(nonce):
+    auth = make_auth(clock_at())
+    assert refused(check_nonce, auth, nonce=nonce).code == "unauthenticated"
+
+
+def test_require_nonce_refuses_requests_without_one():
+    auth = Authenticator(clock_at(), SECRET, {}, require_nonce=True)
+    assert "requires X-Relay-Nonce" in refused(check, auth).message
+    assert check_nonce(auth) == "alpha"
+
+
+def test_seen_nonces_expire_with_the_window_and_a_full_table_is_503():
+    clock = clock_at()
+    auth = Authenticator(clock, SECRET, {}, max_nonces=3)
+    for i in range(3):
+        check_nonce(auth, nonce=f"{NONCE}{i}")
+    e = refused(check_nonce, auth, nonce=NONCE + "full")
+    assert (e.status, e.code) == (503, "busy")
+    assert len(auth.nonces) == 3, "no nonce was forgotten to make room"
+    clock.advance(301)
+    assert check_nonce(auth, nonce=NONCE + "later") == "alpha"
+    assert len(auth.nonces) == 1, "expired entries were dropped"
+    e = refused(check_nonce, auth, nonce=f"{NONCE}0", timestamp=NOW)
+    assert e.message == "timestamp skew", "an old nonce is refused by the window itself"
+
+
+def test_a_replacement_authenticator_remembers_the_nonces_seen():
+    """A reload must not let a captured request with a nonce be replayed."""
+    from relay.testing import make_config
+
+    clock = clock_at()
+    heard = []
+    config = make_config()
+    old = Authenticator.from_config(config, clock, on_failure=heard.append)
+    nonce = "n" * 20
+    ts = int(clock.seconds())
+    signature = sign(config.secret, "GET", "/peers", ts, b"", "alpha", nonce)
+
+    def send(auth):
+        return auth.authenticate(b"GET", b"/peers", b"alpha", str(ts).encode(),
+                                 signature.encode(), b"", nonce.encode())
+
+    assert send(old) == "alpha"
+    new = Authenticator.from_config(config, clock, replacing=old, on_failure=heard.append)
+    assert "replayed" in refused(send, new).message
+    assert heard == ["replayed"]

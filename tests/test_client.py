@@ -23,6 +23,7 @@ from twisted.web.resource import Resource
 from relay.client import RETRY_DELAYS_SECONDS, RelayClient, long_poll_limit
 from relay.errors import RelayError
 from relay.signing import auth_headers, sign, signing_string, verify
+from relay.testing import SECRET as TEST_SECRET
 
 SECRET = "s3cret"
 NOW = 1712345678
@@ -514,7 +515,7 @@ def broker_clients(**broker: Any) -> Tuple[RelayClient, RelayClient, Any, Clock]
     stub = relay_stub(api.resource())
 
     def client(agent: str) -> RelayClient:
-        return RelayClient("http://relay.test", agent, "s3cret", clock=clock, http=stub)
+        return RelayClient("http://relay.test", agent, TEST_SECRET, clock=clock, http=stub)
 
     return client("alpha"), client("beta"), stub, clock
 

@@ -22,7 +22,7 @@ def error_of(text: str, **kw) -> ConfigError:
 
 
 def test_defaults_follow_the_spec():
-    config = parse("broker: {secret: s}")
+    config = parse("broker: {secret: s0123456789abcdef}")
     assert config.listen == ("tcp:19121:interface=127.0.0.1",)
     assert (config.rate_limit_loopback, config.rate_limit_remote) == (600, 120)
     assert config.message_ttl_days == 7 and config.message_ttl_seconds == 7 * 86400
@@ -40,7 +40,7 @@ def test_reference_config_loads_unchanged():
 broker:
   host: 127.0.0.1
   port: 19555
-  secret: "abc"
+  secret: "4f1b2c9d7e8a0b3c6d5e4f1a2b3c4d5e"
   rateLimitLoopback: 1000
   rateLimitRemote: 50
   messageTtlDays: 3
@@ -71,24 +71,26 @@ agents:
 @pytest.mark.parametrize(
     "text, key",
     [
-        ("broker: {secret: s, prot: 1}", "broker.prot"),
-        ("brokr: {secret: s}", "brokr"),
-        ("broker: {secret: s, port: '19121'}", "broker.port"),
-        ("broker: {secret: s, port: 70000}", "broker.port"),
-        ("broker: {secret: s, leaseSeconds: 0}", "broker.leaseSeconds"),
-        ("broker: {secret: s, leaseSeconds: 86401}", "broker.leaseSeconds"),
-        ("broker: {secret: s, persist: 'yes'}", "broker.persist"),
-        ("broker: {secret: s, maxAttempts: -1}", "broker.maxAttempts"),
-        ("broker: {secret: s, sync: sometimes}", "broker.sync"),
-        ("broker: {secret: s, listen: []}", "broker.listen"),
+        ("broker: {secret: s0123456789abcdef, prot: 1}", "broker.prot"),
+        ("brokr: {secret: s0123456789abcdef}", "brokr"),
+        ("broker: {secret: s0123456789abcdef, port: '19121'}", "broker.port"),
+        ("broker: {secret: s0123456789abcdef, port: 70000}", "broker.port"),
+        ("broker: {secret: s0123456789abcdef, leaseSeconds: 0}", "broker.leaseSeconds"),
+        ("broker: {secret: s0123456789abcdef, leaseSeconds: 86401}", "broker.leaseSeconds"),
+        ("broker: {secret: s0123456789abcdef, persist: 'yes'}", "broker.persist"),
+        ("broker: {secret: s0123456789abcdef, maxAttempts: -1}", "broker.maxAttempts"),
+        ("broker: {secret: s0123456789abcdef, sync: sometimes}", "broker.sync"),
+        ("broker: {secret: s0123456789abcdef, listen: []}", "broker.listen"),
         ("broker: {port: 1}", "broker.secret"),
         ("broker: {secret: CHANGE_ME_RUN_SETUP_INIT}", "broker.secret"),
-        ("broker: {secret: s}\nsecurity: {lockMinutes: 0}", "security.lockMinutes"),
-        ("broker: {secret: s}\nagents: {alpha: {allowed_targets: beta}}",
+        ("broker: {secret: s0123456789abcdef}\nsecurity: {lockMinutes: 0}", "security.lockMinutes"),
+        ("broker: {secret: s0123456789abcdef}\nagents: {alpha: {allowed_targets: beta}}",
          "agents.alpha.allowed_targets"),
-        ("broker: {secret: s}\nagents: {alpha: {secret: a}, beta: {}}", "agents.beta.secret"),
-        ("broker: {secret: s}\nagents: {'bad name': {}}", "agents.bad name"),
-        ("broker: {secret: s}\nagents: {alpha: {colour: red}}", "agents.alpha.colour"),
+        ("broker: {secret: s0123456789abcdef}\n"
+         "agents: {alpha: {secret: a0123456789abcdef}, beta: {}}", "agents.beta.secret"),
+        ("broker: {secret: s0123456789abcdef}\nagents: {'bad name': {}}", "agents.bad name"),
+        ("broker: {secret: s0123456789abcdef}\nagents: {alpha: {colour: red}}",
+         "agents.alpha.colour"),
     ],
 )
 def test_errors_name_the_key(text, key):
@@ -98,11 +100,12 @@ def test_errors_name_the_key(text, key):
 @pytest.mark.parametrize(
     "text, key",
     [
-        ("broker: {secret: s, messageTtlDays: -1}", "broker.messageTtlDays"),
-        ("broker: {secret: s, messageTtlDays: .nan}", "broker.messageTtlDays"),
-        ("broker: {secret: s, messageTtlDays: .inf}", "broker.messageTtlDays"),
-        ("broker: {secret: s, leaseSeconds: '30'}", "broker.leaseSeconds"),
-        ("broker: {secret: s}\nsecurity: {lockMinutes: true}", "security.lockMinutes"),
+        ("broker: {secret: s0123456789abcdef, messageTtlDays: -1}", "broker.messageTtlDays"),
+        ("broker: {secret: s0123456789abcdef, messageTtlDays: .nan}", "broker.messageTtlDays"),
+        ("broker: {secret: s0123456789abcdef, messageTtlDays: .inf}", "broker.messageTtlDays"),
+        ("broker: {secret: s0123456789abcdef, leaseSeconds: '30'}", "broker.leaseSeconds"),
+        ("broker: {secret: s0123456789abcdef}\nsecurity: {lockMinutes: true}",
+         "security.lockMinutes"),
     ],
 )
 def test_bad_durations_name_the_key(text, key):
@@ -113,7 +116,7 @@ def test_durations_may_be_fractional():
     """The reference reads these as plain numbers; short values make lockout, lease
     and TTL behaviour observable in seconds."""
     config = parse(
-        "broker: {secret: s, messageTtlDays: 0.0001, leaseSeconds: 1.5}\n"
+        "broker: {secret: s0123456789abcdef, messageTtlDays: 0.0001, leaseSeconds: 1.5}\n"
         "security: {lockMinutes: 0.05}\n"
     )
     assert config.message_ttl_seconds == pytest.approx(8.64)
@@ -124,28 +127,33 @@ def test_durations_may_be_fractional():
 def test_plaintext_remote_listen_is_refused():
     for listen in ("tcp:19121", "tcp:19121:interface=0.0.0.0", "tcp6:19121:interface=\\:\\:",
                    "tcp:19121:interface=192.0.2.7"):
-        error = error_of(f"broker: {{secret: s, listen: ['{listen}']}}")
+        error = error_of(f"broker: {{secret: s0123456789abcdef, listen: ['{listen}']}}")
         assert error.key == "broker.listen" and "ssl" in error.reason
-    host = error_of("broker: {secret: s, host: 0.0.0.0}")
+    host = error_of("broker: {secret: s0123456789abcdef, host: 0.0.0.0}")
     assert host.key == "broker.listen"
-    config = parse("broker: {secret: s, host: 0.0.0.0, allowInsecureRemote: true}")
+    config = parse("broker: {secret: s0123456789abcdef, host: 0.0.0.0, allowInsecureRemote: true}")
     assert config.listen == ("tcp:19121:interface=0.0.0.0",)
 
 
 def test_loopback_and_tls_listen_are_fine():
     config = parse(
-        "broker: {secret: s, listen: ['tcp:1:interface=127.0.0.1', 'tcp6:2:interface=\\:\\:1', "
+        "broker: {secret: s0123456789abcdef, listen: ['tcp:1:interface=127.0.0.1', "
+        "'tcp6:2:interface=\\:\\:1', "
         "'ssl:3:privateKey=tls/k.pem:certKey=/etc/c.pem', 'unix:/tmp/relay.sock']}"
     )
     assert config.listen[2] == "ssl:3:privateKey=/srv/relay/tls/k.pem:certKey=/etc/c.pem"
-    assert parse("broker: {secret: s, host: '::1'}").listen == ("tcp6:19121:interface=\\:\\:1",)
+    assert parse("broker: {secret: s0123456789abcdef, host: '::1'}").listen == (
+        "tcp6:19121:interface=\\:\\:1",)
 
 
 def test_per_agent_secrets():
-    config = parse("broker: {secret: s}\nagents: {alpha: {secret: a}, beta: {secret: b}}")
+    config = parse("broker: {secret: s0123456789abcdef}\n"
+                   "agents: {alpha: {secret: a0123456789abcdef},\n"
+                   "         beta: {secret: b0123456789abcdef}}")
     assert {name: agent.secret for name, agent in config.agents.items()} == {
-        "alpha": "a", "beta": "b"}
-    assert parse("broker: {secret: s}\nagents: {alpha: {}}").agents["alpha"].secret is None
+        "alpha": "a0123456789abcdef", "beta": "b0123456789abcdef"}
+    alpha = parse("broker: {secret: s0123456789abcdef}\nagents: {alpha: {}}").agents["alpha"]
+    assert alpha.secret is None
 
 
 def test_secret_file_is_created_once_with_mode_0600(tmp_path):
@@ -163,7 +171,7 @@ def test_secret_file_is_created_once_with_mode_0600(tmp_path):
 def test_secret_and_secret_file_together_are_an_error(tmp_path):
     conf = tmp_path / "relay.yaml"
     (tmp_path / "s").write_text("x\n")
-    conf.write_text("broker: {secret: a, secretFile: s}\n")
+    conf.write_text("broker: {secret: a0123456789abcdef, secretFile: s}\n")
     with pytest.raises(ConfigError) as info:
         load_config(str(conf))
     assert info.value.key == "broker.secret"
@@ -180,7 +188,7 @@ def test_unreadable_and_invalid_files(tmp_path):
 
 def test_command_line_overrides(tmp_path):
     conf = tmp_path / "relay.yaml"
-    conf.write_text("broker: {secret: s, listen: ['tcp:1:interface=127.0.0.1']}\n")
+    conf.write_text("broker: {secret: s0123456789abcdef, listen: ['tcp:1:interface=127.0.0.1']}\n")
     config, _ = load_config(
         str(conf), {"listen": ["tcp:2:interface=127.0.0.1"], "dataDir": "rel"}
     )
@@ -190,7 +198,8 @@ def test_command_line_overrides(tmp_path):
 
 
 def test_a_backend_may_have_its_own_section():
-    config = parse("broker: {secret: s, storage: sqlite, sqlite: {sync: full}, jsonl: null}")
+    config = parse("broker: {secret: s0123456789abcdef, storage: sqlite, sqlite: {sync: full}, "
+                   "jsonl: null}")
     assert dict(config.backend_sections["sqlite"]) == {"sync": "full"}
     assert dict(config.backend_sections["jsonl"]) == {}
     assert "memory" not in config.backend_sections
@@ -198,23 +207,34 @@ def test_a_backend_may_have_its_own_section():
 
 def test_a_section_of_an_unknown_backend_is_an_unknown_key():
     with pytest.raises(ConfigError) as info:
-        parse("broker: {secret: s, postgress: {dsn: x}}")
+        parse("broker: {secret: s0123456789abcdef, postgress: {dsn: x}}")
     assert (info.value.key, info.value.reason) == ("broker.postgress", "unknown key")
 
 
 def test_a_backend_section_must_be_a_mapping():
     with pytest.raises(ConfigError) as info:
-        parse("broker: {secret: s, sqlite: full}")
+        parse("broker: {secret: s0123456789abcdef, sqlite: full}")
     assert info.value.key == "broker.sqlite"
 
 
 def test_a_dropin_backend_names_its_own_section():
     from relay.config import parse_config
 
-    data = {"broker": {"secret": "s", "storage": "remote", "remote": {"dsn": "host=x"}}}
+    data = {"broker": {"secret": "s0123456789abcdef", "storage": "remote",
+                       "remote": {"dsn": "host=x"}}}
     config = parse_config(data, "/etc/relay", backends=("memory", "remote"))
     assert dict(config.backend_sections["remote"]) == {"dsn": "host=x"}
     assert config.base_dir == "/etc/relay"
+
+
+# Secrets of at least 16 bytes, for the tests below.
+S, NEW, OLD = "s0123456789abcdef", "new-0123456789abcdef", "old-0123456789abcdef"
+T1, T2 = "t1-0123456789abcdef", "t2-0123456789abcdef"
+
+
+def broker(**keys) -> str:
+    """A config document: the shared secret S and ``keys`` under ``broker``."""
+    return yaml.safe_dump({"broker": dict({"secret": S}, **keys)})
 
 
 def test_listen_interface_reads_positional_and_named_forms():
@@ -228,53 +248,57 @@ def test_listen_interface_reads_positional_and_named_forms():
     assert listen_interface("unix:/tmp/s") is None
     assert beyond_loopback("unix:/tmp/s") is None
     assert beyond_loopback("systemd:domain=INET:index=0") == "unknown"
-    assert parse("broker: {secret: s, listen: ['tcp:1:127.0.0.1']}").listen == ("tcp:1:127.0.0.1",)
+    assert parse(broker(listen=["tcp:1:127.0.0.1"])).listen == ("tcp:1:127.0.0.1",)
 
 
 # -- several secrets (rotation) ------------------------------------------------------------
 
 
 def test_a_secret_may_be_a_list_and_the_first_signs():
-    config = parse("broker: {secret: [new, old]}\nagents: {alpha: {secret: [a2, a1]}}")
-    assert (config.secret, config.secrets) == ("new", ("new", "old"))
+    config = parse(yaml.safe_dump({"broker": {"secret": [NEW, OLD]},
+                                   "agents": {"alpha": {"secret": [T2, T1]}}}))
+    assert (config.secret, config.secrets) == (NEW, (NEW, OLD))
     alpha = config.agents["alpha"]
-    assert (alpha.secret, alpha.secrets) == ("a2", ("a2", "a1"))
-    assert parse("broker: {secret: one}").secrets == ("one",)
+    assert (alpha.secret, alpha.secrets) == (T2, (T2, T1))
+    assert parse(broker()).secrets == (S,)
 
 
-@pytest.mark.parametrize("text, key", [
-    ("broker: {secret: []}", "broker.secret"),
-    ("broker: {secret: [a, '']}", "broker.secret"),
-    ("broker: {secret: [a, 3]}", "broker.secret"),
-    ("broker: {secret: [a, CHANGE_ME]}", "broker.secret"),
-    ("broker: {secret: s}\nagents: {alpha: {secret: [x, {}]}}", "agents.alpha.secret"),
+@pytest.mark.parametrize("value, key", [
+    ({"broker": {"secret": []}}, "broker.secret"),
+    ({"broker": {"secret": [S, ""]}}, "broker.secret"),
+    ({"broker": {"secret": [S, 3]}}, "broker.secret"),
+    ({"broker": {"secret": [S, "CHANGE_ME"]}}, "broker.secret"),
+    ({"broker": {"secret": [S, "short"]}}, "broker.secret"),
+    ({"broker": {"secret": S}, "agents": {"alpha": {"secret": [S, {}]}}}, "agents.alpha.secret"),
+    ({"broker": {"secret": S}, "agents": {"alpha": {"secret": [S, "short"]}}},
+     "agents.alpha.secret"),
 ])
-def test_bad_secret_lists_name_the_key(text, key):
-    assert error_of(text).key == key
+def test_bad_secret_lists_name_the_key(value, key):
+    assert error_of(yaml.safe_dump(value)).key == key
 
 
 def test_a_secret_file_holds_one_secret_per_line(tmp_path):
     conf = tmp_path / "relay.yaml"
-    (tmp_path / "relay.secret").write_text("new\n\n  old  \n")
+    (tmp_path / "relay.secret").write_text(f"{NEW}\n\n  {OLD}  \n")
     conf.write_text("broker: {secretFile: relay.secret, storage: memory}\n")
     config, created = load_config(str(conf))
-    assert created == () and config.secrets == ("new", "old") and config.secret == "new"
+    assert created == () and config.secrets == (NEW, OLD) and config.secret == NEW
 
 
 # -- the ops listener ----------------------------------------------------------------------
 
 
 def test_no_ops_listener_by_default():
-    ops = parse("broker: {secret: s}").ops
+    ops = parse(broker()).ops
     assert ops.listen == () and ops.tokens == ()
 
 
 def test_a_loopback_ops_listener_needs_no_token():
-    ops = parse("broker: {secret: s, opsListen: ['tcp:19122:interface=127.0.0.1', "
-                "'unix:/run/relay-ops.sock']}").ops
+    ops = parse(broker(opsListen=["tcp:19122:interface=127.0.0.1",
+                                  "unix:/run/relay-ops.sock"])).ops
     assert ops.listen == ("tcp:19122:interface=127.0.0.1", "unix:/run/relay-ops.sock")
-    assert parse("broker: {secret: s, opsListen: 'tcp6:1:interface=\\:\\:1'}").ops.listen == (
-        "tcp6:1:interface=\\:\\:1",)
+    ops = parse(broker(opsListen="tcp6:1:interface=\\:\\:1")).ops
+    assert ops.listen == ("tcp6:1:interface=\\:\\:1",)
 
 
 @pytest.mark.parametrize("listen, word", [
@@ -285,34 +309,34 @@ def test_a_loopback_ops_listener_needs_no_token():
     ("systemd:domain=INET:index=0", "ssl"),
 ])
 def test_an_ops_listener_beyond_loopback_needs_tls_and_a_token(listen, word):
-    error = error_of(f"broker: {{secret: s, opsListen: ['{listen}']}}")
+    error = error_of(broker(opsListen=[listen]))
     assert error.key == "broker.opsListen" and word in error.reason
 
 
 def test_a_remote_ops_listener_with_tls_and_a_token():
-    ops = parse("broker: {secret: s, opsToken: [t2, t1], "
-                "opsListen: ['ssl:19122:privateKey=tls/k.pem']}").ops
+    ops = parse(broker(opsToken=[T2, T1], opsListen=["ssl:19122:privateKey=tls/k.pem"])).ops
     assert ops.listen == ("ssl:19122:privateKey=/srv/relay/tls/k.pem",)
-    assert ops.tokens == ("t2", "t1")
+    assert ops.tokens == (T2, T1)
     # allowInsecureRemote lifts the TLS rule (TLS ends in front of the broker), not the token's
-    parse("broker: {secret: s, opsToken: t, allowInsecureRemote: true, opsListen: ['tcp:1']}")
-    error = error_of("broker: {secret: s, allowInsecureRemote: true, opsListen: ['tcp:1']}")
+    parse(broker(opsToken=T1, allowInsecureRemote=True, opsListen=["tcp:1"]))
+    error = error_of(broker(allowInsecureRemote=True, opsListen=["tcp:1"]))
     assert "opsToken" in error.reason
 
 
-@pytest.mark.parametrize("text, key", [
-    ("broker: {secret: s, opsListen: [3]}", "broker.opsListen"),
-    ("broker: {secret: s, opsListen: {a: b}}", "broker.opsListen"),
-    ("broker: {secret: s, opsToken: ''}", "broker.opsToken"),
-    ("broker: {secret: s, opsToken: t, opsTokenFile: f}", "broker.opsToken"),
+@pytest.mark.parametrize("keys, key", [
+    ({"opsListen": [3]}, "broker.opsListen"),
+    ({"opsListen": {"a": "b"}}, "broker.opsListen"),
+    ({"opsToken": ""}, "broker.opsToken"),
+    ({"opsToken": "short"}, "broker.opsToken"),
+    ({"opsToken": T1, "opsTokenFile": "f"}, "broker.opsToken"),
 ])
-def test_bad_ops_keys_name_the_key(text, key):
-    assert error_of(text).key == key
+def test_bad_ops_keys_name_the_key(keys, key):
+    assert error_of(broker(**keys)).key == key
 
 
 def test_the_ops_token_file_is_created_like_the_secret_file(tmp_path):
     conf = tmp_path / "relay.yaml"
-    conf.write_text("broker: {secret: s, storage: memory, opsTokenFile: ops.token, "
+    conf.write_text("broker: {secret: s0123456789abcdef, storage: memory, opsTokenFile: ops.token, "
                     "opsListen: ['ssl:19122:privateKey=k.pem']}\n")
     config, created = load_config(str(conf))
     path = tmp_path / "ops.token"
@@ -323,3 +347,54 @@ def test_the_ops_token_file_is_created_like_the_secret_file(tmp_path):
     assert len(token) == 64 and path.read_text().strip() == token
     again, created_again = load_config(str(conf))
     assert created_again == () and again.ops.tokens == (token,)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("broker: {secret: a}", "broker.secret"),
+    ("broker: {secret: 0123456789abcde}", "broker.secret"),
+    ("broker: {secret: s0123456789abcdef}\nagents: {alpha: {secret: short}}",
+     "agents.alpha.secret"),
+])
+def test_a_secret_shorter_than_16_bytes_stops_the_start(text, key):
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert info.value.key == key and "at least 16 bytes" in info.value.reason
+    assert "0123456789abcde" not in str(info.value) and "short" not in info.value.reason
+
+
+def test_sixteen_bytes_of_any_kind_are_enough():
+    assert parse("broker: {secret: 0123456789abcdef}").secret == "0123456789abcdef"
+    assert parse("broker: {secret: éééééééé}").secret == "é" * 8, "bytes, not characters"
+
+
+def test_a_short_secret_file_stops_the_start(tmp_path):
+    (tmp_path / "relay.secret").write_text("tiny\n")
+    conf = tmp_path / "relay.yaml"
+    conf.write_text("broker: {secretFile: relay.secret}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(conf))
+    assert info.value.key == "broker.secretFile" and "4 bytes" in info.value.reason
+
+
+def test_an_acl_without_per_agent_secrets_is_warned_about():
+    config = parse("broker: {secret: s0123456789abcdef}\n"
+                   "agents: {alpha: {allowed_targets: [beta]}}")
+    (warning,) = config.warnings
+    assert "allowed_targets" in warning and "protects nothing" in warning
+    per_agent = parse("broker: {secret: s0123456789abcdef}\nagents: "
+                      "{alpha: {secret: a0123456789abcdef, allowed_targets: [beta]}}")
+    assert per_agent.warnings == ()
+
+
+def test_a_config_file_with_secrets_readable_by_others_is_warned_about(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    conf.write_text("broker: {secret: s0123456789abcdef}\n")
+    os.chmod(conf, 0o644)
+    config, _ = load_config(str(conf))
+    assert any("readable by other users" in w for w in config.warnings)
+    os.chmod(conf, 0o600)
+    assert load_config(str(conf))[0].warnings == ()
+    (tmp_path / "relay.secret").write_text("f" * 64)
+    conf.write_text("broker: {secretFile: relay.secret}\n")
+    os.chmod(conf, 0o644)
+    assert load_config(str(conf))[0].warnings == (), "no secret in the file itself"

@@ -40,7 +40,7 @@ def test_message_round_trip(broker):
 
 def test_config_error_stops_the_start_with_one_line(tmp_path):
     conf = tmp_path / "relay.yaml"
-    conf.write_text("broker:\n  secret: s\n  leaseSeconds: 0\n")
+    conf.write_text("broker:\n  secret: s0123456789abcdef\n  leaseSeconds: 0\n")
     result = subprocess.run(
         [TWISTD, "-n", "--pidfile=", "relay", "--config", str(conf)],
         capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
@@ -56,7 +56,7 @@ def test_config_error_stops_the_start_with_one_line(tmp_path):
 def test_a_port_in_use_stops_the_start_with_one_line(broker, tmp_path):
     conf = tmp_path / "second.yaml"
     conf.write_text(
-        f"broker:\n  secret: s\n  storage: memory\n"
+        f"broker:\n  secret: s0123456789abcdef\n  storage: memory\n"
         f"  listen: ['tcp:{broker.port}:interface=127.0.0.1']\n"
     )
     result = subprocess.run(

@@ -97,10 +97,10 @@ def test_sighup_rotates_the_secret_without_dropping_a_long_poll(broker):
     poll.start()
     time.sleep(0.5)
     old = broker.secret
-    broker.rewrite(secret=["rotated-secret", old])
+    broker.rewrite(secret=["rotated-secret-0123456789", old])
     broker.proc.send_signal(signal.SIGHUP)
     broker.wait_for_log("config reloaded")
-    broker.secret = "rotated-secret"
+    broker.secret = "rotated-secret-0123456789"
     assert broker.request("alpha", "POST", "/messages", {"to": "gamma"})[0] == 404  # signed ok
     broker.secret = old
     assert broker.request("beta", "POST", "/register", {})[0] == 200  # the old one still works
@@ -108,11 +108,11 @@ def test_sighup_rotates_the_secret_without_dropping_a_long_poll(broker):
     assert answers and answers[0][0] == 200
     assert time.monotonic() - started >= 3.5, "the long poll ran to its deadline"
 
-    broker.rewrite(secret=["rotated-secret"])
+    broker.rewrite(secret=["rotated-secret-0123456789"])
     broker.proc.send_signal(signal.SIGHUP)
     broker.wait_for_log("config reloaded", count=2)
     assert broker.request("beta", "POST", "/register", {})[0] == 401
-    broker.secret = "rotated-secret"
+    broker.secret = "rotated-secret-0123456789"
     assert broker.request("beta", "POST", "/register", {})[0] == 200
 
 

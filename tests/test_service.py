@@ -74,7 +74,8 @@ def write_config(tmp_path, text: str) -> str:
 def test_make_service_listens_on_every_endpoint(tmp_path):
     conf = write_config(
         tmp_path,
-        "broker: {secret: s, storage: memory, listen: ['tcp:19991:interface=127.0.0.1', "
+        "broker: {secret: s0123456789abcdef, storage: memory, "
+        "listen: ['tcp:19991:interface=127.0.0.1', "
         "'tcp6:19992:interface=\\:\\:1']}\n",
     )
     reactor = MemoryReactorClock()
@@ -88,7 +89,7 @@ def test_make_service_listens_on_every_endpoint(tmp_path):
 
 
 def test_command_line_listen_overrides_the_file(tmp_path):
-    conf = write_config(tmp_path, "broker: {secret: s, storage: memory}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: memory}\n")
     reactor = MemoryReactorClock()
     service = makeService(
         options("--config", conf, "--listen", "tcp:19993:interface=127.0.0.1"), reactor
@@ -101,7 +102,7 @@ def test_command_line_listen_overrides_the_file(tmp_path):
 
 
 def test_config_error_exits_with_one_line(tmp_path, capsys):
-    conf = write_config(tmp_path, "broker: {secret: s, port: nope}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, port: nope}\n")
     with pytest.raises(SystemExit) as info:
         makeService(options("--config", conf), MemoryReactorClock())
     assert info.value.code == 1
@@ -286,13 +287,14 @@ def test_open_files_limit_is_left_alone_when_it_cannot_or_should_not_change():
 
 
 def test_a_backend_section_is_validated_by_its_factory(tmp_path, capsys):
-    conf = write_config(tmp_path, "broker: {secret: s, storage: memory, "
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, "
                                   "sqlite: {sync: sometimes}}\n")
     with pytest.raises(SystemExit):
         makeService(options("--config", conf), MemoryReactorClock())
     err = capsys.readouterr().err
     assert err == "relay: config error: broker.sqlite.sync: must be one of off, normal, full\n"
-    conf = write_config(tmp_path, "broker: {secret: s, storage: jsonl, jsonl: {compact: 1}}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: jsonl, "
+                                  "jsonl: {compact: 1}}\n")
     with pytest.raises(SystemExit):
         makeService(options("--config", conf), MemoryReactorClock())
     assert "broker.jsonl.compact: unknown key" in capsys.readouterr().err
@@ -340,12 +342,12 @@ def test_a_dropin_backend_gets_its_own_section_without_touching_the_config_modul
             return MemoryStore()
 
     factories = dict(store_factories(), remote=RemoteFactory())
-    conf = write_config(tmp_path, "broker: {secret: s, storage: remote, "
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: remote, "
                                   "remote: {dsn: 'host=db', poolSize: 8}}\n")
     config, _ = load_config(conf, backends=factories)
     open_configured_store(config, MemoryReactorClock(), factories)
     assert opened == [{"dsn": "host=db", "pool": 8}]
-    conf = write_config(tmp_path, "broker: {secret: s, storage: remote}\n")
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: remote}\n")
     config, _ = load_config(conf, backends=factories)
     with pytest.raises(ConfigError) as info:
         open_configured_store(config, MemoryReactorClock(), factories)
@@ -358,7 +360,8 @@ def test_a_dropin_backend_gets_its_own_section_without_touching_the_config_modul
 def test_the_ops_listener_is_a_second_site(tmp_path):
     conf = write_config(
         tmp_path,
-        "broker: {secret: s, storage: memory, listen: ['tcp:19994:interface=127.0.0.1'], "
+        "broker: {secret: s0123456789abcdef, storage: memory, "
+        "listen: ['tcp:19994:interface=127.0.0.1'], "
         "opsListen: ['tcp:19995:interface=127.0.0.1']}\n",
     )
     reactor = MemoryReactorClock()
@@ -375,7 +378,7 @@ def test_the_ops_listener_is_a_second_site(tmp_path):
 
 
 def test_a_bad_ops_endpoint_names_its_key(tmp_path, capsys):
-    conf = write_config(tmp_path, "broker: {secret: s, storage: memory, "
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, "
                                   "opsListen: ['ssl:19996:privateKey=missing.pem']}\n")
     with pytest.raises(SystemExit):
         makeService(options("--config", conf), MemoryReactorClock())
@@ -393,14 +396,17 @@ def test_reload_applies_secrets_acls_limits_and_lockout(tmp_path):
     from relay.auth import Authenticator
 
     service, conf = reloading_service(
-        tmp_path, "broker: {secret: s, storage: memory, rateLimitRemote: 10}\n"
-                  "agents: {alpha: {secret: a1}, beta: {secret: b1}}\n")
+        tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, rateLimitRemote: 10}\n"
+                  "agents: {alpha: {secret: a1-0123456789abcdef}, "
+                  "beta: {secret: b1-0123456789abcdef}}\n")
     old_auth = service.api.auth
     with open(conf, "w") as f:
-        f.write("broker: {secret: s, storage: memory, rateLimitRemote: 20, maxAttempts: 7}\n"
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, rateLimitRemote: 20, "
+                "maxAttempts: 7}\n"
                 "security: {lockAfterFailures: 9}\n"
-                "agents: {alpha: {secret: [a2, a1], allowed_targets: [beta]}, "
-                "beta: {secret: b1}, gamma: {secret: g1}}\n")
+                "agents: {alpha: {secret: [a2-0123456789abcdef, a1-0123456789abcdef], "
+                "allowed_targets: [beta]}, beta: {secret: b1-0123456789abcdef}, "
+                "gamma: {secret: g1-0123456789abcdef}}\n")
     with capturedLogs() as events:
         assert service.reload() is True
     auth = service.api.auth
@@ -414,10 +420,11 @@ def test_reload_applies_secrets_acls_limits_and_lockout(tmp_path):
 
 
 def test_a_reload_with_errors_is_refused_with_one_line(tmp_path):
-    service, conf = reloading_service(tmp_path, "broker: {secret: s, storage: memory}\n")
+    service, conf = reloading_service(tmp_path,
+                                      "broker: {secret: s0123456789abcdef, storage: memory}\n")
     auth, policy = service.api.auth, service.broker.policy
     with open(conf, "w") as f:
-        f.write("broker: {secret: s, storage: memory, leaseSeconds: 0}\n")
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, leaseSeconds: 0}\n")
     with capturedLogs() as events:
         assert service.reload() is False
     assert service.api.auth is auth and service.broker.policy is policy
@@ -426,9 +433,11 @@ def test_a_reload_with_errors_is_refused_with_one_line(tmp_path):
 
 
 def test_a_reload_names_the_keys_that_wait_for_a_restart(tmp_path):
-    service, conf = reloading_service(tmp_path, "broker: {secret: s, storage: memory}\n")
+    service, conf = reloading_service(tmp_path,
+                                      "broker: {secret: s0123456789abcdef, storage: memory}\n")
     with open(conf, "w") as f:
-        f.write("broker: {secret: s, storage: memory, listen: ['tcp:1:interface=127.0.0.1'],"
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, "
+                "listen: ['tcp:1:interface=127.0.0.1'],"
                 " sweepSeconds: 9}\n")
     with capturedLogs() as events:
         assert service.reload() is True
@@ -438,12 +447,14 @@ def test_a_reload_names_the_keys_that_wait_for_a_restart(tmp_path):
 
 def test_reload_changes_the_ops_tokens(tmp_path):
     service, conf = reloading_service(
-        tmp_path, "broker: {secret: s, storage: memory, opsToken: t1, "
+        tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, "
+                  "opsToken: t1-0123456789abcdef, "
                   "opsListen: ['tcp:19997:interface=127.0.0.1']}\n")
-    assert service.ops.tokens == ("t1",)
+    assert service.ops.tokens == ("t1-0123456789abcdef",)
     with open(conf, "w") as f:
-        f.write("broker: {secret: s, storage: memory, opsToken: [t2, t1], "
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, "
+                "opsToken: [t2-0123456789abcdef, t1-0123456789abcdef], "
                 "opsListen: ['tcp:19997:interface=127.0.0.1']}\n")
     service.reload()
-    assert service.ops.tokens == ("t2", "t1")
+    assert service.ops.tokens == ("t2-0123456789abcdef", "t1-0123456789abcdef")
 

@@ -43,7 +43,7 @@ from relay.signing import sign
 from relay.tls import parse_ssl_endpoint, server_endpoints
 from relay.web import _peer_host
 
-SECRET = "x"
+SECRET = "tls-test-secret-0123"
 TWISTD = str(Path(sys.executable).with_name("twistd"))
 START_TIMEOUT = 20.0
 REQUEST_TIMEOUT = 5.0
