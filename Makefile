@@ -12,7 +12,7 @@ PYPY_STAMP = $(PYPY_VENV)/.installed-stamp
 # before ~2 GB. 4 MB is faster and keeps the broker's memory flat.
 export PYPY_GC_NURSERY ?= 4MB
 
-.PHONY: run run-pypy test test-pypy lint bench clean
+.PHONY: run run-pypy test test-ops test-pypy lint bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+CI_STAMP = $(VENV)/.ci-installed-stamp
+
+$(CI_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test,ci]'
+	touch $(CI_STAMP)
+
+## test-ops: fuzz a running broker from docs/openapi.yaml, drive the dashboard in
+## headless chromium (needs /usr/bin/chromium: apt-get install chromium)
+test-ops: $(CI_STAMP)
+	$(BIN)/python -m pytest -q tests/fuzz_openapi.py tests/browser_dashboard.py
 
 $(PYPY_STAMP): setup.cfg pyproject.toml
 	$(PYPY) -m venv $(PYPY_VENV)

@@ -11,7 +11,7 @@ import hashlib
 import heapq
 import hmac
 from collections import OrderedDict
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -210,9 +210,25 @@ class NonceTable:
         heapq.heappush(self._expiry, (until, key))
 
 
+# Why a request failed authentication: the ``reason`` of ``relay_auth_failures_total``.
+FAILURE_REASONS = ("missing_headers", "bad_nonce", "bad_agent_name", "unknown_agent", "locked",
+                   "bad_timestamp", "clock_skew", "bad_signature", "replayed")
+
+
+def _keys(secrets: Sequence[str]) -> Tuple[hmac.HMAC, ...]:
+    return tuple(hmac.new(s.encode("utf-8"), digestmod=hashlib.sha256) for s in secrets)
+
+
 class Authenticator:
     """Checks the §3 headers of a request (and the §9 nonce) and names the agent that
-    signed it."""
+    signed it.
+
+    An agent (or the shared secret) may have several secrets, while one is
+    rotated: a signature made with any of them verifies. ``on_failure(reason)``
+    hears of every refused request (a reason of :data:`FAILURE_REASONS`).
+    ``lockout`` and ``nonces`` carry over the state of the authenticator this one
+    replaces (a reload), so a reload neither lifts a lock nor forgets a nonce.
+    """
 
     def __init__(
         self,
@@ -225,25 +241,37 @@ class Authenticator:
         on_lock: Optional[Callable[[str], None]] = None,
         require_nonce: bool = False,
         max_nonces: int = MAX_NONCES,
+        shared_secrets: Sequence[str] = (),
+        lockout: Optional[Lockout] = None,
+        nonces: Optional[NonceTable] = None,
+        on_failure: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.clock = clock
         self.on_lock = on_lock
+        self.on_failure = on_failure
         self.require_nonce = require_nonce
-        self.nonces = NonceTable(clock, max_nonces)
-        self.per_agent = any(a.secret for a in agents.values())
-        self._keys: Dict[str, hmac.HMAC] = {}
+        self.nonces = nonces if nonces is not None else NonceTable(clock, max_nonces)
+        self.per_agent = any(a.secrets for a in agents.values())
+        self._keys: Dict[str, Tuple[hmac.HMAC, ...]] = {}
+        self._shared: Optional[Tuple[hmac.HMAC, ...]] = None
         if self.per_agent:
             for name, agent in agents.items():
-                self._keys[name] = hmac.new(agent.secret.encode("utf-8"), digestmod=hashlib.sha256)
-            self._shared = None
+                self._keys[name] = _keys(agent.secrets)
         else:
-            self._shared = hmac.new(shared_secret.encode("utf-8"), digestmod=hashlib.sha256)
-        self.lockout = Lockout(clock, lock_after_failures, lock_seconds, max_tracked)
+            self._shared = _keys(shared_secrets or (shared_secret,))
+        if lockout is None:
+            lockout = Lockout(clock, lock_after_failures, lock_seconds, max_tracked)
+        else:  # a reload keeps the failure counts and locks, under the new settings
+            lockout.after, lockout.seconds = lock_after_failures, lock_seconds
+        self.lockout = lockout
 
     @classmethod
     def from_config(cls, config: Config, clock: IReactorTime,
-                    on_lock: Optional[Callable[[str], None]] = None) -> Authenticator:
-        """An authenticator for the broker's settings; ``on_lock(agent)`` hears of new locks."""
+                    on_lock: Optional[Callable[[str], None]] = None,
+                    replacing: Optional[Authenticator] = None,
+                    on_failure: Optional[Callable[[str], None]] = None) -> Authenticator:
+        """An authenticator for the broker's settings; ``on_lock(agent)`` hears of new
+        locks. ``replacing`` is the authenticator it takes over from (a reload)."""
         return cls(
             clock,
             config.secret,
@@ -252,14 +280,23 @@ class Authenticator:
             config.lock_minutes * 60.0,
             on_lock=on_lock,
             require_nonce=config.require_nonce,
+            shared_secrets=config.secrets,
+            lockout=replacing.lockout if replacing is not None else None,
+            nonces=replacing.nonces if replacing is not None else None,
+            on_failure=on_failure,
         )
 
-    def _failed(self, agent: str, error: errors.RelayError) -> errors.RelayError:
-        if self.lockout.failed(agent) and self.on_lock is not None:
-            self.on_lock(agent)
+    def _refused(self, reason: str, error: errors.RelayError) -> errors.RelayError:
+        if self.on_failure is not None:
+            self.on_failure(reason)
         return error
 
-    def _key_for(self, agent: str) -> Optional[hmac.HMAC]:
+    def _failed(self, agent: str, reason: str, error: errors.RelayError) -> errors.RelayError:
+        if self.lockout.failed(agent) and self.on_lock is not None:
+            self.on_lock(agent)
+        return self._refused(reason, error)
+
+    def _keys_for(self, agent: str) -> Optional[Tuple[hmac.HMAC, ...]]:
         if self._shared is not None:
             return self._shared
         return self._keys.get(agent)
@@ -282,7 +319,8 @@ class Authenticator:
         toward the lockout. ``require_nonce`` refuses requests without one.
         """
         if not agent_header or not timestamp_header or not signature_header:
-            raise errors.unauthenticated("missing authentication headers")
+            raise self._refused("missing_headers",
+                                errors.unauthenticated("missing authentication headers"))
         nonce = None
         if nonce_header is not None:
             try:
@@ -290,35 +328,46 @@ class Authenticator:
             except UnicodeDecodeError:
                 nonce = ""
             if not NONCE.match(nonce):
-                raise errors.unauthenticated("invalid X-Relay-Nonce (16 to 64 of A-Z a-z 0-9 _ -)")
+                raise self._refused("bad_nonce", errors.unauthenticated(
+                    "invalid X-Relay-Nonce (16 to 64 of A-Z a-z 0-9 _ -)"))
         elif self.require_nonce:
-            raise errors.unauthenticated("this broker requires X-Relay-Nonce (signed nonce)")
+            raise self._refused("bad_nonce", errors.unauthenticated(
+                "this broker requires X-Relay-Nonce (signed nonce)"))
         try:
             agent = agent_header.decode("ascii")
         except UnicodeDecodeError:
-            raise errors.unauthenticated("invalid agent name") from None
+            raise self._refused("bad_agent_name",
+                                errors.unauthenticated("invalid agent name")) from None
         if not is_valid_agent_name(agent):
-            raise errors.unauthenticated("invalid agent name")
-        key = self._key_for(agent)
-        if key is None:
-            raise errors.unknown_agent()
+            raise self._refused("bad_agent_name", errors.unauthenticated("invalid agent name"))
+        keys = self._keys_for(agent)
+        if keys is None:
+            raise self._refused("unknown_agent", errors.unknown_agent())
         if self.lockout.is_locked(agent):
-            raise errors.locked()
+            raise self._refused("locked", errors.locked())
         if not _is_integer(timestamp_header):
-            raise self._failed(agent, errors.unauthenticated("invalid timestamp"))
+            raise self._failed(agent, "bad_timestamp", errors.unauthenticated("invalid timestamp"))
         # Whole seconds on both sides: a fractional clock would make the window lopsided.
         if abs(int(self.clock.seconds()) - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
-            raise self._failed(agent, errors.unauthenticated("timestamp skew"))
-        mac = key.copy()
+            raise self._failed(agent, "clock_skew", errors.unauthenticated("timestamp skew"))
         if nonce is None:
-            mac.update(signing_string(method, path, timestamp_header, raw_body))
+            signed = signing_string(method, path, timestamp_header, raw_body)
         else:
-            mac.update(signing_string(method, path, timestamp_header, raw_body, agent_header,
-                                      nonce_header))
-        if not hmac.compare_digest(mac.hexdigest().encode("ascii"), signature_header.lower()):
-            raise self._failed(agent, errors.unauthenticated("invalid signature"))
+            signed = signing_string(method, path, timestamp_header, raw_body, agent_header,
+                                    nonce_header)
+        signature = signature_header.lower()
+        for key in keys:
+            mac = key.copy()
+            mac.update(signed)
+            if hmac.compare_digest(mac.hexdigest().encode("ascii"), signature):
+                break
+        else:
+            raise self._failed(agent, "bad_signature", errors.unauthenticated("invalid signature"))
         if nonce is not None:
-            self.nonces.use(agent, nonce, int(timestamp_header))
+            try:
+                self.nonces.use(agent, nonce, int(timestamp_header))
+            except errors.RelayError as error:
+                raise (self._refused("replayed", error) if error.status == 401 else error) from None
         self.lockout.succeeded(agent)
         return agent
 

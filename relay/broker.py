@@ -23,6 +23,7 @@ from twisted.logger import Logger
 
 from relay import __version__, delivery, errors, protocol
 from relay.delivery import Changes, Message, Rules
+from relay.ops.counters import Counters
 from relay.protocol import HEARTBEAT_TTL_SECONDS, KEEP_CARD, MAX_WAIT_SECONDS
 from relay.waiters import Waiters
 
@@ -75,11 +76,13 @@ class Broker:
     """Every operation of the relay over one store, under one policy and one clock."""
 
     def __init__(self, store, clock: IReactorTime, policy: Optional[Policy] = None,
-                 waiters: Optional[Waiters] = None) -> None:
+                 waiters: Optional[Waiters] = None, counters: Optional[Counters] = None) -> None:
         self.store = store
         self.clock = clock
         self.policy = policy if policy is not None else Policy()
         self.waiters = waiters if waiters is not None else Waiters(clock)
+        # What the operations completed add up to (/metrics, the dashboard).
+        self.counters = counters if counters is not None else Counters()
         store.subscribe(self.changed)
 
     # -- wake-ups -------------------------------------------------------------------
@@ -90,6 +93,13 @@ class Broker:
             self.waiters.wake(agent)
         for when, agent in changes.due:
             self.waiters.wake_at(agent, when)
+        counters = self.counters
+        for sender, recipient in changes.stored:
+            counters.message_stored(sender, recipient)
+        for reason in changes.dead:
+            counters.message_dead_lettered(reason)
+        if changes.lapsed:
+            counters.leases_lapsed(changes.lapsed)
 
     # -- v1.0 --------------------------------------------------------------------------
 
@@ -201,7 +211,7 @@ class Broker:
             return self.store.poll(agent, since, limit, self.clock.seconds(), self.policy.rules)
 
         d = self.waiters.wait_for(agent, attempt, _found_page, wait, consume=False)
-        d.addCallback(lambda page: (self._envelopes(page[0], agent), page[1]))
+        d.addCallback(lambda page: (self._delivered(page[0], agent), page[1]))
         return d
 
     # -- v1.1 ----------------------------------------------------------------------
@@ -220,7 +230,7 @@ class Broker:
         # A pull by parent waits for one answer, so any new message of the agent may
         # be it: such a waiter looks at every wake-up instead of taking one in turn.
         d = self.waiters.wait_for(agent, attempt, bool, wait, consume=parent_id is None)
-        d.addCallback(self._envelopes, agent)
+        d.addCallback(self._delivered, agent)
         return d
 
     def _envelopes(self, messages: Sequence[Message], agent: str) -> List[str]:
@@ -228,6 +238,11 @@ class Broker:
         is sent as stored, never decoded."""
         now = self.clock.seconds()
         return [m.envelope_json(agent, now) for m in messages]
+
+    def _delivered(self, messages: Sequence[Message], agent: str) -> List[str]:
+        if messages:
+            self.counters.messages_delivered(len(messages))
+        return self._envelopes(messages, agent)
 
     def ack(self, agent: str, request: protocol.AckRequest) -> Deferred:
         """Settle a lease (``/v1/ack``): every outcome, retry-after, and the atomic
@@ -237,9 +252,15 @@ class Broker:
                                   rules, request.retry_after, request.reply,
                                   self.policy.check_route)
         if request.reply is None:
-            return self.store.settle(request.message_id, transition, self.clock.seconds(),
-                                     rules)
-        return self._ack_with_reply(agent, request, transition)
+            d = self.store.settle(request.message_id, transition, self.clock.seconds(), rules)
+        else:
+            d = self._ack_with_reply(agent, request, transition)
+        d.addCallback(self._acked, request.outcome)
+        return d
+
+    def _acked(self, result: Dict[str, Any], outcome: str) -> Dict[str, Any]:
+        self.counters.message_acked(outcome)
+        return result
 
     @inlineCallbacks
     def _ack_with_reply(self, agent: str, request: protocol.AckRequest, transition):
@@ -332,10 +353,37 @@ class Broker:
         def removed(count: int) -> int:
             if count:
                 log.info("expired {count} messages", count=count)
+                self.counters.messages_expired(count)
             return count
 
         d.addCallback(removed)
         return d
+
+    # -- operators (the ops listener) ------------------------------------------------
+
+    def queue_depths(self) -> Deferred:
+        """Fires with the store's :class:`relay.store.interface.QueueDepth` list."""
+        return self.store.queue_depths(self.clock.seconds())
+
+    def health(self) -> Deferred:
+        """Fires with None while the store accepts writes, else the reason it does not."""
+        return self.store.health()
+
+    @inlineCallbacks
+    def messages_in(self, status: str, limit: int):
+        """Fires with the newest ``limit`` messages in ``status`` (``leased`` or
+        ``failed``) to any agent, newest first: the ops views of leases in flight
+        and dead letters. Only agents the queue depths show with such messages
+        are read."""
+        depths = yield self.queue_depths()
+        now = self.clock.seconds()
+        found: List[Message] = []
+        for depth in depths:
+            if getattr(depth, status):
+                found += (yield self.store.query(depth.agent, limit, {"status": status},
+                                                 now, self.policy.rules))
+        found.sort(key=lambda m: m.seq, reverse=True)
+        return found[:limit]
 
     def stop(self) -> None:
         """Answer every waiting request and accept no new waits."""

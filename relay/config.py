@@ -3,9 +3,11 @@
 The file keeps the reference broker's keys (``broker:``, ``security:``,
 ``agents:``) so an existing ``config.yaml`` works unchanged, and adds
 ``broker.listen`` (Twisted endpoint strings), ``broker.secretFile``,
-``broker.sync``, ``broker.sweepSeconds``, ``broker.accessLog`` and
-``broker.allowInsecureRemote``. Unknown keys, wrong types and out-of-range
-numbers are errors naming the key.
+``broker.sync``, ``broker.sweepSeconds``, ``broker.accessLog``,
+``broker.allowInsecureRemote`` and the ops listener (``broker.opsListen``,
+``broker.opsToken``, ``broker.opsTokenFile``). A secret may be a list (or a
+secret file several lines): every one of them verifies, the first signs.
+Unknown keys, wrong types and out-of-range numbers are errors naming the key.
 
 :func:`parse_config` is pure; :func:`load_config` reads the file and resolves
 the secret file.
@@ -38,10 +40,29 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class AgentConfig:
-    """Per-agent settings: an own signing secret and a send whitelist (None = anyone)."""
+    """Per-agent settings: own secrets and a send whitelist (None = anyone).
+
+    ``secrets`` are every secret that verifies the agent's requests (several
+    while one is rotated); ``secret`` is the first, the one a client signs with.
+    """
 
     secret: Optional[str] = None
     allowed_targets: Optional[Tuple[str, ...]] = None
+    secrets: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.secret is not None and not self.secrets:
+            object.__setattr__(self, "secrets", (self.secret,))
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    """The ops listener: endpoint strings (none: no ops listener) and the bearer tokens
+    it accepts (none: no token asked for; several while one is rotated)."""
+
+    listen: Tuple[str, ...] = ()
+    tokens: Tuple[str, ...] = ()
+    token_file: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,13 @@ class Config:
     warnings: Tuple[str, ...] = ()
     backend_sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     base_dir: str = "."
+    ops: OpsConfig = OpsConfig()
+    # Every shared secret that verifies a request; ``secret`` is the first.
+    secrets: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.secrets:
+            object.__setattr__(self, "secrets", (self.secret,))
 
     @property
     def storage_backend(self) -> str:
@@ -121,6 +149,9 @@ _BROKER_KEYS = frozenset(
         "accessLog",
         "allowInsecureRemote",
         "tlsClientCA",
+        "opsListen",
+        "opsToken",
+        "opsTokenFile",
     }
 )
 _SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes", "requireNonce"})
@@ -241,14 +272,16 @@ def resolve_endpoint_paths(description: str, base_dir: str) -> str:
     return ":".join(out)
 
 
-def plaintext_remote(description: str) -> Optional[str]:
-    """The interface a plaintext TCP endpoint exposes beyond loopback, or None.
+# Where the ``interface`` argument of each endpoint type sits among its positional ones.
+_INTERFACE_POSITION = {"tcp": 2, "tcp6": 2, "ssl": 5}
 
-    ``tcp``/``tcp6`` endpoints without an ``interface`` listen on every
-    interface, so they count as remote.
-    """
+
+def listen_interface(description: str) -> Optional[str]:
+    """The interface a ``tcp``, ``tcp6`` or ``ssl`` endpoint string binds (``0.0.0.0``
+    or ``::`` when it names none); None for any other endpoint type."""
     parts = split_endpoint(description)
-    if parts[0] not in ("tcp", "tcp6"):
+    position = _INTERFACE_POSITION.get(parts[0])
+    if position is None:
         return None
     interface = None
     positional = 0
@@ -259,10 +292,35 @@ def plaintext_remote(description: str) -> Optional[str]:
                 interface = unescape_endpoint_value(value)
         else:
             positional += 1
-            if positional == 3:
+            if positional == position:
                 interface = unescape_endpoint_value(part)
-    if interface is None:
+    if not interface:
         return "::" if parts[0] == "tcp6" else "0.0.0.0"
+    return interface
+
+
+def plaintext_remote(description: str) -> Optional[str]:
+    """The interface a plaintext TCP endpoint exposes beyond loopback, or None.
+
+    ``tcp``/``tcp6`` endpoints without an ``interface`` listen on every
+    interface, so they count as remote.
+    """
+    if split_endpoint(description)[0] not in ("tcp", "tcp6"):
+        return None
+    interface = listen_interface(description)
+    return None if is_loopback_host(interface) else interface
+
+
+def beyond_loopback(description: str) -> Optional[str]:
+    """What an endpoint string exposes beyond this machine, or None: the interface
+    of a ``tcp``/``tcp6``/``ssl`` endpoint off loopback, ``unknown`` for endpoint
+    types other than those and ``unix``."""
+    kind = split_endpoint(description)[0]
+    if kind == "unix":
+        return None
+    interface = listen_interface(description)
+    if interface is None:
+        return "unknown"
     return None if is_loopback_host(interface) else interface
 
 
@@ -271,6 +329,25 @@ def default_listen(host: str, port: int) -> str:
     if ":" in host:
         return f"tcp6:{port}:interface={_escape(host)}"
     return f"tcp:{port}:interface={host}"
+
+
+def split_secrets(text: str) -> Tuple[str, ...]:
+    """The secrets of a secret file: one per line, blank lines ignored."""
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
+
+
+def read_secrets(section: Mapping[str, Any], key: str, prefix: str) -> Optional[Tuple[str, ...]]:
+    """``section[key]``: one secret, or a non-empty list of them (rotation); None when
+    absent. Placeholders are refused."""
+    value = section.get(key)
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, str) and v for v in values):
+        raise ConfigError(f"{prefix}.{key}", "must be a non-empty string or a list of them")
+    if any(v in PLACEHOLDER_SECRETS for v in values):
+        raise ConfigError(f"{prefix}.{key}", "is a placeholder; make a real secret")
+    return tuple(values)
 
 
 def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]:
@@ -286,10 +363,8 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
         if not isinstance(entry, dict):
             raise ConfigError(prefix, "must be a mapping")
         skipped += check_keys(entry, prefix, _AGENT_KEYS, _IGNORED_AGENT_KEYS)
-        secret = entry.get("secret")
-        if secret is not None and (not isinstance(secret, str) or not secret):
-            raise ConfigError(f"{prefix}.secret", "must be a non-empty string")
-        if secret is not None:
+        agent_secrets = read_secrets(entry, "secret", prefix) or ()
+        for secret in agent_secrets:
             check_secret_strength(f"{prefix}.secret", secret)
         key = "allowed_targets" if "allowed_targets" in entry else "allowedTargets"
         targets = entry.get(key)
@@ -297,7 +372,8 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
             if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
                 raise ConfigError(f"{prefix}.{key}", "must be a list of agent names")
             targets = tuple(targets)
-        agents[name] = AgentConfig(secret=secret, allowed_targets=targets)
+        agents[name] = AgentConfig(secret=agent_secrets[0] if agent_secrets else None,
+                                   allowed_targets=targets, secrets=agent_secrets)
     with_secret = [n for n, a in agents.items() if a.secret]
     if with_secret and len(with_secret) != len(agents):
         missing = sorted(n for n, a in agents.items() if not a.secret)
@@ -308,14 +384,58 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
     return agents, skipped
 
 
+def _ops(broker: Mapping[str, Any], base_dir: str, token_from_file: Optional[str],
+         allow_insecure: bool) -> OpsConfig:
+    """``broker.opsListen``, ``opsToken``, ``opsTokenFile``: off loopback the ops
+    listener needs TLS (unless ``allowInsecureRemote``) and a token."""
+    raw = broker.get("opsListen")
+    if raw is None:
+        listen: Tuple[str, ...] = ()
+    else:
+        if isinstance(raw, str):
+            raw = [raw]
+        if not isinstance(raw, list) or not all(isinstance(d, str) and d.strip() for d in raw):
+            raise ConfigError("broker.opsListen", "must be a list of endpoint strings")
+        listen = tuple(resolve_endpoint_paths(d.strip(), base_dir) for d in raw)
+    token_file = read_str(broker, "opsTokenFile", "broker", None)
+    if broker.get("opsToken") is not None and token_file is not None:
+        raise ConfigError("broker.opsToken", "set either broker.opsToken or broker.opsTokenFile")
+    tokens = read_secrets(broker, "opsToken", "broker") or ()
+    if token_file is not None:
+        token_file = _resolve(base_dir, token_file)
+        tokens = split_secrets(token_from_file or "")
+        if not tokens:
+            raise ConfigError("broker.opsTokenFile", f"{token_file} holds no token")
+    for token in tokens:
+        check_secret_strength("broker.opsTokenFile" if token_file else "broker.opsToken", token)
+    for description in listen:
+        exposed = beyond_loopback(description)
+        if exposed is None:
+            continue
+        if split_endpoint(description)[0] != "ssl" and not allow_insecure:
+            raise ConfigError(
+                "broker.opsListen",
+                f"{description!r} is reachable beyond loopback (interface {exposed}); the ops "
+                "listener must then use an ssl: endpoint",
+            )
+        if not tokens:
+            raise ConfigError(
+                "broker.opsListen",
+                f"{description!r} is reachable beyond loopback (interface {exposed}); set "
+                "broker.opsToken or broker.opsTokenFile",
+            )
+    return OpsConfig(listen=listen, tokens=tokens, token_file=token_file)
+
+
 def parse_config(
     data: Any, base_dir: str, secret_from_file: Optional[str] = None,
-    backends: Collection[str] = BUILTIN_BACKENDS,
+    backends: Collection[str] = BUILTIN_BACKENDS, token_from_file: Optional[str] = None,
 ) -> Config:
     """Validate a parsed YAML document; relative paths are taken from ``base_dir``.
 
     ``secret_from_file`` is the content of ``broker.secretFile`` when the
-    caller has read it. ``backends`` names the storage backends whose own
+    caller has read it (one secret per line), ``token_from_file`` that of
+    ``broker.opsTokenFile``. ``backends`` names the storage backends whose own
     section ``broker.<name>`` may appear; each section is kept as written, for
     its backend's factory to validate.
     """
@@ -347,19 +467,20 @@ def parse_config(
     secret_file = read_str(broker, "secretFile", "broker", None)
     if secret_file is not None:
         secret_file = _resolve(base_dir, secret_file)
-    secret = broker.get("secret")
-    if secret is not None and (not isinstance(secret, str) or not secret):
-        raise ConfigError("broker.secret", "must be a non-empty string")
-    if secret is not None and secret_file is not None:
+    if broker.get("secret") is not None and secret_file is not None:
         raise ConfigError("broker.secret", "set either broker.secret or broker.secretFile")
-    if secret is None:
-        secret = secret_from_file
-    if not secret or secret in PLACEHOLDER_SECRETS:
+    shared = read_secrets(broker, "secret", "broker")
+    if shared is None and secret_from_file is not None:
+        shared = split_secrets(secret_from_file)
+        if any(s in PLACEHOLDER_SECRETS for s in shared):
+            shared = ()
+    if not shared:
         raise ConfigError(
             "broker.secret", "is not set (set broker.secret, or broker.secretFile to have one made)"
         )
-    check_secret_strength("broker.secretFile" if secret_file is not None else "broker.secret",
-                          secret)
+    for secret in shared:
+        check_secret_strength(
+            "broker.secretFile" if secret_file is not None else "broker.secret", secret)
     warnings: List[str] = []
     if not any(a.secret for a in agents.values()) and any(
             a.allowed_targets is not None for a in agents.values()):
@@ -405,7 +526,8 @@ def parse_config(
 
     big = 2**31 - 1
     return Config(
-        secret=secret,
+        secret=shared[0],
+        secrets=shared,
         listen=listen,
         host=host,
         port=port,
@@ -434,6 +556,7 @@ def parse_config(
         warnings=tuple(warnings),
         backend_sections=MappingProxyType(backend_sections),
         base_dir=base_dir,
+        ops=_ops(broker, base_dir, token_from_file, allow_insecure),
     )
 
 
@@ -446,10 +569,11 @@ def check_secret_strength(key: str, secret: str) -> None:
                                f"{MIN_SECRET_BYTES} bytes (for example: openssl rand -hex 32)")
 
 
-def read_or_create_secret(path: str) -> Tuple[str, bool]:
+def read_or_create_secret(path: str, key: str = "broker.secretFile") -> Tuple[str, bool]:
     """The secret kept in ``path``; made (32 random bytes, hex, mode 0600) if absent.
 
-    Returns the secret and whether the file was created.
+    Returns the file's text (stripped) and whether the file was created; errors
+    name ``key``.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -457,19 +581,19 @@ def read_or_create_secret(path: str) -> Tuple[str, bool]:
     except FileNotFoundError:
         pass
     except OSError as e:
-        raise ConfigError("broker.secretFile", f"cannot read {path}: {e.strerror}") from None
+        raise ConfigError(key, f"cannot read {path}: {e.strerror}") from None
     else:
         if not secret:
-            raise ConfigError("broker.secretFile", f"{path} is empty")
+            raise ConfigError(key, f"{path} is empty")
         return secret, False
     secret = secrets.token_hex(32)
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return read_or_create_secret(path)
+        return read_or_create_secret(path, key)
     except OSError as e:
-        raise ConfigError("broker.secretFile", f"cannot create {path}: {e.strerror}") from None
+        raise ConfigError(key, f"cannot create {path}: {e.strerror}") from None
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(secret + "\n")
     return secret, True
@@ -491,13 +615,13 @@ def load_yaml(path: str) -> Any:
 
 
 def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
-                backends: Collection[str] = BUILTIN_BACKENDS) -> Tuple[Config, bool]:
-    """Load and validate the config file; creates the secret file when needed.
+                backends: Collection[str] = BUILTIN_BACKENDS) -> Tuple[Config, Tuple[str, ...]]:
+    """Load and validate the config file; creates the secret and token files when needed.
 
     ``overrides`` are ``broker.*`` values from the command line (``listen``,
     ``dataDir``); relative paths in them are taken from the working directory.
-    ``backends`` as for :func:`parse_config`. Returns the config and whether a
-    secret file was created.
+    ``backends`` as for :func:`parse_config`. Returns the config and the keys
+    (``broker.secretFile``, ``broker.opsTokenFile``) whose file was created.
     """
     path = os.path.abspath(path)
     data = load_yaml(path)
@@ -511,18 +635,27 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
             broker[key] = value
         data = dict(data, broker=broker)
     base_dir = os.path.dirname(path)
-    secret_from_file, created = None, False
+    created: List[str] = []
     broker = data.get("broker") if isinstance(data, dict) else None
-    if isinstance(broker, dict) and isinstance(broker.get("secretFile"), str) and broker.get(
-        "secret"
-    ) is None:
-        secret_from_file, created = read_or_create_secret(_resolve(base_dir, broker["secretFile"]))
-    config = parse_config(data, base_dir, secret_from_file, backends)
+    broker = broker if isinstance(broker, dict) else {}
+
+    def from_file(name: str, inline: str) -> Optional[str]:
+        if not isinstance(broker.get(name), str) or broker.get(inline) is not None:
+            return None
+        key = f"broker.{name}"
+        text, made = read_or_create_secret(_resolve(base_dir, broker[name]), key)
+        if made:
+            created.append(key)
+        return text
+
+    secret_from_file = from_file("secretFile", "secret")
+    token_from_file = from_file("opsTokenFile", "opsToken")
+    config = parse_config(data, base_dir, secret_from_file, backends, token_from_file)
     if _holds_secrets(data) and os.stat(path).st_mode & 0o077:
         config = replace(config, warnings=config.warnings + (
             f"{path} holds secrets and is readable by other users: chmod 600 it, or keep the "
             "secret in broker.secretFile",))
-    return config, created
+    return config, tuple(created)
 
 
 def _holds_secrets(data: Any) -> bool:

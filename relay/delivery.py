@@ -380,32 +380,48 @@ class Changes:
     the ``(when, agent)`` pairs at which something of ``agent``'s may become
     deliverable (a lease deadline, a delay running out). Stores report these
     after their commit; the broker wakes waiters from them and from nothing else.
+
+    For the broker's counters, the same report tallies the change: ``stored``
+    holds ``(sender, recipient)`` of every new message (sends, receipts, notices,
+    replies), ``dead`` the reason of every message that became failed, and
+    ``lapsed`` counts the leases released because their deadline passed.
     """
 
-    __slots__ = ("ready", "due")
+    __slots__ = ("ready", "due", "stored", "dead", "lapsed")
 
     def __init__(self) -> None:
         self.ready: Set[str] = set()
         self.due: Set[Tuple[float, str]] = set()
+        self.stored: List[Tuple[str, str]] = []
+        self.dead: List[str] = []
+        self.lapsed = 0
 
     def __bool__(self) -> bool:
-        return bool(self.ready or self.due)
+        return bool(self.ready or self.due or self.stored or self.dead or self.lapsed)
 
     def update(self, other: Changes) -> None:
         self.ready |= other.ready
         self.due |= other.due
+        self.stored += other.stored
+        self.dead += other.dead
+        self.lapsed += other.lapsed
 
     def __repr__(self) -> str:
         return f"<Changes ready={sorted(self.ready)} due={sorted(self.due)}>"
 
 
 def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -> None:
-    """Note in ``changes`` what ``after`` means for its recipient's waiters.
+    """Note in ``changes`` what ``after`` means for its recipient's waiters (and
+    tally it for the counters).
 
     ``before`` is the message's :meth:`Message.state` before the change, None for
     a new message.
     """
     was = before[0] if before is not None else None
+    if before is None:
+        changes.stored.append((after.sender, after.to))
+    elif after.status == FAILED and was != FAILED:
+        changes.dead.append(after.dead_reason or ATTEMPTS)
     if after.status == QUEUED:
         moved = was != QUEUED or before[7] != after.not_before
         if moved and after.not_before is not None:

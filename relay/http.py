@@ -45,11 +45,17 @@ BAD_REQUEST_RESPONSE = closing_response(
 
 
 class RelayRequest(server.Request):
-    """A request that keeps at most ``MAX_BODY_BYTES`` of its body in memory."""
+    """A request that keeps at most ``MAX_BODY_BYTES`` of its body in memory.
+
+    ``route`` names the route that handled it (set by the app; ``unmatched``
+    otherwise) and ``started`` when its headers were complete, for the metrics.
+    """
 
     body_limit = MAX_BODY_BYTES
     body_too_large = False
     _received = 0
+    route = "unmatched"
+    started: Optional[float] = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -57,6 +63,9 @@ class RelayRequest(server.Request):
         self._parsePOSTFormSubmission = False
 
     def gotLength(self, length: Optional[int]) -> None:
+        site = getattr(self.channel, "site", None)
+        if site is not None:
+            self.started = site.reactor.seconds()
         self.content = BytesIO()
         self._received = 0
         self.body_too_large = length is not None and length > self.body_limit
@@ -125,10 +134,13 @@ class RelaySite(server.Site):
     noisy = False
 
     def __init__(self, resource, access_log: bool = False, timeout: float = IDLE_SECONDS,
-                 request_read_seconds: float = REQUEST_READ_SECONDS, reactor=None) -> None:
+                 request_read_seconds: float = REQUEST_READ_SECONDS, reactor=None,
+                 counters=None) -> None:
         super().__init__(resource, timeout=timeout, reactor=reactor)
         self.request_read_seconds = request_read_seconds
         self.access_log = access_log
+        # A relay.ops.counters.Counters that hears of every answered request, or None.
+        self.counters = counters
         self.channels: Set[RelayChannel] = set()
         self._reaper = LoopingCall(self.reap)
         self._reaper.clock = self.reactor
@@ -162,5 +174,11 @@ class RelaySite(server.Site):
         super().stopFactory()
 
     def log(self, request: http.Request) -> None:
+        """Called by twisted.web once a request is answered: count it, log it if asked."""
+        if self.counters is not None:
+            started = getattr(request, "started", None)
+            seconds = 0.0 if started is None else self.reactor.seconds() - started
+            self.counters.http_answered(getattr(request, "route", "unmatched"), request.code,
+                                        seconds)
         if self.access_log:
             super().log(request)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import sys
-from typing import Callable, Optional, Set
+from typing import Any, Callable, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.application.internet import StreamServerEndpointService, TimerService
 from twisted.application.service import MultiService
@@ -15,7 +16,10 @@ from twisted.logger import Logger
 from relay.auth import Authenticator, RateLimiter
 from relay.broker import Broker, Policy
 from relay.config import Config
+from relay.errors import ConfigError
 from relay.http import RelaySite
+from relay.ops.counters import SAMPLE_SECONDS, Counters
+from relay.ops.web import OpsAPI
 from relay.store.interface import ISharedLockouts
 from relay.tls import server_endpoints
 from relay.web import RelayAPI
@@ -98,22 +102,74 @@ class PeerWatch:
         self.online = online
 
 
-def _log_lock(agent: str) -> None:
-    log.warn("agent {agent} is locked after repeated authentication failures", agent=agent)
+def _lock_reporter(counters: Counters) -> Callable[[str], None]:
+    def locked(agent: str) -> None:
+        log.warn("agent {agent} is locked after repeated authentication failures", agent=agent)
+        counters.agent_locked(agent)
+
+    return locked
 
 
-def make_api(config: Config, store, clock: IReactorTime) -> RelayAPI:
+def make_authenticator(config: Config, clock: IReactorTime, counters: Counters,
+                       replacing: Optional[Authenticator] = None) -> Authenticator:
+    """The authenticator of ``config``, reporting to ``counters``; it takes over the
+    locks and seen nonces of ``replacing`` (a reload)."""
+    return Authenticator.from_config(config, clock, _lock_reporter(counters),
+                                     replacing=replacing, on_failure=counters.auth_failed)
+
+
+def make_api(config: Config, store, clock: IReactorTime,
+             counters: Optional[Counters] = None) -> RelayAPI:
     """The broker over ``store`` under ``config``'s policy, and its HTTP API."""
-    broker = Broker(store, clock, Policy.from_config(config))
-    auth = Authenticator.from_config(config, clock, _log_lock)
+    counters = counters if counters is not None else Counters()
+    broker = Broker(store, clock, Policy.from_config(config), counters=counters)
+    store.observe_commits(counters.commit_timed)
+    auth = make_authenticator(config, clock, counters)
     if ISharedLockouts.providedBy(store):  # several brokers count failures together
         auth.lockout.share(store.share_lockouts(auth.lockout))
     limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote)
     return RelayAPI(broker, auth, limiter)
 
 
+def _ops_endpoints(reactor, descriptions: Sequence[str]) -> list:
+    """The ops listener's endpoints; their errors name ``broker.opsListen``."""
+    try:
+        return server_endpoints(reactor, descriptions)
+    except ConfigError as error:
+        raise ConfigError("broker.opsListen", error.reason) from None
+    except ValueError as error:  # a malformed endpoint string
+        raise ConfigError("broker.opsListen", str(error)) from None
+
+
+# Keys read only at start: a reload that changes them says so and keeps them.
+RESTART_KEYS = (
+    ("broker.listen", "listen"),
+    ("broker.opsListen", "ops.listen"),
+    ("broker.storage", "storage_backend"),
+    ("broker.dataDir", "data_dir"),
+    ("broker.sync", "sync"),
+    ("broker.tlsClientCA", "tls_client_ca"),
+    ("broker.sweepSeconds", "sweep_seconds"),
+    ("broker.requestReadSeconds", "request_read_seconds"),
+    ("broker.messageTtlDays (the sweep interval)", "message_ttl_seconds"),
+    ("broker.<backend> sections", "backend_sections"),
+)
+
+
+def _value(config: Config, path: str) -> object:
+    value: object = config
+    for name in path.split("."):
+        value = getattr(value, name)
+    return dict(value) if isinstance(value, Mapping) else value
+
+
 class RelayService(MultiService):
-    """The whole broker: one store, one API, N endpoints, the sweeps."""
+    """The whole broker: one store, one API, N endpoints, the sweeps, and the ops
+    listener when ``broker.opsListen`` has endpoints.
+
+    ``reload_config`` (when given) loads the config file again, as at start;
+    :meth:`reload` (``SIGHUP``) applies what it can of the new config.
+    """
 
     def __init__(
         self,
@@ -121,31 +177,94 @@ class RelayService(MultiService):
         store,
         reactor,
         clock: Optional[IReactorTime] = None,
-        secret_created: bool = False,
+        created: Sequence[str] = (),
+        reload_config: Optional[Callable[[], Tuple[Config, Sequence[str]]]] = None,
+        handle_signals: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
         self.store = store
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
-        self.secret_created = secret_created
-        self.api = make_api(config, store, self.clock)
+        self.created = tuple(created)
+        self.reload_config = reload_config
+        self.handle_signals = handle_signals
+        self._previous_hup: Any = None
+        self.counters = Counters()
+        self.api = make_api(config, store, self.clock, self.counters)
         self.broker = self.api.broker
         self.site = RelaySite(
             self.api.resource(),
             access_log=config.access_log,
             request_read_seconds=config.request_read_seconds,
+            counters=self.counters,
         )
         for endpoint in server_endpoints(reactor, config.listen, config.tls_client_ca):
             listener = StreamServerEndpointService(endpoint, self.site)
             listener._raiseSynchronously = True
             listener.setServiceParent(self)
+        self.ops: Optional[OpsAPI] = None
+        if config.ops.listen:
+            from prometheus_client import ProcessCollector
+
+            self.ops = OpsAPI(self.broker, self.clock, config.ops.tokens,
+                              extra_collectors=[ProcessCollector(registry=None)])
+            self.ops_site = RelaySite(self.ops.resource(),
+                                      request_read_seconds=config.request_read_seconds)
+            for endpoint in _ops_endpoints(reactor, config.ops.listen):
+                listener = StreamServerEndpointService(endpoint, self.ops_site)
+                listener._raiseSynchronously = True
+                listener.setServiceParent(self)
         self._timer(config.sweep_seconds, "leases", self.broker.sweep_leases)
         self._timer(
             expiry_sweep_seconds(config.message_ttl_seconds), "expiry", self.broker.sweep_expired
         )
         self.peer_watch = PeerWatch(self.broker)
         self._timer(PEER_SWEEP_SECONDS, "peers", self.peer_watch.check)
+        self._timer(SAMPLE_SECONDS, "samples",
+                    lambda: self.counters.sample(self.clock.seconds()))
+
+    # -- reload ----------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """Read the config file again and apply it: agents, secrets, ACLs, policy, rate
+        limits, lockout settings and the ops tokens change at once; connections and
+        waiting requests are untouched. A config with errors is refused with one log
+        line and the running one stays. Returns whether the new config was applied."""
+        if self.reload_config is None:
+            log.warn("config reload asked for, but this broker has no config file to read")
+            return False
+        try:
+            config, created = self.reload_config()
+        except ConfigError as error:
+            log.error("config reload refused, the running config stays: {error}",
+                      error=str(error))
+            return False
+        self.apply(config)
+        for key in created:
+            log.info("config reload created {key}", key=key)
+        return True
+
+    def apply(self, config: Config) -> None:
+        """Put the settings of ``config`` that need no restart in force."""
+        api = self.api
+        api.auth = make_authenticator(config, self.clock, self.counters, api.auth)
+        api.rate_limiter.loopback = config.rate_limit_loopback
+        api.rate_limiter.remote = config.rate_limit_remote
+        self.broker.policy = Policy.from_config(config)
+        self.site.access_log = config.access_log
+        if self.ops is not None:
+            self.ops.tokens = config.ops.tokens
+        kept = [key for key, path in RESTART_KEYS
+                if _value(config, path) != _value(self.config, path)]
+        log.info("config reloaded: {agents} agents", agents=len(config.agents))
+        if kept:
+            log.warn("config reload: {keys} take effect at the next start",
+                     keys=", ".join(kept))
+        self.config = config
+
+    def _hangup(self, signum: int, frame: Any) -> None:
+        self.reactor.callFromThread(self.reload)
 
     def _timer(self, interval: float, name: str, step: Callable[[], object]) -> None:
         timer = TimerService(interval, guarded(name, step))
@@ -163,8 +282,10 @@ class RelayService(MultiService):
             raise SystemExit(1) from None
 
     def startService(self) -> None:
-        if self.secret_created:
+        if "broker.secretFile" in self.created:
             log.info("created a new shared secret in {path}", path=self.config.secret_file)
+        if "broker.opsTokenFile" in self.created:
+            log.info("created a new ops token in {path}", path=self.config.ops.token_file)
         for key in self.config.ignored_keys:
             log.warn("config key {key} has no effect in this broker", key=key)
         for warning in self.config.warnings:
@@ -179,9 +300,19 @@ class RelayService(MultiService):
             storage=self.store.name,
             listen=", ".join(self.config.listen),
         )
+        if self.config.ops.listen:
+            log.info("ops listener (health, metrics, dashboard) on {listen}",
+                     listen=", ".join(self.config.ops.listen))
+        if self.handle_signals and hasattr(signal, "SIGHUP"):
+            self._previous_hup = signal.signal(signal.SIGHUP, self._hangup)
         super().startService()
 
     def stopService(self) -> Deferred:
+        if self._previous_hup is not None:
+            signal.signal(signal.SIGHUP, self._previous_hup)
+            self._previous_hup = None
+        if self.ops is not None:
+            self.ops.stopping = True
         self.broker.stop()
         d = maybeDeferred(super().stopService)
         d.addBoth(lambda _: self.store.close())

@@ -59,13 +59,16 @@ FLAG_KEYS: Tuple[str, ...] = tuple(flag for flag, _, _ in _SETTING_SOURCES)
 
 
 def _read_secret_file(path: str) -> str:
+    """The secret a client signs with: the first line of the file (a broker's secret
+    file holds several lines while a secret is rotated; the first is the current one)."""
     try:
-        secret = Path(path).expanduser().read_text(encoding="utf-8").strip()
+        text = Path(path).expanduser().read_text(encoding="utf-8")
     except OSError as error:
         raise UsageError(f"cannot read secret file {path}: {error.strerror}") from None
-    if not secret:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
         raise UsageError(f"secret file {path} is empty")
-    return secret
+    return lines[0]
 
 
 def resolve_settings(

@@ -54,9 +54,12 @@ def makeService(options: Options, reactor=None):
 
     try:
         factories = store_factories()
-        config, created = load_config(options["config"], options.overrides(), factories)
+        path, overrides = options["config"], options.overrides()
+        config, created = load_config(path, overrides, factories)
         store = open_configured_store(config, reactor, factories)
-        return RelayService(config, store, reactor, secret_created=created)
+        return RelayService(config, store, reactor, created=created,
+                            reload_config=lambda: load_config(path, overrides, factories),
+                            handle_signals=True)
     except ConfigError as error:
         fail(error)
     except ValueError as error:  # a malformed endpoint string

@@ -143,9 +143,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.heard: List[Changes] = []
+        self.lapsed = 0
 
     def __call__(self, changes: Changes) -> None:
         self.heard.append(changes)
+        self.lapsed += changes.lapsed
 
     def take(self) -> Tuple[set, set]:
         """``(ready agents, due pairs)`` heard since the last take."""
@@ -469,6 +471,7 @@ class StoreContract(_Contract):
         heard.take()
         assert await store.sweep_leases(START + self.LEASE, RULES) == 1
         assert heard.take() == ({"gamma"}, set())
+        assert heard.lapsed == 1
 
     @pytest_twisted.ensureDeferred
     async def test_reads_release_lapsed_leases_and_report_them(self, store):
@@ -481,6 +484,7 @@ class StoreContract(_Contract):
         (entry,) = await store.status(["r"], "alpha", later, RULES)
         assert entry["status"] == QUEUED
         assert heard.take() == ({"beta"}, set())
+        assert heard.lapsed == 1
 
     # -- status, recent, query -----------------------------------------------------
 
@@ -574,6 +578,65 @@ class StoreContract(_Contract):
         assert await store.status(["old"], "alpha", START, RULES) == [
             {"id": "old", "status": "not_found", "attempts": 0}
         ]
+
+    # -- what operators see --------------------------------------------------------
+
+    @pytest_twisted.ensureDeferred
+    async def test_queue_depths_count_by_state(self, store):
+        from relay.store.interface import QueueDepth
+
+        assert await store.queue_depths(START) == []
+        for i in range(4):
+            await self.send(store, id=f"b{i}", to="beta", now=START + i)
+        await self.send(store, id="g0", to="gamma", now=START + 10)
+        await self.send(store, id="d0", to="delta", now=START + 11)
+        (first,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        (second,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        await ack(store, first.id, "beta", first.lease_id, "completed", None, START)
+        await ack(store, second.id, "beta", second.lease_id, "retry", "x", START,
+                  Rules(max_attempts=0))
+        (d,) = await store.pull("delta", 1, self.LEASE, START, RULES)
+        await ack(store, d.id, "delta", d.lease_id, "completed", None, START)
+        (g,) = await store.pull("gamma", 1, self.LEASE, START, RULES)
+        assert await store.queue_depths(START) == [
+            QueueDepth("beta", queued=2, failed=1, oldest_queued=START + 2),
+            QueueDepth("gamma", leased=1),
+        ]
+        await store.sweep_leases(START + self.LEASE, RULES)
+        assert (await store.queue_depths(START))[1] == QueueDepth("gamma", queued=1,
+                                                                  oldest_queued=START + 10)
+        await store.sweep_expired(START + 3, START, RULES)
+        assert await store.queue_depths(START) == [
+            QueueDepth("beta", queued=1, oldest_queued=START + 3),
+            QueueDepth("gamma", queued=1, oldest_queued=START + 10),
+        ]
+
+    @pytest_twisted.ensureDeferred
+    async def test_queue_depths_tell_delayed_messages_apart(self, store):
+        from relay.store.interface import QueueDepth
+
+        await self.send(store, id="later", to="beta", now=START, delay_seconds=100)
+        await self.send(store, id="now", to="beta", now=START + 1)
+        assert await store.queue_depths(START + 1) == [
+            QueueDepth("beta", queued=1, delayed=1, oldest_queued=START + 1)]
+        (m,) = await store.pull("beta", 5, self.LEASE, START + 1, RULES)
+        assert await store.queue_depths(START + 1) == [
+            QueueDepth("beta", leased=1, delayed=1)]
+        await ack(store, m.id, "beta", m.lease_id, "completed", None, START + 1)
+        assert await store.queue_depths(START + 100) == [
+            QueueDepth("beta", queued=1, oldest_queued=START)]
+        (m,) = await store.pull("beta", 5, self.LEASE, START + 100, RULES)
+        await ack(store, m.id, "beta", m.lease_id, "reject", "poison", START + 100)
+        assert await store.queue_depths(START + 100) == [QueueDepth("beta", failed=1)]
+
+    @pytest_twisted.ensureDeferred
+    async def test_health_and_commit_timings(self, store):
+        timings: List[float] = []
+        store.observe_commits(timings.append)
+        assert await store.health() is None
+        await self.send(store)
+        assert await store.health() is None
+        assert all(isinstance(t, float) and t >= 0 for t in timings)
 
 
 __all__ = ["ExtensionContract", "Recorder", "StoreContract", "SignedClient", "ack", "make_api",

@@ -110,6 +110,7 @@ def authenticated(route: Callable) -> Callable:
 
     @functools.wraps(route)
     def wrapper(self: RelayAPI, request, *args, **kwargs):
+        request.route = endpoint  # the route label of the HTTP metrics
         agent = self.authenticate(request)
         path = request.path
         if path.startswith(b"//") or (b"%" in path and not self.matches_as_sent(request,
@@ -201,6 +202,7 @@ class RelayAPI:
     def root(self, request) -> bytes:
         if request.path != b"/":
             return self.no_route(request, None)
+        request.route = "info"
         check_body_size(request)
         set_json_headers(request, 200)
         request.setHeader(b"content-length", b"%d" % len(self.info))

@@ -362,6 +362,52 @@ def test_rate_windows_are_bounded():
     assert limiter.tracked() <= 50_000
 
 
+# -- several secrets (rotation), failure reasons, reloads ------------------------------
+
+
+def test_any_of_several_shared_secrets_verifies():
+    auth = Authenticator(clock_at(), "new", {}, shared_secrets=("new", "old"))
+    assert check(auth, secret="new") == "alpha"
+    assert check(auth, secret="old") == "alpha"
+    assert refused(check, auth, secret="other").code == "unauthenticated"
+
+
+def test_any_of_an_agents_secrets_verifies_and_only_its_own():
+    agents = {"alpha": AgentConfig(secrets=("a2", "a1")), "beta": AgentConfig(secret="b")}
+    auth = Authenticator(clock_at(), SECRET, agents)
+    assert check(auth, "alpha", secret="a1") == "alpha"
+    assert check(auth, "alpha", secret="a2") == "alpha"
+    assert refused(check, auth, "alpha", secret="b").code == "unauthenticated"
+    assert refused(check, auth, "beta", secret="a1").code == "unauthenticated"
+
+
+def test_every_refusal_names_its_reason():
+    heard = []
+    auth = Authenticator(clock_at(), SECRET, {}, lock_after_failures=2, on_failure=heard.append)
+    refused(auth.authenticate, b"GET", b"/peers", None, b"1", b"x", b"")
+    refused(check, auth, "bad name")
+    refused(check, auth, timestamp=NOW - 1000)
+    refused(check, auth, signature="0" * 64)
+    refused(check, auth)  # locked now
+    bad_ts = auth.authenticate
+    refused(bad_ts, b"GET", b"/", b"beta", b"soon", b"x", b"")
+    per_agent = Authenticator(clock_at(), SECRET, {"a": AgentConfig(secret="x")},
+                              on_failure=heard.append)
+    refused(check, per_agent, "zed")
+    assert heard == ["missing_headers", "bad_agent_name", "clock_skew", "bad_signature",
+                     "locked", "bad_timestamp", "unknown_agent"]
+
+
+def test_a_replacement_authenticator_keeps_the_locks_under_new_settings():
+    clock = clock_at()
+    old = Authenticator(clock, SECRET, {}, lock_after_failures=1, lock_seconds=60)
+    refused(check, old, signature="0" * 64)
+    new = Authenticator(clock, "other", {}, lock_after_failures=3, lock_seconds=600,
+                        lockout=old.lockout)
+    assert new.lockout is old.lockout and (new.lockout.after, new.lockout.seconds) == (3, 600)
+    assert refused(check, new, secret="other").code == "locked"
+
+
 # -- signed nonce (EXTENSIONS.md §9) -----------------------------------------------------------
 
 NONCE = "n0nce-0123456789_AB"
@@ -463,3 +509,25 @@ def test_a_shared_lockout_reports_and_takes_locks_decided_elsewhere():
     lockout.failed("d")
     assert not lockout.is_locked("d")
     assert ("succeeded", "d") not in shared.seen, "a remote success is not reported back"
+
+
+def test_a_replacement_authenticator_remembers_the_nonces_seen():
+    """A reload must not let a captured request with a nonce be replayed."""
+    from relay.testing import make_config
+
+    clock = clock_at()
+    heard = []
+    config = make_config()
+    old = Authenticator.from_config(config, clock, on_failure=heard.append)
+    nonce = "n" * 20
+    ts = int(clock.seconds())
+    signature = sign(config.secret, "GET", "/peers", ts, b"", "alpha", nonce)
+
+    def send(auth):
+        return auth.authenticate(b"GET", b"/peers", b"alpha", str(ts).encode(),
+                                 signature.encode(), b"", nonce.encode())
+
+    assert send(old) == "alpha"
+    new = Authenticator.from_config(config, clock, replacing=old, on_failure=heard.append)
+    assert "replayed" in refused(send, new).message
+    assert heard == ["replayed"]

@@ -698,3 +698,9 @@ def test_watch_line_stays_one_line_whatever_the_fields_hold():
     receipt = watch_line({"type": "ack", "from": "beta", "replyTo": "m\r\n1",
                           "body": {"status": "ok"}})
     assert receipt == "[receipt] beta ok for m 1"
+
+
+def test_a_secret_file_of_several_lines_signs_with_the_first(tmp_path):
+    """A broker's secret file holds several lines while a secret is rotated."""
+    (tmp_path / "s").write_text("\nnew\nold\n")
+    assert resolve_settings({"secret_file": str(tmp_path / "s")}, {}, tmp_path).secret == "new"

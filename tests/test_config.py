@@ -227,6 +227,128 @@ def test_a_dropin_backend_names_its_own_section():
     assert config.base_dir == "/etc/relay"
 
 
+# Secrets of at least 16 bytes, for the tests below.
+S, NEW, OLD = "s0123456789abcdef", "new-0123456789abcdef", "old-0123456789abcdef"
+T1, T2 = "t1-0123456789abcdef", "t2-0123456789abcdef"
+
+
+def broker(**keys) -> str:
+    """A config document: the shared secret S and ``keys`` under ``broker``."""
+    return yaml.safe_dump({"broker": dict({"secret": S}, **keys)})
+
+
+def test_listen_interface_reads_positional_and_named_forms():
+    from relay.config import beyond_loopback, listen_interface
+
+    assert listen_interface("tcp:19121:127.0.0.1") == "127.0.0.1"
+    assert listen_interface("tcp:19121:interface=10.0.0.1") == "10.0.0.1"
+    assert listen_interface("tcp6:19121") == "::"
+    assert listen_interface("ssl:443:k.pem:c.pem:TLS_METHOD:127.0.0.1") == "127.0.0.1"
+    assert listen_interface("ssl:443:privateKey=k.pem") == "0.0.0.0"
+    assert listen_interface("unix:/tmp/s") is None
+    assert beyond_loopback("unix:/tmp/s") is None
+    assert beyond_loopback("systemd:domain=INET:index=0") == "unknown"
+    assert parse(broker(listen=["tcp:1:127.0.0.1"])).listen == ("tcp:1:127.0.0.1",)
+
+
+# -- several secrets (rotation) ------------------------------------------------------------
+
+
+def test_a_secret_may_be_a_list_and_the_first_signs():
+    config = parse(yaml.safe_dump({"broker": {"secret": [NEW, OLD]},
+                                   "agents": {"alpha": {"secret": [T2, T1]}}}))
+    assert (config.secret, config.secrets) == (NEW, (NEW, OLD))
+    alpha = config.agents["alpha"]
+    assert (alpha.secret, alpha.secrets) == (T2, (T2, T1))
+    assert parse(broker()).secrets == (S,)
+
+
+@pytest.mark.parametrize("value, key", [
+    ({"broker": {"secret": []}}, "broker.secret"),
+    ({"broker": {"secret": [S, ""]}}, "broker.secret"),
+    ({"broker": {"secret": [S, 3]}}, "broker.secret"),
+    ({"broker": {"secret": [S, "CHANGE_ME"]}}, "broker.secret"),
+    ({"broker": {"secret": [S, "short"]}}, "broker.secret"),
+    ({"broker": {"secret": S}, "agents": {"alpha": {"secret": [S, {}]}}}, "agents.alpha.secret"),
+    ({"broker": {"secret": S}, "agents": {"alpha": {"secret": [S, "short"]}}},
+     "agents.alpha.secret"),
+])
+def test_bad_secret_lists_name_the_key(value, key):
+    assert error_of(yaml.safe_dump(value)).key == key
+
+
+def test_a_secret_file_holds_one_secret_per_line(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    (tmp_path / "relay.secret").write_text(f"{NEW}\n\n  {OLD}  \n")
+    conf.write_text("broker: {secretFile: relay.secret, storage: memory}\n")
+    config, created = load_config(str(conf))
+    assert created == () and config.secrets == (NEW, OLD) and config.secret == NEW
+
+
+# -- the ops listener ----------------------------------------------------------------------
+
+
+def test_no_ops_listener_by_default():
+    ops = parse(broker()).ops
+    assert ops.listen == () and ops.tokens == ()
+
+
+def test_a_loopback_ops_listener_needs_no_token():
+    ops = parse(broker(opsListen=["tcp:19122:interface=127.0.0.1",
+                                  "unix:/run/relay-ops.sock"])).ops
+    assert ops.listen == ("tcp:19122:interface=127.0.0.1", "unix:/run/relay-ops.sock")
+    ops = parse(broker(opsListen="tcp6:1:interface=\\:\\:1")).ops
+    assert ops.listen == ("tcp6:1:interface=\\:\\:1",)
+
+
+@pytest.mark.parametrize("listen, word", [
+    ("tcp:19122", "ssl"),
+    ("tcp:19122:interface=0.0.0.0", "ssl"),
+    ("ssl:19122:privateKey=k.pem", "opsToken"),
+    ("ssl:19122:privateKey=k.pem:interface=192.0.2.1", "opsToken"),
+    ("systemd:domain=INET:index=0", "ssl"),
+])
+def test_an_ops_listener_beyond_loopback_needs_tls_and_a_token(listen, word):
+    error = error_of(broker(opsListen=[listen]))
+    assert error.key == "broker.opsListen" and word in error.reason
+
+
+def test_a_remote_ops_listener_with_tls_and_a_token():
+    ops = parse(broker(opsToken=[T2, T1], opsListen=["ssl:19122:privateKey=tls/k.pem"])).ops
+    assert ops.listen == ("ssl:19122:privateKey=/srv/relay/tls/k.pem",)
+    assert ops.tokens == (T2, T1)
+    # allowInsecureRemote lifts the TLS rule (TLS ends in front of the broker), not the token's
+    parse(broker(opsToken=T1, allowInsecureRemote=True, opsListen=["tcp:1"]))
+    error = error_of(broker(allowInsecureRemote=True, opsListen=["tcp:1"]))
+    assert "opsToken" in error.reason
+
+
+@pytest.mark.parametrize("keys, key", [
+    ({"opsListen": [3]}, "broker.opsListen"),
+    ({"opsListen": {"a": "b"}}, "broker.opsListen"),
+    ({"opsToken": ""}, "broker.opsToken"),
+    ({"opsToken": "short"}, "broker.opsToken"),
+    ({"opsToken": T1, "opsTokenFile": "f"}, "broker.opsToken"),
+])
+def test_bad_ops_keys_name_the_key(keys, key):
+    assert error_of(broker(**keys)).key == key
+
+
+def test_the_ops_token_file_is_created_like_the_secret_file(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    conf.write_text("broker: {secret: s0123456789abcdef, storage: memory, opsTokenFile: ops.token, "
+                    "opsListen: ['ssl:19122:privateKey=k.pem']}\n")
+    config, created = load_config(str(conf))
+    path = tmp_path / "ops.token"
+    assert created == ("broker.opsTokenFile",)
+    assert config.ops.token_file == str(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    (token,) = config.ops.tokens
+    assert len(token) == 64 and path.read_text().strip() == token
+    again, created_again = load_config(str(conf))
+    assert created_again == () and again.ops.tokens == (token,)
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ("broker: {secret: a}", "broker.secret"),
     ("broker: {secret: 0123456789abcde}", "broker.secret"),

@@ -41,7 +41,8 @@ def start_pair(tmp_path, **broker: Any) -> Tuple[BrokerProcess, BrokerProcess]:
 
 @pytest.fixture
 def pair(tmp_path):
-    a, b = start_pair(tmp_path, leaseSeconds=30, sweepSeconds=0.2, maxAttempts=1000)
+    a, b = start_pair(tmp_path, leaseSeconds=30, sweepSeconds=0.2, maxAttempts=1000,
+                      maxDeliveries=0)
     yield a, b
     a.kill()
     b.kill()
@@ -209,7 +210,8 @@ def _bad_signature(broker: BrokerProcess, agent: str) -> Tuple[int, Any]:
 
 
 def test_sigkill_of_a_under_load_loses_nothing(tmp_path):
-    a, b = start_pair(tmp_path, leaseSeconds=2, sweepSeconds=0.2, maxAttempts=1000)
+    a, b = start_pair(tmp_path, leaseSeconds=2, sweepSeconds=0.2, maxAttempts=1000,
+                      maxDeliveries=0)
     try:
         register(b, "worker", "sender0", "sender1")
         ledger = Ledger()

@@ -352,3 +352,109 @@ def test_a_dropin_backend_gets_its_own_section_without_touching_the_config_modul
     with pytest.raises(ConfigError) as info:
         open_configured_store(config, MemoryReactorClock(), factories)
     assert info.value.key == "broker.remote.dsn"
+
+
+# -- the ops listener and reloads ------------------------------------------------------
+
+
+def test_the_ops_listener_is_a_second_site(tmp_path):
+    conf = write_config(
+        tmp_path,
+        "broker: {secret: s0123456789abcdef, storage: memory, "
+        "listen: ['tcp:19994:interface=127.0.0.1'], "
+        "opsListen: ['tcp:19995:interface=127.0.0.1']}\n",
+    )
+    reactor = MemoryReactorClock()
+    service = makeService(options("--config", conf), reactor)
+    service.startService()
+    try:
+        sites = {port: factory for port, factory, _, _ in reactor.tcpServers}
+        assert set(sites) == {19994, 19995}
+        assert sites[19995] is service.ops_site and sites[19994] is service.site
+        assert sites[19995].counters is None and sites[19994].counters is service.counters
+    finally:
+        service.stopService()
+    assert service.ops.stopping
+
+
+def test_a_bad_ops_endpoint_names_its_key(tmp_path, capsys):
+    conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, "
+                                  "opsListen: ['ssl:19996:privateKey=missing.pem']}\n")
+    with pytest.raises(SystemExit):
+        makeService(options("--config", conf), MemoryReactorClock())
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "broker.opsListen" in err and "missing.pem" in err
+
+
+def reloading_service(tmp_path, text: str):
+    conf = write_config(tmp_path, text)
+    service = makeService(options("--config", conf), MemoryReactorClock())
+    return service, conf
+
+
+def test_reload_applies_secrets_acls_limits_and_lockout(tmp_path):
+    from relay.auth import Authenticator
+
+    service, conf = reloading_service(
+        tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, rateLimitRemote: 10}\n"
+                  "agents: {alpha: {secret: a1-0123456789abcdef}, "
+                  "beta: {secret: b1-0123456789abcdef}}\n")
+    old_auth = service.api.auth
+    with open(conf, "w") as f:
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, rateLimitRemote: 20, "
+                "maxAttempts: 7}\n"
+                "security: {lockAfterFailures: 9}\n"
+                "agents: {alpha: {secret: [a2-0123456789abcdef, a1-0123456789abcdef], "
+                "allowed_targets: [beta]}, beta: {secret: b1-0123456789abcdef}, "
+                "gamma: {secret: g1-0123456789abcdef}}\n")
+    with capturedLogs() as events:
+        assert service.reload() is True
+    auth = service.api.auth
+    assert isinstance(auth, Authenticator) and auth is not old_auth
+    assert auth.lockout is old_auth.lockout and auth.lockout.after == 9
+    assert set(auth._keys) == {"alpha", "beta", "gamma"} and len(auth._keys["alpha"]) == 2
+    assert service.api.rate_limiter.remote == 20
+    assert service.broker.policy.rules.max_attempts == 7
+    assert service.broker.policy.allowed_targets == {"alpha": frozenset({"beta"})}
+    assert any("config reloaded" in e.get("log_format", "") for e in events)
+
+
+def test_a_reload_with_errors_is_refused_with_one_line(tmp_path):
+    service, conf = reloading_service(tmp_path,
+                                      "broker: {secret: s0123456789abcdef, storage: memory}\n")
+    auth, policy = service.api.auth, service.broker.policy
+    with open(conf, "w") as f:
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, leaseSeconds: 0}\n")
+    with capturedLogs() as events:
+        assert service.reload() is False
+    assert service.api.auth is auth and service.broker.policy is policy
+    (line,) = [e for e in events if e.get("log_level").name == "error"]
+    assert "reload refused" in line["log_format"] and "broker.leaseSeconds" in line["error"]
+
+
+def test_a_reload_names_the_keys_that_wait_for_a_restart(tmp_path):
+    service, conf = reloading_service(tmp_path,
+                                      "broker: {secret: s0123456789abcdef, storage: memory}\n")
+    with open(conf, "w") as f:
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, "
+                "listen: ['tcp:1:interface=127.0.0.1'],"
+                " sweepSeconds: 9}\n")
+    with capturedLogs() as events:
+        assert service.reload() is True
+    (warning,) = [e for e in events if e.get("log_level").name == "warn"]
+    assert warning["keys"] == "broker.listen, broker.sweepSeconds"
+
+
+def test_reload_changes_the_ops_tokens(tmp_path):
+    service, conf = reloading_service(
+        tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, "
+                  "opsToken: t1-0123456789abcdef, "
+                  "opsListen: ['tcp:19997:interface=127.0.0.1']}\n")
+    assert service.ops.tokens == ("t1-0123456789abcdef",)
+    with open(conf, "w") as f:
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, "
+                "opsToken: [t2-0123456789abcdef, t1-0123456789abcdef], "
+                "opsListen: ['tcp:19997:interface=127.0.0.1']}\n")
+    service.reload()
+    assert service.ops.tokens == ("t2-0123456789abcdef", "t1-0123456789abcdef")
+

@@ -329,3 +329,37 @@ def test_group_commit_failure_fails_the_held_results_and_retries():
     clock.advance(1)
     assert later.result == "read" and len(attempts) == 2
     assert commits.run(lambda: 5).result == 5, "reads on a committed state answer at once"
+
+
+def test_a_failing_commit_is_the_stores_health_until_one_succeeds():
+    """What GET /healthz of the ops listener reports (503 while commits fail)."""
+    clock = Clock()
+    attempts = []
+    timings = []
+
+    def commit():
+        attempts.append(clock.seconds())
+        clock.advance(0.25)  # the commit takes a quarter of a second
+        if len(attempts) == 1:
+            raise OSError(28, "No space left on device")
+
+    commits = GroupCommit(clock, commit, "test")
+    commits.observers.append(timings.append)
+    assert commits.failure is None
+    commits.touch()
+    d = commits.run(lambda: None)
+    clock.advance(0)
+    d.addErrback(lambda f: None)
+    assert commits.failure == "commits are failing: OSError: [Errno 28] No space left on device"
+    clock.advance(1)
+    assert commits.failure is None and timings == [0.25, 0.25]
+
+
+@pytest_twisted.ensureDeferred
+async def test_commits_are_timed(tmp_path):
+    store = open_jsonl(tmp_path)
+    timings = []
+    store.observe_commits(timings.append)
+    await store.add(new_message("alpha", "beta", START))
+    await store.close()
+    assert len(timings) >= 1

@@ -70,7 +70,7 @@ async def run(
             retry_delays=RETRY_DELAYS_SECONDS[: inv.retries],
         )
 
-    ctx = Context(inv.args, settings, console, home, reactor, new_client)
+    ctx = Context(inv.args, settings, console, home, reactor, new_client, env, http)
     try:
         return await inv.command.run(ctx)
     except UsageError as error:

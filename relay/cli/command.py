@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -51,6 +51,8 @@ class Context:
     home: Path
     clock: IReactorTime
     new_client: Callable[[str], RelayClient]
+    env: Mapping[str, str] = field(default_factory=dict)
+    http: Any = None  # an HTTP client replacing the default (tests pass StubTreq)
 
     @cached_property
     def client(self) -> RelayClient:

@@ -41,6 +41,9 @@ class GroupCommit:
         self.on_commit = on_commit
         self.pending = False
         self.commits = 0
+        # Why the last commit failed, until one succeeds (the store's health).
+        self.failure: Optional[str] = None
+        self.observers: List[Callable[[float], None]] = []
         self._held: List[Tuple[Deferred, Any, Optional[Failure]]] = []
         self._call: Optional[IDelayedCall] = None
 
@@ -76,11 +79,14 @@ class GroupCommit:
         error: Optional[Failure] = None
         if self.pending:
             self.pending = False
+            started = self.clock.seconds()
             try:
                 self.commit()
                 self.commits += 1
+                self.failure = None
             except Exception:
                 error = Failure()
+                self.failure = f"commits are failing: {error.type.__name__}: {error.value}"
                 self.pending = True
                 self._call = self.clock.callLater(RETRY_SECONDS, self.flush)
                 log.error(
@@ -89,6 +95,10 @@ class GroupCommit:
                     kind=error.type.__name__,
                     count=len(held),
                 )
+            if self.observers:
+                elapsed = self.clock.seconds() - started
+                for observe in self.observers:
+                    observe(elapsed)
         if error is None and self.on_commit is not None:
             self.on_commit()
         for d, result, failure in held:

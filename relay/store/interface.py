@@ -19,9 +19,27 @@ synchronous, indexed primitives; the built-in backends are such primitives.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from zope.interface import Attribute, Interface
 
 from relay.protocol import KEEP_CARD
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """One recipient's backlog (:meth:`IMessageStore.queue_depths`): messages by
+    state (``queued`` without the ``delayed`` ones), and when its oldest queued
+    message that is not delayed was stored (epoch seconds; None when there is
+    none)."""
+
+    agent: str
+    queued: int = 0
+    leased: int = 0
+    failed: int = 0
+    delayed: int = 0
+    oldest_queued: Optional[float] = None
 
 
 class IMessageStore(Interface):
@@ -119,6 +137,22 @@ class IMessageStore(Interface):
         """Remove every message stored before ``cutoff`` or whose ``ttlSeconds`` ran
         out by ``now``, storing the failure notices of requests that expired
         unprocessed; fires with how many were removed."""
+
+    def queue_depths(now):
+        """Fires with a :class:`QueueDepth` per agent that has messages queued,
+        leased, delayed (queued and held back past ``now``) or failed, sorted by
+        agent; ``queued`` does not count the delayed ones. Answered from indexes
+        or counters the store keeps, never by reading every message (metrics ask
+        for it at each scrape). Leases are counted as stored: one past its
+        deadline counts as leased until a sweep or a read releases it."""
+
+    def health():
+        """Fires with None while the store accepts writes, else a short reason
+        (no message content), such as the error of a commit that keeps failing."""
+
+    def observe_commits(listener):
+        """Call ``listener(seconds)`` with the duration of every commit the store
+        makes (a store that commits nothing never calls it)."""
 
     def close():
         """Flush and release the backend; fires when done."""

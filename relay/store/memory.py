@@ -14,8 +14,12 @@ from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence
 from relay import delivery
 from relay.delivery import Message
 from relay.errors import ConfigError
-from relay.protocol import KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
+from relay.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
+from relay.store.interface import QueueDepth
 from relay.store.records import Records, RecordStore
+
+# The states whose messages are counted per agent (QueueDepth).
+_COUNTED = (QUEUED, LEASED, FAILED)
 
 
 def _has(seqs: List[int], seq: int) -> bool:
@@ -51,6 +55,10 @@ class MemoryRecords(Records):
         self.expiries: List[Tuple[float, int]] = []
         self.peer_seen: Dict[str, int] = {}
         self.cards: Dict[str, Dict[str, Any]] = {}
+        # agent -> status -> how many of its messages are in that (counted) state, and
+        # agent -> how many of its queued messages wait in the delayed heap
+        self.depth: Dict[str, Dict[str, int]] = {}
+        self.held: Dict[str, int] = {}
 
     # -- indexes -----------------------------------------------------------------------
 
@@ -59,6 +67,7 @@ class MemoryRecords(Records):
         if message.status == QUEUED:
             if message.not_before is not None:
                 heapq.heappush(self.delayed, (message.not_before, message.seq))
+                self._tally(self.held, message.to, 1)
             else:
                 insort(self.queued_seqs.setdefault(message.to, []), message.seq)
             if message.recovery:
@@ -71,17 +80,36 @@ class MemoryRecords(Records):
         if message.status != QUEUED:
             return
         queue = self.queued_seqs.get(message.to)
+        promoted = False
         if queue:
             i = bisect_left(queue, message.seq)
             if i < len(queue) and queue[i] == message.seq:
                 del queue[i]
+                promoted = True
             if not queue:
                 del self.queued_seqs[message.to]
+        if message.not_before is not None and not promoted:
+            self._tally(self.held, message.to, -1)
         marks = self.recovery_seqs.get(message.to)
         if marks is not None:
             marks.discard(message.seq)
             if not marks:
                 del self.recovery_seqs[message.to]
+
+    @staticmethod
+    def _tally(counts: Dict[str, int], key: str, delta: int) -> None:
+        left = counts.get(key, 0) + delta
+        if left:
+            counts[key] = left
+        else:
+            counts.pop(key, None)
+
+    def _count(self, agent: str, status: str, delta: int) -> None:
+        if status in _COUNTED:
+            counts = self.depth.setdefault(agent, {})
+            self._tally(counts, status, delta)
+            if not counts:
+                del self.depth[agent]
 
     def load(self, message: Message) -> None:
         """Index a message that already has its seq and state (when replaying a log)."""
@@ -97,6 +125,7 @@ class MemoryRecords(Records):
         if message.expires_at is not None:
             heapq.heappush(self.expiries, (message.expires_at, seq))
         self._index(message)
+        self._count(message.to, message.status, 1)
         self.next_seq = max(self.next_seq, seq + 1)
 
     def _promote(self, now: float) -> None:
@@ -110,6 +139,7 @@ class MemoryRecords(Records):
             queue = self.queued_seqs.setdefault(message.to, [])
             if not _has(queue, seq):
                 insort(queue, seq)
+                self._tally(self.held, message.to, -1)
 
     def _live(self, seqs: Iterable[int], now: float) -> Iterable[Message]:
         """The stored messages of ``seqs`` that still exist and have not expired."""
@@ -160,6 +190,9 @@ class MemoryRecords(Records):
             if old == new:
                 continue
             self._unindex(stored)
+            if old[0] != new[0]:
+                self._count(stored.to, old[0], -1)
+                self._count(stored.to, new[0], 1)
             stored.set_state(new)
             self._index(stored, lease_moved=old[0] != LEASED or old[2:4] != new[2:4])
             self.saved(stored)
@@ -298,6 +331,7 @@ class MemoryRecords(Records):
         del self.by_seq[message.seq]
         del self.by_id[message.id]
         self._unindex(message)
+        self._count(message.to, message.status, -1)
         for index, key in ((self.inbox_seqs, message.to), (self.outbox_seqs, message.sender)):
             seqs = index[key]
             while seqs and seqs[0] not in self.by_seq:
@@ -312,6 +346,23 @@ class MemoryRecords(Records):
                     seqs.discard(message.seq)
                     if not seqs:
                         del index[key]
+
+    def depths(self, now: float) -> List[QueueDepth]:
+        self._promote(now)
+        out = []
+        for agent in sorted(self.depth):
+            counts = self.depth[agent]
+            held = self.held.get(agent, 0)
+            queue = self.queued_seqs.get(agent)
+            out.append(QueueDepth(
+                agent,
+                queued=counts.get(QUEUED, 0) - held,
+                leased=counts.get(LEASED, 0),
+                failed=counts.get(FAILED, 0),
+                delayed=held,
+                oldest_queued=self.by_seq[queue[0]].created if queue else None,
+            ))
+        return out
 
     def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
         self.peer_seen[agent] = int(now)

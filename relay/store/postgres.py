@@ -71,12 +71,12 @@ from relay.delivery import Changes, Message, Rules, Transition
 from relay.errors import ConfigError, RelayError
 from relay.protocol import KEEP_CARD, QUEUED
 from relay.store import records as ops
-from relay.store.interface import IMessageStore, ISharedLockouts
+from relay.store.interface import IMessageStore, ISharedLockouts, QueueDepth
 from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 CHANNEL = "relay_changes"
 INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
 
@@ -217,6 +217,16 @@ STATEMENTS = {
         "last_seen = greatest(p.last_seen, excluded.last_seen), card = excluded.card"
     ),
     "is_registered": "SELECT 1 FROM relay_peers WHERE agent = %s",
+    # Per recipient and state, each part on its state's partial index: never the
+    # done messages (the metrics ask at every scrape).
+    "depths": (
+        "SELECT recipient, 'queued', coalesce(not_before > %(now)s, false), count(*), "
+        "min(created) FROM relay_messages WHERE status = 'queued' GROUP BY 1, 3 "
+        "UNION ALL SELECT recipient, 'leased', false, count(*), NULL FROM relay_messages "
+        "WHERE status = 'leased' GROUP BY 1 "
+        "UNION ALL SELECT recipient, 'failed', false, count(*), NULL FROM relay_messages "
+        "WHERE status = 'failed' GROUP BY 1"
+    ),
     "peers": "SELECT agent, last_seen, card FROM relay_peers ORDER BY agent",
     "notify": "SELECT pg_notify(%s, %s)",
     "lapsed_agents": (
@@ -390,6 +400,19 @@ class PostgresRecords(Records):
                        if m.kind == "request" and m.status in ("queued", "leased")]
         return len(removed), sorted(unprocessed, key=lambda m: m.seq)
 
+    def depths(self, now: float) -> List[QueueDepth]:
+        self.cursor.execute(STATEMENTS["depths"], {"now": now})
+        found: Dict[str, Dict[str, Any]] = {}
+        for agent, status, held, count, oldest in self.cursor.fetchall():
+            entry = found.setdefault(agent, {"agent": agent})
+            if status == "queued" and held:
+                entry["delayed"] = count
+            else:
+                entry[status] = count
+                if status == "queued":
+                    entry["oldest_queued"] = oldest
+        return [QueueDepth(**found[agent]) for agent in sorted(found)]
+
     def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
         if card is KEEP_CARD:
             self.cursor.execute(STATEMENTS["register"], (agent, int(now)))
@@ -497,13 +520,15 @@ def connect(conninfo: str, autocommit: bool = False):
 
 
 class _Outcome:
-    __slots__ = ("result", "error", "changes", "registered")
+    __slots__ = ("result", "error", "changes", "registered", "commit_seconds")
 
-    def __init__(self, result: Any, error: Optional[BaseException], records: PostgresRecords):
+    def __init__(self, result: Any, error: Optional[BaseException], records: PostgresRecords,
+                 commit_seconds: float) -> None:
         self.result = result
         self.error = error
         self.changes = records.changes
         self.registered = records.registered
+        self.commit_seconds = commit_seconds
 
 
 class _Job:
@@ -572,8 +597,9 @@ class Connections:
                     if payload is not None:
                         cursor.execute(STATEMENTS["notify"], (CHANNEL, payload))
                     committing = True
+                    started = time.monotonic()
                     conn.commit()
-                return _Outcome(result, error, records)
+                return _Outcome(result, error, records, time.monotonic() - started)
             except (Conflict, psycopg.errors.TransactionRollback):
                 # another broker won a race, or PostgreSQL broke a deadlock: run it again
                 self._rollback(conn)
@@ -748,6 +774,8 @@ class PostgresStore:
         self.connections = Connections(conninfo, pool_size, self.token)
         self.connections.threads.start()
         self._listeners: List[Callable[[Changes], None]] = []
+        self._commit_observers: List[Callable[[float], None]] = []
+        self.failure: Optional[str] = None  # why the last operation found no database
         self._registered: Set[str] = set()
         self.lockouts: Optional[PostgresLockouts] = None
         self.closed = False
@@ -786,9 +814,14 @@ class PostgresStore:
         if job.timeout is not None and job.timeout.active():
             job.timeout.cancel()
         if ok and isinstance(outcome, _Outcome):
+            self.failure = None
             self._registered |= outcome.registered
+            for observer in self._commit_observers:
+                observer(outcome.commit_seconds)
             if outcome.changes:
                 self._report(outcome.changes)
+        elif not ok and isinstance(outcome.value, Unavailable):
+            self.failure = f"the database is unavailable: {outcome.value}"
         if job.abandoned:
             return
         job.abandoned = True
@@ -919,6 +952,17 @@ class PostgresStore:
             total += removed
             if removed < EXPIRE_BATCH:
                 return total
+
+    def queue_depths(self, now: float) -> Deferred:
+        return self._run(ops.depths, now)
+
+    def health(self) -> Deferred:
+        """None while operations reach the database; the reason once one did not
+        (until one does again)."""
+        return succeed(self.failure)
+
+    def observe_commits(self, listener: Callable[[float], None]) -> None:
+        self._commit_observers.append(listener)
 
     def close(self) -> Deferred:
         """Stop the fallback look, the listener and the workers; close the connections."""

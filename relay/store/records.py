@@ -21,7 +21,7 @@ from relay import delivery, errors
 from relay.delivery import Changes, Message, Rules, Transition
 from relay.protocol import KEEP_CARD
 from relay.store.grouped import GroupCommit
-from relay.store.interface import IMessageStore
+from relay.store.interface import IMessageStore, QueueDepth
 
 EXPIRE_BATCH = 2000
 # The most bytes of messages one answer carries (at least one message, whatever its
@@ -99,6 +99,12 @@ class Records:
         or leased."""
         raise NotImplementedError
 
+    def depths(self, now: float) -> List[QueueDepth]:
+        """A :class:`QueueDepth` per agent with messages queued, leased, delayed
+        (queued with ``not_before`` after ``now``) or failed, sorted by agent; from
+        indexes or counters, never a scan of every message."""
+        raise NotImplementedError
+
     def register(self, agent: str, now: float, card: Any) -> None:
         """A heartbeat; ``card`` is the new card, None to remove it, or
         :data:`relay.protocol.KEEP_CARD`."""
@@ -138,6 +144,7 @@ def release_lapsed(records: Records, now: float, rules: Rules) -> int:
         notices.extend(delivery.catch_up(message, now, rules))
     _saved(records, befores, lapsed)
     _store_notices(records, notices)
+    records.changes.lapsed += len(lapsed)
     return len(lapsed)
 
 
@@ -266,6 +273,10 @@ def expire(records: Records, cutoff: float, now: float, rules: Rules, batch: int
     return count
 
 
+def depths(records: Records, now: float) -> List[QueueDepth]:
+    return records.depths(now)
+
+
 # -- the store ---------------------------------------------------------------------------
 
 
@@ -363,6 +374,16 @@ class RecordStore:
             total += removed
             if removed < EXPIRE_BATCH:
                 return total
+
+    def queue_depths(self, now: float) -> Deferred:
+        return self._run(depths, now)
+
+    def health(self) -> Deferred:
+        return succeed(self.commits.failure if self.commits is not None else None)
+
+    def observe_commits(self, listener: Callable[[float], None]) -> None:
+        if self.commits is not None:
+            self.commits.observers.append(listener)
 
     def close(self) -> Deferred:
         if self.commits is not None:

@@ -62,6 +62,7 @@ from relay.errors import ConfigError
 from relay.protocol import KEEP_CARD, STATUSES
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
+from relay.store.interface import QueueDepth
 from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
@@ -131,6 +132,17 @@ STATEMENTS = {
         "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen",
         "INSERT INTO peers (agent, last_seen, card) VALUES (?, ?, ?) "
         "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen, card = excluded.card",
+    ],
+    # One index seek per recipient (a loose scan of messages_inbox), then counts of
+    # its queued, leased and failed ranges: done messages are never visited.
+    "depths": [
+        "SELECT recipient FROM messages WHERE recipient > ? ORDER BY recipient LIMIT 1",
+        "SELECT status, count(*) FROM messages "
+        "WHERE recipient = ? AND status IN ('queued', 'leased', 'failed') GROUP BY status",
+        "SELECT count(*) FROM messages WHERE recipient = ? AND status = 'queued' "
+        "AND not_before > ?",
+        "SELECT created FROM messages WHERE recipient = ? AND status = 'queued' "
+        "AND (not_before IS NULL OR not_before <= ?) ORDER BY seq LIMIT 1",
     ],
 }
 
@@ -490,6 +502,31 @@ class SQLiteRecords(Records):
                 self.cursor.executemany(STATEMENTS["expire"][6], [(seq,) for seq in ttl])
                 removed += len(ttl)
         return removed, unprocessed
+
+    def depths(self, now: float) -> List[QueueDepth]:
+        next_recipient, counts, delayed, oldest = STATEMENTS["depths"]
+        out = []
+        agent = ""
+        while True:
+            rows = self.cursor.execute(next_recipient, (agent,)).fetchall()
+            if not rows:
+                return out
+            agent = rows[0][0]
+            by_status = dict(self.cursor.execute(counts, (agent,)).fetchall())
+            if not by_status:
+                continue
+            held = 0
+            if by_status.get("queued"):
+                held = self.cursor.execute(delayed, (agent, now)).fetchall()[0][0]
+            first = self.cursor.execute(oldest, (agent, now)).fetchall()
+            out.append(QueueDepth(
+                agent,
+                queued=by_status.get("queued", 0) - held,
+                leased=by_status.get("leased", 0),
+                failed=by_status.get("failed", 0),
+                delayed=held,
+                oldest_queued=first[0][0] if first else None,
+            ))
 
     def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
         self.registered.add(agent)

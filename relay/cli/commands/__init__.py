@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from relay.cli.command import Command
-from relay.cli.commands import bootstrap, broker, leases, messages, views
+from relay.cli.commands import bootstrap, broker, leases, messages, ops, views
 
 COMMANDS: Tuple[Command, ...] = (
     Command(
@@ -47,6 +47,14 @@ COMMANDS: Tuple[Command, ...] = (
         views.recent_arguments,
     ),
     Command("query", "search messages (v1.1)", views.query, views.query_arguments),
+    Command(
+        "stats",
+        "the broker's figures from its ops listener (what the dashboard shows)",
+        ops.stats,
+        ops.stats_arguments,
+        needs_agent=False,
+        needs_secret=False,
+    ),
     Command(
         "init",
         "write a broker config with a fresh secret",

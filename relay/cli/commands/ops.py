@@ -1,0 +1,186 @@
+"""``relay stats``: the figures of the dashboard, in the terminal (``--json`` for scripts).
+
+The ops listener is found from ``--ops URL``, then ``DSH_RELAY_OPS``, then the
+first ``broker.opsListen`` endpoint of the broker config (``--config``, default
+``conf/relay.yaml``); its token from ``--ops-token``, ``DSH_RELAY_OPS_TOKEN``,
+then the config's ``broker.opsToken`` or ``broker.opsTokenFile``. Reading the
+config creates nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import yaml
+
+from relay.cli.command import Context
+from relay.cli.output import table
+from relay.config import listen_interface, split_endpoint, unescape_endpoint_value
+from relay.errors import RelayError
+from relay.settings import UsageError
+
+ENV_OPS = "DSH_RELAY_OPS"
+ENV_OPS_TOKEN = "DSH_RELAY_OPS_TOKEN"
+DEFAULT_CONFIG = "conf/relay.yaml"
+TIMEOUT_SECONDS = 15.0
+
+
+def stats_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the ops listener is and its token."""
+    parser.add_argument("--ops", metavar="URL",
+                        help=f"the ops listener (default: ${ENV_OPS}, else broker.opsListen "
+                             "of --config)")
+    parser.add_argument("--ops-token", metavar="TOKEN",
+                        help=f"the ops token (default: ${ENV_OPS_TOKEN}, else the config's)")
+    parser.add_argument("--config", metavar="PATH", default=DEFAULT_CONFIG,
+                        help=f"the broker config to read them from (default {DEFAULT_CONFIG})")
+
+
+def ops_url(description: str) -> str:
+    """The URL of an ops endpoint string (``tcp:``, ``tcp6:``, ``ssl:``); a wildcard
+    interface is reached on loopback."""
+    parts = split_endpoint(description)
+    interface = listen_interface(description)
+    if interface is None:
+        raise UsageError(f"cannot reach ops endpoint {description!r} over HTTP: pass --ops URL")
+    port = next((unescape_endpoint_value(p.partition("=")[2]) for p in parts[1:]
+                 if p.startswith("port=")), None)
+    if port is None:
+        port = next((p for p in parts[1:] if "=" not in p), "")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(interface, interface)
+    if ":" in host:
+        host = f"[{host}]"
+    scheme = "https" if parts[0] == "ssl" else "http"
+    return f"{scheme}://{host}:{port}"
+
+
+def _from_config(path: str) -> Tuple[Optional[str], Optional[str]]:
+    """``(url, token)`` from the config file at ``path``; Nones when it has no listener."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        return None, None
+    except (OSError, yaml.YAMLError) as error:
+        raise UsageError(f"cannot read {path}: {error}") from None
+    broker = data.get("broker") if isinstance(data, dict) else None
+    if not isinstance(broker, dict):
+        return None, None
+    listen = broker.get("opsListen")
+    if isinstance(listen, str):
+        listen = [listen]
+    url = ops_url(listen[0]) if isinstance(listen, list) and listen else None
+    token = broker.get("opsToken")
+    if isinstance(token, list):
+        token = token[0] if token else None
+    token_file = broker.get("opsTokenFile")
+    if token is None and isinstance(token_file, str):
+        file = Path(os.path.dirname(os.path.abspath(path))) / os.path.expanduser(token_file)
+        try:
+            lines = [line.strip() for line in file.read_text(encoding="utf-8").splitlines()]
+        except OSError as error:
+            raise UsageError(f"cannot read the ops token file {file}: {error.strerror}") from None
+        token = next((line for line in lines if line), None)
+    return url, token if isinstance(token, str) else None
+
+
+def ops_target(args: argparse.Namespace, env: Mapping[str, str]) -> Tuple[str, Optional[str]]:
+    """The ops listener's URL and token, from flags, environment, then the config."""
+    url = args.ops or env.get(ENV_OPS) or None
+    token = args.ops_token or env.get(ENV_OPS_TOKEN) or None
+    if url is None or token is None:
+        config_url, config_token = _from_config(args.config)
+        url = url or config_url
+        token = token or config_token
+    if url is None:
+        raise UsageError(f"no ops listener: pass --ops URL, set {ENV_OPS}, or point --config "
+                         "at a broker config with broker.opsListen")
+    return url.rstrip("/"), token
+
+
+def _age(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s < 90:
+        return f"{s}s"
+    if s < 5400:
+        return f"{s // 60}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _pairs(counts: Dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "0"
+
+
+def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
+    console = ctx.console
+    b, t = overview["broker"], overview["totals"]
+    health = "healthy" if b["healthy"] else f"UNHEALTHY: {b['health']}"
+    console.line(f"broker {b['version']}, storage {b['storage']}, {health}, "
+                 f"up {_age(b['uptimeSeconds'])}")
+    console.line(f"agents online {t['agentsOnline']}  queued {t['queued']}  leased {t['leased']}"
+                 f"  delayed {t['delayed']}  dead letters {t['failed']}"
+                 f"  long polls waiting {t['pullWaiting']}")
+    console.line(f"sent {t['sent']}  delivered {t['delivered']}  acked {_pairs(t['acked'])}"
+                 f"  dead-lettered {_pairs(t['deadLettered'])}  expired {t['expired']}"
+                 f"  lease expirations {t['leaseExpirations']}")
+    console.line(f"auth failures {_pairs(t['authFailures'])}  lockouts {t['lockouts']}")
+    if overview["throughput"]:
+        last = overview["throughput"][-1]
+        console.line(f"last interval: sent {last['sent']:.2f}/s  delivered "
+                     f"{last['delivered']:.2f}/s  acked {last['acked']:.2f}/s  requests "
+                     f"{last['requests']:.2f}/s  errors {last['errors']:.2f}/s")
+    console.line()
+    rows = [(a["agent"], "yes" if a["online"] else "no", a["queued"], a["leased"],
+             a["delayed"], a["failed"], _age(a["oldestAgeSeconds"]))
+            for a in overview["agents"]]
+    if rows:
+        for line in table(rows, ("AGENT", "ONLINE", "QUEUED", "LEASED", "DELAYED", "FAILED",
+                                 "OLDEST")):
+            console.line(line)
+    else:
+        console.line("no agents")
+    pairs = overview["flow"]["pairs"][:10]
+    if pairs:
+        console.line()
+        for line in table([(p["from"], p["to"], p["count"]) for p in pairs],
+                          ("FROM", "TO", "MESSAGES (LAST MINUTES)")):
+            console.line(line)
+
+
+async def stats(ctx: Context) -> int:
+    """GET /api/overview of the ops listener: the dashboard's figures."""
+    import treq
+
+    from relay.client import make_http_client
+
+    url, token = ops_target(ctx.args, ctx.env)
+    http = ctx.http
+    if http is None:
+        settings = ctx.settings
+        http = make_http_client(ctx.clock, settings.ca_file, settings.client_cert,
+                                settings.client_key)
+    headers = {"Accept": ["application/json"]}
+    if token:
+        headers["Authorization"] = [f"Bearer {token}"]
+    try:
+        response = await http.get(url + "/api/overview", headers=headers,
+                                  timeout=TIMEOUT_SECONDS)
+        raw = await treq.content(response)
+    except Exception as failure:  # a connection or TLS failure, said in one line
+        raise RelayError(0, "connection_error",
+                         f"cannot reach the ops listener at {url}: {failure}") from None
+    try:
+        document = json.loads(raw)
+    except ValueError:
+        raise RelayError(response.code, "bad_answer",
+                         f"the ops listener at {url} did not answer JSON") from None
+    if response.code != 200:
+        error = document.get("error", {}) if isinstance(document, dict) else {}
+        raise RelayError(response.code, error.get("code", "error"), error.get("message", ""))
+    ctx.console.emit(document, lambda: print_overview(ctx, document))
+    return 0

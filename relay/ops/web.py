@@ -1,0 +1,380 @@
+"""The ops listener (``broker.opsListen``): health, metrics, the dashboard and its JSON API.
+
+A Klein app of its own, served by a second site: the main listener serves none
+of this. Every route but ``GET /healthz`` asks for the ops token when one is
+configured (``Authorization: Bearer TOKEN``, or HTTP Basic with the token as the
+password, which is how a browser sends it). Without a token (a loopback-only
+listener) a request must name a loopback host in ``Host``, so a web page
+cannot reach the dashboard through DNS rebinding. Requests that change
+something are JSON ``POST``s, and a browser's ``Origin`` must be the
+listener's own: another site's page cannot send them.
+
+Message bodies never appear here: the views of messages carry ids, names,
+counts and errors only.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import hmac
+import uuid
+from importlib import resources
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+from klein import Klein
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from werkzeug.exceptions import MethodNotAllowed, NotFound
+from werkzeug.routing import RequestRedirect
+
+from relay import __version__, errors, protocol
+from relay.broker import Broker
+from relay.delivery import Message
+from relay.errors import RelayError
+from relay.ops import metrics
+from relay.ops.counters import Counters
+from relay.protocol import FAILED, LEASED, is_loopback_host
+from relay.web import check_body_size, raw_body, write_json
+
+log = Logger(namespace="relay.ops")
+
+REALM = b'realm="relay ops"'
+DEFAULT_LIST = 50
+MAX_LIST = 200
+MAX_AGENTS = 1000
+STATIC_FILES = {
+    "dashboard.js": b"text/javascript; charset=utf-8",
+    "dashboard.css": b"text/css; charset=utf-8",
+}
+# The page loads nothing from elsewhere and runs no inline script.
+PAGE_HEADERS = (
+    (b"content-security-policy",
+     b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"cache-control", b"no-store"),
+)
+
+
+def _static(name: str) -> bytes:
+    return resources.files("relay.ops").joinpath("static", name).read_bytes()
+
+
+def _host_name(host: bytes) -> str:
+    """The host of a ``Host`` header, without its port or IPv6 brackets."""
+    text = host.decode("latin-1").strip()
+    if text.startswith("["):
+        return text[1:].split("]", 1)[0]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def _presented_token(header: Optional[bytes]) -> Optional[bytes]:
+    """The token of an ``Authorization`` header: Bearer, or the password of Basic."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(b" ")
+    scheme = scheme.lower()
+    if scheme == b"bearer":
+        return value.strip()
+    if scheme == b"basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        return decoded.partition(b":")[2]
+    return None
+
+
+def guarded(route: Callable) -> Callable:
+    """Route decorator: the ops token (when one is set), or a loopback ``Host``."""
+
+    @functools.wraps(route)
+    def wrapper(self: OpsAPI, request, *args, **kwargs):
+        self.check_access(request)
+        return route(self, request, *args, **kwargs)
+
+    return wrapper
+
+
+def _limit(request) -> int:
+    values = request.args.get(b"limit")
+    raw = values[0].decode("ascii", "replace") if values else None
+    return max(1, min(MAX_LIST, protocol.clamp_limit(raw, DEFAULT_LIST)))
+
+
+def message_view(message: Message, now: float) -> Dict[str, Any]:
+    """What the ops views show of a message: never its body."""
+    view: Dict[str, Any] = {
+        "id": message.id,
+        "from": message.sender,
+        "to": message.to,
+        "kind": message.kind,
+        "ts": message.ts,
+        "status": message.status,
+        "attempts": message.attempts,
+        "deliveries": message.deliveries,
+        "error": message.error,
+        "reason": message.dead_reason,
+    }
+    if message.status == LEASED and message.lease_until is not None:
+        view["leaseUntil"] = message.lease_until
+        view["secondsLeft"] = round(message.lease_until / 1000.0 - now, 3)
+    return view
+
+
+class OpsAPI:
+    """The ops listener's routes over one broker and its counters."""
+
+    app = Klein()
+
+    def __init__(self, broker: Broker, clock: IReactorTime, tokens: Sequence[str] = (),
+                 started: Optional[float] = None, extra_collectors: Iterable = ()) -> None:
+        self.broker = broker
+        self.clock = clock
+        self.tokens = tuple(tokens)
+        self.started = clock.seconds() if started is None else started
+        self.extra_collectors = tuple(extra_collectors)
+        self.stopping = False
+        self._page = _static("index.html")
+        self._files = {name: _static(name) for name in STATIC_FILES}
+
+    @property
+    def counters(self) -> Counters:
+        return self.broker.counters
+
+    def resource(self):
+        return self.app.resource()
+
+    # -- access ----------------------------------------------------------------------
+
+    def check_access(self, request) -> None:
+        """RelayError 401 without a valid token (when tokens are set), 403 for a
+        non-loopback ``Host`` (when none is)."""
+        if not self.tokens:
+            host = request.getHeader(b"host")
+            if host is not None and not is_loopback_host(_host_name(host)):
+                raise errors.forbidden("this ops listener has no token: use a loopback host name")
+            return
+        presented = _presented_token(request.getHeader(b"authorization"))
+        if presented is not None:
+            for token in self.tokens:
+                if hmac.compare_digest(presented, token.encode("utf-8")):
+                    return
+        request.responseHeaders.addRawHeader(b"www-authenticate", b"Basic " + REALM)
+        request.responseHeaders.addRawHeader(b"www-authenticate", b"Bearer " + REALM)
+        raise errors.unauthenticated("the ops token is required")
+
+    def check_post(self, request) -> Dict[str, Any]:
+        """The JSON object of a state-changing request from this listener's own page."""
+        check_body_size(request)
+        content_type = (request.getHeader(b"content-type") or b"").split(b";")[0].strip()
+        if content_type.lower() != b"application/json":
+            raise errors.bad_request("content-type must be application/json")
+        origin = request.getHeader(b"origin")
+        host = request.getHeader(b"host")
+        if origin is not None and (host is None or origin.split(b"://", 1)[-1] != host):
+            raise errors.forbidden("cross-origin requests are refused")
+        return protocol.parse_json_object(raw_body(request))
+
+    # -- errors ------------------------------------------------------------------------
+
+    @app.handle_errors(RelayError)
+    def relay_error(self, request, failure: Failure) -> bytes:
+        error = failure.value
+        return write_json(request, error.status, error.to_body())
+
+    @app.handle_errors(NotFound, MethodNotAllowed, RequestRedirect)
+    def no_route(self, request, failure: Failure) -> bytes:
+        try:
+            self.check_access(request)
+        except RelayError as error:
+            return write_json(request, error.status, error.to_body())
+        path = request.path.decode("utf-8", "replace")
+        error = errors.not_found(f"no route {request.method.decode('latin-1')} {path}")
+        return write_json(request, 404, error.to_body())
+
+    @app.handle_errors(Exception)
+    def unexpected(self, request, failure: Failure) -> bytes:
+        incident = uuid.uuid4().hex[:12]
+        log.error("ops incident {incident}: {kind}", incident=incident,
+                  kind=failure.type.__name__)
+        error = errors.busy(f"internal broker error (incident {incident})")
+        return write_json(request, 503, error.to_body())
+
+    # -- health and metrics ------------------------------------------------------------
+
+    @app.route("/healthz", methods=["GET"])
+    def healthz(self, request) -> Deferred:
+        """200 while the store accepts writes, else 503 with the reason. Never lists agents."""
+        d = self.broker.health()
+
+        def answer(reason: Optional[str]) -> bytes:
+            if reason is None and self.stopping:
+                reason = "the broker is stopping"
+            document = {"ok": reason is None, "storage": self.broker.store.name,
+                        "version": __version__}
+            if reason is not None:
+                document["reason"] = reason
+            return write_json(request, 200 if reason is None else 503, document)
+
+        d.addCallback(answer)
+        return d
+
+    @app.route("/metrics", methods=["GET"])
+    @guarded
+    @inlineCallbacks
+    def metrics(self, request):
+        depths = yield self.broker.queue_depths()
+        peers = yield self.broker.peers()
+        scrape = metrics.Scrape(
+            now=self.clock.seconds(),
+            depths=depths,
+            pull_waiting=self.broker.waiters.count(),
+            agents_online=sum(1 for peer in peers if peer["online"]),
+            version=__version__,
+            storage=self.broker.store.name,
+        )
+        body = metrics.render(self.counters, scrape, self.extra_collectors)
+        request.setHeader(b"content-type", metrics.CONTENT_TYPE.encode("ascii"))
+        request.setHeader(b"cache-control", b"no-store")
+        return body
+
+    # -- the dashboard -----------------------------------------------------------------
+
+    @app.route("/", methods=["GET"])
+    @guarded
+    def page(self, request) -> bytes:
+        if request.path != b"/":
+            return self.no_route(request, None)
+        request.setHeader(b"content-type", b"text/html; charset=utf-8")
+        for name, value in PAGE_HEADERS:
+            request.setHeader(name, value)
+        return self._page
+
+    @app.route("/static/<name>", methods=["GET"])
+    @guarded
+    def static(self, request, name: str) -> bytes:
+        content_type = STATIC_FILES.get(name)
+        if content_type is None:
+            raise errors.not_found(f"no static file {name!r}")
+        request.setHeader(b"content-type", content_type)
+        for header, value in PAGE_HEADERS:
+            request.setHeader(header, value)
+        return self._files[name]
+
+    # -- the JSON API ------------------------------------------------------------------
+
+    @app.route("/api/overview", methods=["GET"])
+    @guarded
+    def overview(self, request) -> Deferred:
+        """Agents with their queues, the totals, throughput and flow (``relay stats``)."""
+        d = self.overview_document()
+        d.addCallback(lambda document: write_json(request, 200, document))
+        return d
+
+    @inlineCallbacks
+    def overview_document(self):
+        broker, counters = self.broker, self.counters
+        health = yield broker.health()
+        depths = yield broker.queue_depths()
+        peers = yield broker.peers()
+        now = self.clock.seconds()
+        by_agent = {depth.agent: depth for depth in depths}
+        agents: Dict[str, Dict[str, Any]] = {}
+        for peer in peers:
+            agents[peer["agent"]] = {"agent": peer["agent"], "registered": True,
+                                     "online": peer["online"], "lastSeen": peer["lastSeen"],
+                                     "card": peer.get("card")}
+        for agent in by_agent:
+            agents.setdefault(agent, {"agent": agent, "registered": False, "online": False,
+                                      "lastSeen": None, "card": None})
+        rows: List[Dict[str, Any]] = []
+        for name, row in agents.items():
+            depth = by_agent.get(name)
+            for state in metrics.QUEUE_STATES:
+                row[state] = getattr(depth, state) if depth is not None else 0
+            oldest = depth.oldest_queued if depth is not None else None
+            row["oldestAgeSeconds"] = None if oldest is None else round(max(0.0, now - oldest), 3)
+            rows.append(row)
+        rows.sort(key=lambda r: (-(r["queued"] + r["leased"] + r["delayed"] + r["failed"]),
+                                 r["agent"]))
+        return {
+            "broker": {
+                "version": __version__,
+                "storage": broker.store.name,
+                "now": now,
+                "startedAt": self.started,
+                "uptimeSeconds": round(now - self.started, 3),
+                "healthy": health is None,
+                "health": health,
+            },
+            "agents": rows[:MAX_AGENTS],
+            "agentsListed": min(len(rows), MAX_AGENTS),
+            "agentsTotal": len(rows),
+            "totals": {
+                "sent": counters.sent,
+                "delivered": counters.delivered,
+                "acked": dict(counters.acked),
+                "deadLettered": dict(counters.dead_lettered),
+                "expired": counters.expired,
+                "leaseExpirations": counters.lease_expirations,
+                "authFailures": dict(counters.auth_failures),
+                "lockouts": counters.lockouts,
+                "pullWaiting": broker.waiters.count(),
+                "agentsOnline": sum(1 for peer in peers if peer["online"]),
+                "queued": sum(d.queued for d in depths),
+                "leased": sum(d.leased for d in depths),
+                "delayed": sum(d.delayed for d in depths),
+                "failed": sum(d.failed for d in depths),
+            },
+            "throughput": counters.throughput(),
+            "flow": counters.recent_flow(),
+        }
+
+    def _listing(self, request, status: str, key: str) -> Deferred:
+        d = self.broker.messages_in(status, _limit(request))
+        now = self.clock.seconds()
+        d.addCallback(lambda found: write_json(
+            request, 200, {key: [message_view(m, now) for m in found]}))
+        return d
+
+    @app.route("/api/leases", methods=["GET"])
+    @guarded
+    def leases(self, request) -> Deferred:
+        """Leases in flight, newest first, with the time each has left."""
+        return self._listing(request, LEASED, "leases")
+
+    @app.route("/api/dead-letters", methods=["GET"])
+    @guarded
+    def dead_letters(self, request) -> Deferred:
+        """Failed messages (the dead letters), newest first."""
+        return self._listing(request, FAILED, "deadLetters")
+
+    @app.route("/api/requeue", methods=["POST"])
+    @guarded
+    def requeue(self, request) -> Deferred:
+        """Put a dead letter back in its recipient's queue, as the operator
+        (``/v1/requeue`` without the sender-or-recipient rule)."""
+        message_id = protocol.required_id(self.check_post(request), "messageId")
+        d = self.broker.requeue(None, message_id)
+        d.addCallback(lambda result: self._done(request, "requeued", message_id, result))
+        return d
+
+    @app.route("/api/cancel", methods=["POST"])
+    @guarded
+    def cancel(self, request) -> Deferred:
+        """Withdraw a queued or leased message, as the operator (``/v1/cancel``
+        without the sender rule): it becomes a dead letter."""
+        body = self.check_post(request)
+        message_id = protocol.required_id(body, "messageId")
+        reason = protocol.parse_reason(body) or "cancelled by the operator"
+        d = self.broker.cancel(None, message_id, reason)
+        d.addCallback(lambda result: self._done(request, "cancelled", message_id, result))
+        return d
+
+    def _done(self, request, action: str, message_id: str, result: Dict[str, Any]) -> bytes:
+        log.info("operator {action} message {id}", action=action, id=message_id)
+        return write_json(request, 200, result)

@@ -1,0 +1,87 @@
+"""The dashboard in a real browser (CI runs this file by name: ``pytest
+tests/browser_dashboard.py``; it needs the ``ci`` extra and Debian's chromium).
+
+Headless Chromium, driven by Playwright with ``executable_path`` (Playwright
+downloads no browser), loads the ops listener's page of a real broker with an
+ops token (sent as HTTP Basic, as a person's browser would after its prompt):
+it shows two agents after they register, its counts change after messages
+flow, a dead letter appears and is requeued from the page.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from tests.test_ops_process import TOKEN, OpsBroker
+
+CHROMIUM = os.environ.get("RELAY_CHROMIUM", "/usr/bin/chromium")
+# Without the background-networking flags a closed network refuses Chromium's own
+# connections and it stalls; --no-sandbox because CI runs as root.
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+WAIT_MS = 15_000
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = OpsBroker(str(tmp_path), maxAttempts=0).start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def page(tmp_path):
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS,
+            http_credentials={"username": "ops", "password": TOKEN},
+        )
+        try:
+            yield context.new_page()
+        finally:
+            context.close()
+
+
+def row(page, table: str, text: str):
+    return page.locator(f"#{table} tbody tr", has_text=text)
+
+
+def test_the_dashboard_follows_the_broker(broker, page, tmp_path):
+    page.goto(f"http://127.0.0.1:{broker.ops_port}/")
+    expect(page.locator("#health")).to_have_text("healthy", timeout=WAIT_MS)
+    expect(page.locator("#agents tbody")).to_contain_text("no agents yet")
+
+    for agent in ("beta", "gamma"):
+        assert broker.request(agent, "POST", "/register", {})[0] == 200
+    expect(page.locator("#agents tbody tr")).to_have_count(2, timeout=WAIT_MS)
+    expect(row(page, "agents", "beta")).to_contain_text("online")
+
+    for i in range(3):
+        assert broker.request("alpha", "POST", "/messages", {"to": "beta", "id": f"b{i}"})[0] == 201
+    expect(page.locator("#t-sent")).to_have_text("3", timeout=WAIT_MS)
+    expect(page.locator("#t-queued")).to_have_text("3")
+    expect(row(page, "pairs", "alpha")).to_contain_text("3")
+
+    code, pulled = broker.request("beta", "POST", "/v1/pull", {"limit": 1})
+    (lease,) = pulled["messages"]
+    expect(row(page, "leases", lease["id"])).to_have_count(1, timeout=WAIT_MS)
+    assert broker.request("beta", "POST", "/v1/ack", {
+        "messageId": lease["id"], "leaseId": lease["leaseId"], "outcome": "retry",
+        "error": "handler crashed"})[0] == 200
+    dead = row(page, "dead", lease["id"])
+    expect(dead).to_contain_text("handler crashed", timeout=WAIT_MS)
+    expect(page.locator("#t-failed")).to_have_text("1")
+    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+
+    dead.get_by_role("button", name="requeue").click()
+    expect(page.locator("#action")).to_have_text(f"requeued {lease['id']}", timeout=WAIT_MS)
+    expect(page.locator("#dead tbody")).to_contain_text("no dead letters", timeout=WAIT_MS)
+    expect(page.locator("#t-queued")).to_have_text("3")
+    code, status = broker.request("alpha", "POST", "/v1/status", {"messageIds": [lease["id"]]})
+    assert status["messages"][0]["status"] == "queued"

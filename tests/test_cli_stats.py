@@ -1,0 +1,90 @@
+"""``relay stats``: the ops listener's overview in the terminal, found from flags,
+the environment or the broker config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import pytest_twisted
+from treq.testing import StubTreq
+
+from relay.cli.commands.ops import ops_target, ops_url
+from relay.ops.web import OpsAPI
+from relay.settings import UsageError
+from relay.testing import make_api
+from tests.test_cli import run_cli
+
+
+async def ops_with_traffic(tokens=()):
+    api, client, clock = make_api(maxAttempts=0)
+    for agent in ("beta", "gamma"):
+        await client.post(agent, "/register", {})
+    for i in range(2):
+        await client.post("alpha", "/messages", {"to": "beta", "id": f"s{i}"})
+    return OpsAPI(api.broker, clock, tokens)
+
+
+@pytest_twisted.ensureDeferred
+async def test_stats_prints_the_overview(tmp_path):
+    ops = await ops_with_traffic()
+    outcome = await run_cli(["stats", "--ops", "http://127.0.0.1:19122"], tmp_path,
+                            http=StubTreq(ops.resource()))
+    assert outcome.status == 0, outcome.err
+    lines = outcome.out.splitlines()
+    assert lines[0].startswith("broker ") and "storage memory, healthy" in lines[0]
+    assert "queued 2" in lines[1] and "sent 2" in lines[2]
+    beta = next(line for line in lines if line.startswith("beta "))
+    assert beta.split()[:4] == ["beta", "yes", "2", "0"]
+    assert any(line.split()[:3] == ["alpha", "beta", "2"] for line in lines)
+
+
+@pytest_twisted.ensureDeferred
+async def test_stats_json_is_the_overview_document(tmp_path):
+    ops = await ops_with_traffic(tokens=("t",))
+    env = {"DSH_RELAY_OPS": "http://127.0.0.1:19122", "DSH_RELAY_OPS_TOKEN": "t"}
+    outcome = await run_cli(["stats", "--json"], tmp_path, env=env,
+                            http=StubTreq(ops.resource()))
+    assert outcome.status == 0, outcome.err
+    document = json.loads(outcome.out)
+    assert document["totals"]["sent"] == 2 and len(document["agents"]) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_stats_without_the_token_is_an_error(tmp_path):
+    ops = await ops_with_traffic(tokens=("t",))
+    outcome = await run_cli(["stats", "--ops", "http://127.0.0.1:19122"], tmp_path,
+                            http=StubTreq(ops.resource()))
+    assert outcome.status == 1 and "unauthenticated" in outcome.err
+
+
+@pytest_twisted.ensureDeferred
+async def test_stats_without_an_ops_listener_is_a_usage_error(tmp_path):
+    outcome = await run_cli(["stats", "--config", str(tmp_path / "none.yaml")], tmp_path)
+    assert outcome.status == 2 and "no ops listener" in outcome.err
+
+
+def args(**values):
+    defaults = {"ops": None, "ops_token": None, "config": "conf/relay.yaml"}
+    defaults.update(values)
+    return argparse.Namespace(**defaults)
+
+
+def test_the_listener_and_token_come_from_the_config(tmp_path):
+    conf = tmp_path / "relay.yaml"
+    (tmp_path / "ops.token").write_text("\nnew-token\nold-token\n")
+    conf.write_text("broker: {opsListen: ['ssl:19443:privateKey=k.pem:interface=0.0.0.0'], "
+                    "opsTokenFile: ops.token}\n")
+    assert ops_target(args(config=str(conf)), {}) == ("https://127.0.0.1:19443", "new-token")
+    assert ops_target(args(config=str(conf), ops="http://x:1/"), {"DSH_RELAY_OPS_TOKEN": "e"}) \
+        == ("http://x:1", "e")
+    assert not (tmp_path / "relay.secret").exists()
+
+
+def test_ops_urls_of_endpoint_strings():
+    assert ops_url("tcp:19122:interface=127.0.0.1") == "http://127.0.0.1:19122"
+    assert ops_url("tcp6:19122") == "http://[::1]:19122"
+    assert ops_url("tcp:port=9:interface=\\:\\:1") == "http://[::1]:9"
+    with pytest.raises(UsageError):
+        ops_url("unix:/run/ops.sock")

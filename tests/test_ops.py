@@ -1,0 +1,392 @@
+"""The ops listener in memory: /healthz, /metrics, the dashboard's JSON API and its
+access rules; the counters behind them; the HTTP metrics of the main listener."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Dict, Optional, Tuple
+
+import pytest
+import pytest_twisted
+from prometheus_client.parser import text_string_to_metric_families
+from treq.testing import RequestTraversalAgent, StubTreq
+from twisted.internet.defer import succeed
+from twisted.web.client import readBody
+from twisted.web.http_headers import Headers
+
+from relay.http import RelayRequest, RelaySite
+from relay.ops import metrics
+from relay.ops.counters import FLOW_SAMPLES, MAX_FLOW_PAIRS, OTHER, Counters, Histogram
+from relay.ops.web import OpsAPI
+from relay.store.interface import QueueDepth
+from relay.store.memory import MemoryStore
+from relay.testing import START, make_api
+
+TOKEN = "ops-token-1"
+
+
+class Ops:
+    """A broker's API (signed client) and its ops app (plain client)."""
+
+    def __init__(self, tokens=(), store=None, **broker: Any) -> None:
+        self.api, self.client, self.clock = make_api(store=store, **broker)
+        self.broker = self.api.broker
+        self.ops = OpsAPI(self.broker, self.clock, tokens)
+        self.http = StubTreq(self.ops.resource())
+
+    async def get(self, path: str, headers: Optional[Dict[str, str]] = None,
+                  method: str = "GET", body: Optional[bytes] = None) -> Tuple[int, Any, Any]:
+        response = await self.http.request(method, "http://127.0.0.1:19122" + path,
+                                           headers=headers or {}, data=body)
+        content = await response.content()
+        kind = response.headers.getRawHeaders("content-type", [""])[0]
+        parsed = json.loads(content) if kind.startswith("application/json") else content
+        return response.code, parsed, response
+
+    async def traffic(self) -> None:
+        """beta and gamma register; alpha sends; beta completes one, retries one into failure."""
+        c = self.client
+        for agent in ("beta", "gamma"):
+            assert (await c.post(agent, "/register", {}))[0] == 200
+        for i in range(3):
+            assert (await c.post("alpha", "/messages", {"id": f"m{i}", "to": "beta"}))[0] == 201
+        assert (await c.post("alpha", "/messages", {"id": "m0", "to": "beta"}))[0] == 200
+        assert (await c.post("alpha", "/messages", {"id": "g0", "to": "gamma"}))[0] == 201
+        _, pulled, _ = await c.post("beta", "/v1/pull", {"limit": 2})
+        first, second = pulled["messages"]
+        await c.post("beta", "/v1/ack", {"messageId": first["id"], "leaseId": first["leaseId"],
+                                         "outcome": "completed"})
+        await c.post("beta", "/v1/ack", {"messageId": second["id"],
+                                         "leaseId": second["leaseId"], "outcome": "retry",
+                                         "error": "handler crashed"})
+        await c.post("gamma", "/v1/pull", {"limit": 1, "leaseSeconds": 30})
+
+
+def families(text: bytes) -> Dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text.decode("utf-8"))}
+
+
+def value(family, **labels) -> float:
+    for sample in family.samples:
+        if all(sample.labels.get(k) == v for k, v in labels.items()) and (
+                sample.name == family.name or sample.name == family.name + "_total"):
+            return sample.value
+    raise AssertionError(f"no sample {labels} in {family.name}")
+
+
+# -- /healthz ------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_healthz_says_ok_with_storage_and_version():
+    from relay import __version__
+
+    ops = Ops(tokens=(TOKEN,))
+    code, body, _ = await ops.get("/healthz")
+    assert (code, body) == (200, {"ok": True, "storage": "memory", "version": __version__})
+
+
+class FailingCommits(MemoryStore):
+    def health(self):
+        return succeed("commits are failing: OSError: [Errno 28] No space left on device")
+
+
+@pytest_twisted.ensureDeferred
+async def test_healthz_is_503_with_the_reason_while_commits_fail():
+    ops = Ops(store=FailingCommits())
+    code, body, _ = await ops.get("/healthz")
+    assert code == 503 and body["ok"] is False
+    assert body["reason"] == "commits are failing: OSError: [Errno 28] No space left on device"
+    assert "agents" not in body and "peers" not in body
+
+
+@pytest_twisted.ensureDeferred
+async def test_healthz_is_503_while_the_broker_stops():
+    ops = Ops()
+    ops.ops.stopping = True
+    code, body, _ = await ops.get("/healthz")
+    assert (code, body["reason"]) == (503, "the broker is stopping")
+
+
+# -- access --------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("path", ["/metrics", "/", "/api/overview", "/api/leases",
+                                  "/api/dead-letters", "/static/dashboard.js", "/nope"])
+async def test_every_route_but_healthz_needs_the_token(path):
+    ops = Ops(tokens=("old", TOKEN))
+    code, body, response = await ops.get(path)
+    assert code == 401 and body["error"]["code"] == "unauthenticated"
+    challenges = response.headers.getRawHeaders("www-authenticate")
+    assert 'Basic realm="relay ops"' in challenges and 'Bearer realm="relay ops"' in challenges
+    assert (await ops.get(path, {"Authorization": "Bearer wrong"}))[0] == 401
+    expected = 404 if path == "/nope" else 200
+    assert (await ops.get(path, {"Authorization": f"Bearer {TOKEN}"}))[0] == expected
+    assert (await ops.get(path, {"Authorization": "Bearer old"}))[0] == expected
+    basic = base64.b64encode(f"anyone:{TOKEN}".encode()).decode()
+    assert (await ops.get(path, {"Authorization": f"Basic {basic}"}))[0] == expected
+    assert (await ops.get(path, {"Authorization": "Basic %%%"}))[0] == 401
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_a_token_only_loopback_host_names_are_served():
+    """A page that rebinds its own name to 127.0.0.1 cannot read the dashboard."""
+    ops = Ops()
+    for host in ("127.0.0.1:19122", "localhost", "[::1]:19122"):
+        assert (await ops.get("/api/overview", {"Host": host}))[0] == 200
+    code, body, _ = await ops.get("/api/overview", {"Host": "evil.example:19122"})
+    assert code == 403 and body["error"]["code"] == "forbidden"
+    assert (await ops.get("/healthz", {"Host": "lb.internal"}))[0] == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_main_listener_serves_none_of_this():
+    ops = Ops()
+    for path in ("/healthz", "/metrics", "/api/overview"):
+        code, body, _ = await ops.client.get("alpha", path)
+        assert (code, body["error"]["code"]) == (404, "not_found")
+
+
+# -- /metrics ------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_metrics_report_the_traffic():
+    ops = Ops(maxAttempts=0)
+    await ops.traffic()
+    ops.clock.advance(7)
+    code, text, response = await ops.get("/metrics")
+    assert code == 200
+    assert response.headers.getRawHeaders("content-type") == [metrics.CONTENT_TYPE]
+    f = families(text)
+    assert value(f["relay_messages_sent"]) == 4
+    assert value(f["relay_messages_delivered"]) == 3
+    assert value(f["relay_messages_acked"], outcome="completed") == 1
+    assert value(f["relay_messages_acked"], outcome="retry") == 1
+    assert value(f["relay_messages_dead_lettered"], reason="attempts") == 1
+    queue = f["relay_queue_messages"]
+    assert value(queue, agent="beta", state="queued") == 1
+    assert value(queue, agent="beta", state="failed") == 1
+    assert value(queue, agent="beta", state="leased") == 0
+    assert value(queue, agent="beta", state="delayed") == 0
+    assert value(queue, agent="gamma", state="leased") == 1
+    assert value(f["relay_queue_oldest_message_age_seconds"], agent="beta") == 7
+    assert value(f["relay_agents_online"]) == 2
+    assert value(f["relay_pull_waiting"]) == 0
+    assert value(f["relay_build_info"], storage="memory") == 1
+    for reason in ("bad_signature", "unknown_agent", "locked"):
+        assert value(f["relay_auth_failures"], reason=reason) == 0
+    ops.clock.advance(30)
+    await ops.broker.sweep_leases()
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_lease_expirations"]) == 1
+    assert value(f["relay_queue_messages"], agent="gamma", state="queued") == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_auth_failures_and_lockouts_are_counted():
+    ops = Ops(security={"lockAfterFailures": 2})
+    await ops.client.post("beta", "/register", {})
+    for _ in range(2):
+        await ops.client.post("beta", "/register", {}, secret="wrong")
+    await ops.client.post("beta", "/register", {})
+    await ops.client.get(None, "/peers")
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_auth_failures"], reason="bad_signature") == 2
+    assert value(f["relay_auth_failures"], reason="locked") == 1
+    assert value(f["relay_auth_failures"], reason="missing_headers") == 1
+    assert value(f["relay_lockouts"]) == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_waiting_pull_is_a_gauge():
+    from tests.http_support import Broker
+
+    b = Broker()
+    await b.register("beta")
+    ops = OpsAPI(b.broker, b.clock)
+    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 5})
+    scrape = metrics.Scrape(b.clock.seconds(), [], b.broker.waiters.count(), 0, "v", "memory")
+    f = families(metrics.render(ops.counters, scrape))
+    assert value(f["relay_pull_waiting"]) == 1
+    b.advance(5)
+    assert waiting.result.code == 200 and b.broker.waiters.count() == 0
+
+
+def test_per_agent_series_are_capped_and_the_rest_summed():
+    depths = [QueueDepth(f"a{i:04d}", queued=i, oldest_queued=START - i) for i in range(1, 1006)]
+    capped = metrics.capped_depths(depths)
+    assert len(capped) == 1001
+    assert capped[0].agent == "a1005" and capped[999].agent == "a0006"
+    other = capped[-1]
+    assert other.agent == OTHER and other.queued == 1 + 2 + 3 + 4 + 5
+    assert other.oldest_queued == START - 5
+    scrape = metrics.Scrape(START, depths, 0, 0, "v", "memory")
+    f = families(metrics.render(Counters(), scrape))
+    agents = {s.labels["agent"] for s in f["relay_queue_messages"].samples}
+    assert len(agents) == 1001 and OTHER in agents
+
+
+# -- the HTTP metrics of the main listener ----------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_http_requests_are_counted_by_route_code_and_duration():
+    ops = Ops()
+    counters = ops.broker.counters
+    agent = RequestTraversalAgent(ops.api.resource())
+    agent._serverFactory = RelaySite(ops.api.resource(), counters=counters, reactor=ops.clock)
+    agent._serverFactory.requestFactory = RelayRequest
+    for path in (b"/", b"/peers", b"/nowhere"):
+        response = await agent.request(b"GET", b"http://127.0.0.1:19121" + path, Headers())
+        await readBody(response)
+    assert counters.http == {"info": {200: 1}, "peers": {401: 1}, "unmatched": {401: 1}}
+    assert counters.http_seconds["peers"].count == 1
+
+
+# -- counters --------------------------------------------------------------------------
+
+
+def test_histogram_buckets_are_cumulative_upper_bounds():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3):
+        h.observe(v)
+    assert h.cumulative() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
+    assert h.total == pytest.approx(3.65) and h.count == 4
+
+
+def test_flow_is_bounded_per_interval_and_kept_for_the_window():
+    c = Counters()
+    c.sample(100.0)
+    for i in range(MAX_FLOW_PAIRS + 10):
+        c.message_stored("alpha", f"r{i}")
+    c.message_stored("alpha", "r0")
+    assert sum(len(row) for row in c.flow.values()) == MAX_FLOW_PAIRS + 1
+    assert c.flow[OTHER][OTHER] == 10
+    c.sample(110.0)
+    c.message_stored("alpha", "r0")
+    flow = c.recent_flow(limit=2)
+    assert flow["since"] is None  # the window still reaches back to the start
+    assert flow["pairs"][0] == {"from": OTHER, "to": OTHER, "count": 10}
+    assert flow["pairs"][1] == {"from": "alpha", "to": "r0", "count": 3}
+    for i in range(1, FLOW_SAMPLES + 1):
+        c.sample(110.0 + 10 * i)
+    # the window holds FLOW_SAMPLES intervals: the one from 100 to 110 has left it
+    assert c.recent_flow() == {"since": 110.0,
+                               "pairs": [{"from": "alpha", "to": "r0", "count": 1}]}
+    c.sample(1000.0)
+    assert c.recent_flow() == {"since": 120.0, "pairs": []}
+
+
+def test_throughput_is_a_rate_per_interval():
+    c = Counters()
+    c.sample(0.0)
+    for _ in range(20):
+        c.message_stored("a", "b")
+    c.messages_delivered(10)
+    c.http_answered("send", 201, 0.01)
+    c.http_answered("send", 503, 0.01)
+    c.sample(10.0)
+    (point,) = c.throughput()
+    assert point["at"] == 10.0 and point["sent"] == 2.0 and point["delivered"] == 1.0
+    assert point["requests"] == 0.2 and point["errors"] == 0.1
+
+
+# -- the JSON API ----------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_overview_lists_agents_queues_totals_and_flow():
+    ops = Ops(maxAttempts=0)
+    await ops.traffic()
+    ops.clock.advance(3)
+    code, overview, _ = await ops.get("/api/overview")
+    assert code == 200
+    rows = {row["agent"]: row for row in overview["agents"]}
+    assert set(rows) == {"beta", "gamma"}
+    assert rows["beta"] == {"agent": "beta", "registered": True, "online": True,
+                            "lastSeen": int(START), "card": None, "queued": 1, "leased": 0,
+                            "delayed": 0, "failed": 1, "oldestAgeSeconds": 3.0}
+    assert rows["gamma"]["leased"] == 1
+    totals = overview["totals"]
+    assert (totals["sent"], totals["delivered"], totals["failed"]) == (4, 3, 1)
+    assert overview["broker"]["healthy"] is True and overview["broker"]["health"] is None
+    assert {"from": "alpha", "to": "beta", "count": 3} in overview["flow"]["pairs"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_dead_letters_and_leases_never_carry_a_body():
+    ops = Ops(maxAttempts=0)
+    await ops.traffic()
+    code, dead, _ = await ops.get("/api/dead-letters")
+    assert code == 200
+    (letter,) = dead["deadLetters"]
+    assert letter["id"] == "m1" and letter["error"] == "handler crashed"
+    assert (letter["from"], letter["to"], letter["attempts"]) == ("alpha", "beta", 1)
+    assert "body" not in letter
+    code, leases, _ = await ops.get("/api/leases?limit=5")
+    (lease,) = leases["leases"]
+    assert lease["id"] == "g0" and lease["secondsLeft"] == 30 and "body" not in lease
+    assert "leaseId" not in lease
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_page_and_its_files_are_served_with_a_strict_policy():
+    ops = Ops()
+    code, page, response = await ops.get("/")
+    assert code == 200 and b"/static/dashboard.js" in page
+    policy = response.headers.getRawHeaders("content-security-policy")[0]
+    assert "default-src 'self'" in policy
+    code, script, response = await ops.get("/static/dashboard.js")
+    assert code == 200 and b"/api/overview" in script
+    assert b"http://" not in script.replace(b"http://www.w3.org/2000/svg", b"")
+    assert (await ops.get("/static/../web.py"))[0] == 404
+    code, body, _ = await ops.get("/static/other.js")
+    assert (code, body["error"]["code"]) == (404, "not_found")
+
+
+# -- operator actions ----------------------------------------------------------------
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_operator_requeues_a_dead_letter_and_cancels_a_lease():
+    ops = Ops(maxAttempts=0)
+    await ops.traffic()
+    code, result, _ = await ops.get("/api/requeue", JSON, "POST", b'{"messageId": "m1"}')
+    assert (code, result) == (200, {"ok": True, "status": "queued", "attempts": 0})
+    assert (await ops.get("/api/dead-letters"))[1]["deadLetters"] == []
+    code, result, _ = await ops.get("/api/cancel", JSON, "POST", b'{"messageId": "g0"}')
+    assert code == 200 and result["status"] == "failed"
+    (letter,) = (await ops.get("/api/dead-letters"))[1]["deadLetters"]
+    assert (letter["id"], letter["reason"], letter["error"]) == (
+        "g0", "cancelled", "cancelled by the operator")
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_messages_dead_lettered"], reason="cancelled") == 1
+    assert value(f["relay_messages_dead_lettered"], reason="attempts") == 1
+    code, body, _ = await ops.get("/api/requeue", JSON, "POST", b'{"messageId": "m2"}')
+    assert (code, body["error"]["code"]) == (409, "wrong_state")
+    code, body, _ = await ops.get("/api/requeue", JSON, "POST", b'{"messageId": "nope"}')
+    assert (code, body["error"]["code"]) == (404, "no_such_message")
+    code, body, _ = await ops.get("/api/requeue", JSON, "POST", b"{}")
+    assert (code, body["error"]["code"]) == (400, "bad_request")
+
+
+@pytest_twisted.ensureDeferred
+async def test_actions_are_json_posts_from_the_listeners_own_origin():
+    ops = Ops(tokens=(TOKEN,), maxAttempts=0)
+    await ops.traffic()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = b'{"messageId": "m1"}'
+    assert (await ops.get("/api/requeue", JSON, "POST", body))[0] == 401
+    form = dict(auth, **{"Content-Type": "text/plain"})
+    assert (await ops.get("/api/requeue", form, "POST", body))[0] == 400
+    foreign = dict(auth, Origin="http://evil.example", **JSON)
+    assert (await ops.get("/api/requeue", foreign, "POST", body))[0] == 403
+    own = dict(auth, Origin="http://127.0.0.1:19122", Host="127.0.0.1:19122", **JSON)
+    assert (await ops.get("/api/requeue", own, "POST", body))[0] == 200
+    assert (await ops.get("/api/requeue", dict(auth), "GET"))[0] == 404
