@@ -398,17 +398,18 @@ def test_tls_settings_precedence(tmp_path: Path) -> None:
         json.dumps({"caFile": "file-ca", "clientCert": "file-cert", "clientKey": "file-key"})
     )
     stored = resolve_settings({}, {}, tmp_path)
+    # relative paths in the settings file are relative to the file
     assert (stored.ca_file, stored.client_cert, stored.client_key) == (
-        "file-ca",
-        "file-cert",
-        "file-key",
+        str(tmp_path / "file-ca"),
+        str(tmp_path / "file-cert"),
+        str(tmp_path / "file-key"),
     )
     env = {"DSH_RELAY_CA_FILE": "env-ca", "DSH_RELAY_CLIENT_CERT": "env-cert"}
     from_env = resolve_settings({}, env, tmp_path)
     assert (from_env.ca_file, from_env.client_cert, from_env.client_key) == (
         "env-ca",
         "env-cert",
-        "file-key",
+        str(tmp_path / "file-key"),
     )
     flags: Dict[str, Optional[str]] = {"client_cert": "flag-cert", "client_key": "flag-key"}
     from_flags = resolve_settings(flags, env, tmp_path)
