@@ -93,6 +93,21 @@ async def run(
             console.document({"error": {"status": error.status, **error.to_body()["error"]}})
         console.warn(f"error: {error.code}: {error.message}")
         return 1
+    except BrokenPipeError:
+        # The reader went away (`relay recv | head -1`): nothing more to say.
+        _discard(out)
+        return 1
+
+
+def _discard(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null, so that flushing it at exit is quiet."""
+    try:
+        fileno = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fileno)
+    os.close(devnull)
 
 
 def printable_lines(text: str) -> str:
