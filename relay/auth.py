@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 from collections import OrderedDict
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -106,6 +107,11 @@ class Lockout:
         del self._locked[agent]
         return False
 
+    def seconds_left(self, agent: str) -> float:
+        """How long ``agent`` stays locked (0 when it is not)."""
+        until = self._locked.get(agent)
+        return 0.0 if until is None else max(0.0, until - self.clock.seconds())
+
     def failed(self, agent: str) -> bool:
         """Count a failure; the ``after``-th consecutive one locks the agent.
 
@@ -199,7 +205,11 @@ class Authenticator:
         if key is None:
             raise errors.unknown_agent()
         if self.lockout.is_locked(agent):
-            raise errors.locked()
+            left = math.ceil(self.lockout.seconds_left(agent))
+            raise errors.locked(
+                f"agent is locked after repeated authentication failures; "
+                f"try again in {left} s"
+            )
         if not _is_integer(timestamp_header):
             raise self._failed(agent, errors.unauthenticated("invalid timestamp"))
         # Whole seconds on both sides: a fractional clock would make the window lopsided.
@@ -208,7 +218,9 @@ class Authenticator:
         mac = key.copy()
         mac.update(signing_string(method, path, timestamp_header, raw_body))
         if not hmac.compare_digest(mac.hexdigest().encode("ascii"), signature_header.lower()):
-            raise self._failed(agent, errors.unauthenticated("invalid signature"))
+            raise self._failed(
+                agent, errors.unauthenticated("invalid signature; check the secret and the clock")
+            )
         self.lockout.succeeded(agent)
         return agent
 

@@ -196,10 +196,23 @@ def test_unlock_after_lock_minutes():
     auth = make_auth(clock, seconds=300.0)
     for _ in range(5):
         refused(check, auth, secret="wrong")
-    clock.advance(299)
-    assert refused(check, auth).code == "locked"
-    clock.advance(1)
+    assert refused(check, auth).message.endswith("; try again in 300 s")
+    clock.advance(299.5)
+    locked = refused(check, auth)
+    assert locked.code == "locked"
+    assert locked.message == (
+        "agent is locked after repeated authentication failures; try again in 1 s"
+    )
+    clock.advance(0.5)
     assert check(auth) == "alpha"
+
+
+def test_a_bad_signature_says_what_to_check():
+    error = refused(check, make_auth(clock_at()), secret="wrong")
+    assert (error.code, error.message) == (
+        "unauthenticated",
+        "invalid signature; check the secret and the clock",
+    )
 
 
 def test_success_resets_the_failure_count():
