@@ -124,10 +124,15 @@ class Run:
         return any(p.get("agent") == agent and p.get("online") for p in peers)
 
     def run(self, directory: List[str], line: str) -> None:
-        done = subprocess.run(
-            ["bash", "-c", self.script(directory, line)],
-            capture_output=True, text=True, timeout=COMMAND_SECONDS, stdin=subprocess.DEVNULL,
-        )
+        try:
+            done = subprocess.run(
+                ["bash", "-c", self.script(directory, line)],
+                capture_output=True, text=True, timeout=COMMAND_SECONDS,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            self.fail(line, f"did not finish in {COMMAND_SECONDS:g} s")
+            return
         if done.returncode != 0:
             self.fail(line, f"exit status {done.returncode}: {done.stderr.strip()}")
             return
@@ -146,7 +151,7 @@ class Run:
         self.failed.append(line)
 
     def stop(self) -> None:
-        for line, process in reversed(self.background):
+        for _, process in reversed(self.background):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
                 try:

@@ -384,12 +384,17 @@ class AgentService(Service):
             )
         except RelayError as failure:
             self.log.warn(
-                "agent {agent}: reply {reply} to {id} not accepted ({code})",
+                "agent {agent}: reply {reply} to {id} not accepted ({code}: {message})",
                 agent=self.client.agent,
                 reply=reply["id"],
                 id=message_id,
                 code=failure.code,
+                message=failure.message,
             )
+            # As for a failed handler: hold the lease a while, so that a requester
+            # that is not registered yet does not see its request fail at once.
+            if not self._stopping and self.retry_delay > 0:
+                await deferLater(self._clock, self.retry_delay)
             await self._finish(message_id, "retry", f"reply not accepted: {failure.code}")
             return
         await self._receipt(message, receipt)

@@ -206,6 +206,23 @@ def test_a_handler_failure_is_logged_with_its_message_not_the_body(
     )
 
 
+def test_a_refused_reply_holds_the_lease_before_the_retry(tmp_path: Path) -> None:
+    """A reply the broker refuses (here the ACL; often a requester that has not
+    registered yet) does not burn the request's attempts at once."""
+    world = World(tmp_path, agents={"worker": {"allowed_targets": ["nobody"]}})
+    service = world.runtime(Recorder(), retry_delay=5.0)
+    start(world, service)
+    request = world.request("hello")
+    world.settle()
+    assert world.status(request) == ("leased", 0)
+    world.settle(5)
+    assert world.status(request) == ("leased", 1)  # retried once, leased again
+    stopped = service.stopService()
+    world.settle(5)  # the runtime waits out the delay, hands the request back, stops
+    assert stopped.called
+    assert world.status(request) == ("queued", 2)
+
+
 def test_deferred_handler(tmp_path: Path) -> None:
     world = World(tmp_path)
     pending: List[defer.Deferred] = []

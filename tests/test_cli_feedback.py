@@ -511,3 +511,38 @@ def test_bash_completion_completes_commands_and_options(tmp_path: Path) -> None:
     assert complete("sel") == ["selfcheck"]
     assert "--json-body" in complete("send", "--js")
     assert set(complete("query", "--status", "")) == {"queued", "leased", "done", "failed"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_request_registers_its_sender_so_the_reply_can_reach_it(shell: Shell) -> None:
+    await shell.run("beta", "register")
+    await shell.run("alpha", "send", "beta", "a plain message")
+    listed = (await shell.run("beta", "peers", "--json")).json()["peers"]
+    assert [p["agent"] for p in listed] == ["beta"]
+    asked = await shell.run("alpha", "send", "beta", "a question", "--kind", "request")
+    assert asked.status == 0, asked.err
+    listed = (await shell.run("beta", "peers", "--json")).json()["peers"]
+    assert [p["agent"] for p in listed] == ["alpha", "beta"]
+    reply = await shell.run("beta", "send", "alpha", "an answer", "--kind", "reply")
+    assert reply.status == 0, reply.err
+
+
+def test_a_closed_pipe_ends_the_command_quietly(shell: Shell) -> None:
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    results: List[int] = []
+    d = defer.Deferred.fromCoroutine(
+        run(shell.clock, ["--version"], env={}, home=shell.home, out=io.StringIO(),
+            err=io.StringIO())
+    )
+    d.addCallback(results.append)
+    err = io.StringIO()
+    d = defer.Deferred.fromCoroutine(
+        run(shell.clock, ["handshake", "--broker", "http://relay.test"], env={},
+            home=shell.home, out=Closed(), err=err, http=shell.http)
+    )
+    d.addCallback(results.append)
+    assert results == [0, 1]
+    assert err.getvalue() == ""

@@ -28,7 +28,8 @@ SEND_DESCRIPTION = """\
 Send one message to TARGET. CONTENT is the text of the body {"text": CONTENT};
 "-" reads it from standard input and "@PATH" from a file (one trailing newline
 is dropped); "@@..." stands for a text that starts with "@". With --json-body,
-CONTENT (or the input or file it names) is the whole body, a JSON object."""
+CONTENT (or the input or file it names) is the whole body, a JSON object.
+A --kind request registers the sender first, so that the reply can reach it."""
 
 
 def send_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +97,10 @@ async def send(ctx: Context) -> int:
     """POST /messages: a ``{"text": CONTENT}`` message; ``--kind reply`` sets ``parentId`` too."""
     args = ctx.args
     body = message_body(args.content, args.json_body, ctx.stdin)
+    if args.kind == "request":
+        # The reply is a message to this agent, and only a registered agent
+        # can receive one (spec §2, `to`): register (heartbeat) first.
+        await ctx.client.register()
     answer = await ctx.client.send(
         args.target,
         body,
