@@ -562,6 +562,17 @@ def test_plugin_options(
     assert loaded.handler is json.dumps
 
 
+@pytest.fixture
+def importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A working directory of its own; the modules a test imports are forgotten after it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
 @pytest.mark.parametrize(
     "spec, source, message",
     [
@@ -582,30 +593,23 @@ def test_plugin_options(
     ],
 )
 def test_handler_problems_are_one_line(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    importing: Path,
     capsys: pytest.CaptureFixture,
     spec: str,
     source: Optional[str],
     message: str,
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delitem(sys.modules, "myhandlers", raising=False)
+    tmp_path = importing
     if source is not None:
         (tmp_path / "myhandlers.py").write_text(source, encoding="utf-8")
     err = refused(["--agent", "w", "--secret", "s", "--handler", spec], capsys)
     assert message.format(cwd=tmp_path) in err
 
 
-def test_a_handler_in_the_working_directory_is_found(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_handler_in_the_working_directory_is_found(importing: Path) -> None:
     from relay import agent_tap
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    monkeypatch.delitem(sys.modules, "cwd_handlers", raising=False)
+    tmp_path = importing
     (tmp_path / "cwd_handlers.py").write_text("def answer(m):\n    return 'hi'\n")
     options = agent_tap.Options()
     options.parseOptions(["--agent", "w", "--secret", "s", "--handler", "cwd_handlers:answer"])

@@ -109,9 +109,13 @@ def test_the_relay_client_example_runs(tmp_path: Path) -> None:
         broker.stop()
 
 
-def test_the_example_handler(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import myhandlers
+def test_the_example_handler() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_handlers", EXAMPLES / "myhandlers.py")
+    assert spec is not None and spec.loader is not None
+    myhandlers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(myhandlers)
 
     assert myhandlers.answer({"body": {"text": "hi"}}) == "you said: hi"
     with pytest.raises(ValueError, match="no text"):

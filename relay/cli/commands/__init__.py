@@ -39,6 +39,7 @@ COMMANDS: Tuple[Command, ...] = (
         "fetch new messages (drains the inbox unless --once)",
         messages.recv,
         messages.recv_arguments,
+        description=messages.RECV_DESCRIPTION,
     ),
     Command(
         "watch",
@@ -46,7 +47,13 @@ COMMANDS: Tuple[Command, ...] = (
         messages.watch,
         messages.watch_arguments,
     ),
-    Command("pull", "lease queued messages (v1.1)", leases.pull, leases.pull_arguments),
+    Command(
+        "pull",
+        "lease queued messages (v1.1)",
+        leases.pull,
+        leases.pull_arguments,
+        description=leases.PULL_DESCRIPTION,
+    ),
     Command(
         "ack", "finish or re-queue a leased message (v1.1)", leases.ack, leases.ack_arguments
     ),

@@ -7,6 +7,11 @@ import argparse
 from relay.cli.command import Context, positive_int
 from relay.cli.output import print_messages
 
+PULL_DESCRIPTION = """\
+Lease queued messages: each is handed to this agent alone until the lease
+ends, with a leaseId to acknowledge it by (`relay ack ID LEASE_ID completed`,
+or `retry`). A lease that runs out puts the message back in the queue."""
+
 
 def pull_arguments(parser: argparse.ArgumentParser) -> None:
     """The number of messages and the lease length."""

@@ -120,6 +120,14 @@ async def send(ctx: Context) -> int:
     return 0
 
 
+RECV_DESCRIPTION = """\
+Fetch the messages that arrived since the last recv or watch (a v1.0 cursor,
+kept in ~/.dsh-relay-state.json) and send the receipts asked for, once.
+Reading changes nothing at the broker: a message read here is still queued,
+and `relay pull` still leases it. Use pull and ack for work that must be done
+exactly once (docs/CLIENT.md)."""
+
+
 def recv_arguments(parser: argparse.ArgumentParser) -> None:
     """The page size, one page only, and forgetting the cursor."""
     parser.add_argument(
