@@ -33,10 +33,9 @@ from relay.cli.state import STATE_FILE, CursorState
 from relay.client import RelayClient
 from relay.errors import RelayError
 from relay.settings import UsageError, resolve_settings
-from relay.testing import make_api
+from relay.testing import SECRET, make_api
 
 REPO = Path(__file__).resolve().parent.parent
-SECRET = "s3cret"
 HOSTILE = "hi\x1b]0;owned\x07\x1b[2J\x9b31m\u202eevil\rover"
 
 
