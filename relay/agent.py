@@ -82,6 +82,8 @@ class AgentService(Service):
     :param on_fatal: called with a RelayError the runtime cannot recover from
         (a protocol mismatch, or a TLS failure such as an untrusted broker
         certificate at the first handshake); the runtime stops working first.
+    :param debug: log the traceback of each handler failure, not only its
+        exception type and message.
     """
 
     log = Logger()
@@ -102,6 +104,7 @@ class AgentService(Service):
         on_receipt: Optional[Callable[[Message], Any]] = None,
         on_reply: Optional[Callable[[Message], Any]] = None,
         on_fatal: Optional[Callable[[RelayError], Any]] = None,
+        debug: bool = False,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -117,6 +120,7 @@ class AgentService(Service):
         self.on_receipt = on_receipt
         self.on_reply = on_reply
         self.on_fatal = on_fatal
+        self.debug = debug
         self._clock = clock
         self._stopping = False
         self._waiting: Optional[defer.Deferred] = None
@@ -331,12 +335,22 @@ class AgentService(Service):
                 result = await defer.maybeDeferred(self.handler, message)
             except Exception:
                 failure = Failure()
-                self.log.info(
-                    "agent {agent}: handler failed for {id} ({kind}); asking for a retry",
+                # The exception's own words (the handler author's), never the body.
+                self.log.warn(
+                    "agent {agent}: handler failed for {id}: {kind}: {reason}; "
+                    "asking for a retry",
                     agent=self.client.agent,
                     id=message_id,
                     kind=failure.type.__name__,
+                    reason=" ".join(_error_text(failure).split()),
                 )
+                if self.debug:
+                    self.log.failure(
+                        "agent {agent}: handler traceback for {id}",
+                        failure,
+                        agent=self.client.agent,
+                        id=message_id,
+                    )
                 if not self._stopping and self.retry_delay > 0:
                     await deferLater(self._clock, self.retry_delay)
                 await self._finish(message_id, "retry", _error_text(failure))
@@ -370,12 +384,17 @@ class AgentService(Service):
             )
         except RelayError as failure:
             self.log.warn(
-                "agent {agent}: reply {reply} to {id} not accepted ({code})",
+                "agent {agent}: reply {reply} to {id} not accepted ({code}: {message})",
                 agent=self.client.agent,
                 reply=reply["id"],
                 id=message_id,
                 code=failure.code,
+                message=failure.message,
             )
+            # As for a failed handler: hold the lease a while, so that a requester
+            # that is not registered yet does not see its request fail at once.
+            if not self._stopping and self.retry_delay > 0:
+                await deferLater(self._clock, self.retry_delay)
             await self._finish(message_id, "retry", f"reply not accepted: {failure.code}")
             return
         await self._receipt(message, receipt)

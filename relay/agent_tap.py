@@ -8,19 +8,22 @@ environment, then ``~/.dsh-relay.json``), the https ones included: ``--ca-file``
 ``--client-cert`` and ``--client-key``, whose files are checked before the
 start. A ``--handler`` callable may carry ``on_receipt`` / ``on_reply``
 attributes, which receive v1.0 receipts and replies to this agent's own
-requests.
+requests. Handler modules are imported from the working directory first, as
+with ``python -m``. Any problem with the options stops the start with one
+line, ``relay-agent: error: ...``, and exit status 78 (EX_CONFIG).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from twisted.application.service import IService
-from twisted.python import reflect, usage
+from twisted.python import usage
 
 from relay.agent import (
     EXEC_TIMEOUT_SECONDS,
@@ -32,15 +35,18 @@ from relay.agent import (
 )
 from relay.client import client_tls_policy
 from relay.errors import RelayError
+from relay.pidfile import choose_pidfile
 from relay.receipts import ReceiptStore
 from relay.settings import (
     ENV_AGENT,
     ENV_SECRET,
+    ENV_SECRET_FILE,
     FLAG_KEYS,
     Settings,
     UsageError,
     resolve_settings,
 )
+from relay.tap import EXIT_CONFIG_ERROR
 
 
 def _positive(kind: Any) -> Any:
@@ -54,15 +60,53 @@ def _positive(kind: Any) -> Any:
     return coerce
 
 
-def load_handler(spec: str) -> Any:
-    """The callable named by ``module:callable`` (or ``module.callable``)."""
-    dotted = spec.replace(":", ".", 1) if ":" in spec else spec
+class StartError(usage.UsageError):
+    """Options that cannot start an agent: printed as one line, exit status 78."""
+
+
+def load_handler(spec: str, directory: Optional[str] = None) -> Any:
+    """The callable named by ``module:callable`` (or ``module.callable``).
+
+    The module is imported as ``python -m`` would: from ``directory`` (default:
+    the working directory) first, then the installed packages. Every problem
+    is a :class:`StartError` with one line: Python's own ``No module named
+    ...``, or the module's own import error, or what is missing in it.
+    """
+    module_name, colon, attribute = spec.partition(":")
+    if not colon:
+        module_name, _, attribute = spec.rpartition(".")
+    if not module_name or not attribute:
+        raise StartError(f"--handler {spec!r}: expected MODULE:CALLABLE, e.g. myhandlers:answer")
+    where = os.path.abspath(directory if directory is not None else os.getcwd())
+    if where not in sys.path:
+        sys.path.insert(0, where)
     try:
-        handler = reflect.namedAny(dotted)
-    except (ImportError, AttributeError, ValueError, reflect.ObjectNotFound) as error:
-        raise usage.UsageError(f"cannot load handler {spec!r}: {error}") from None
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or module_name
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise StartError(
+                f"cannot load handler {spec!r}: No module named {missing!r} "
+                f"(looked in {where} and the installed packages)"
+            ) from None
+        raise StartError(
+            f"cannot load handler {spec!r}: importing {module_name} failed: {error}"
+        ) from None
+    except Exception as error:
+        raise StartError(
+            f"cannot load handler {spec!r}: importing {module_name} failed: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+    handler: Any = module
+    for part in attribute.split("."):
+        try:
+            handler = getattr(handler, part)
+        except AttributeError:
+            raise StartError(
+                f"cannot load handler {spec!r}: module {module_name} has no {attribute!r}"
+            ) from None
     if not callable(handler):
-        raise usage.UsageError(f"handler {spec!r} is not callable")
+        raise StartError(f"cannot load handler {spec!r}: {attribute} is not callable")
     return handler
 
 
@@ -123,32 +167,52 @@ class Options(usage.Options):
         ],
         ["receipts-dir", None, None, "Directory of the receipts file (default: home)."],
     ]
+    optFlags = [
+        [
+            "debug",
+            None,
+            "Log the traceback of each handler failure (message bodies are never logged).",
+        ],
+    ]
 
     settings: Settings
     handler: Any = None
 
     def postOptions(self) -> None:
+        """Check everything the agent needs; a problem stops the start with one line."""
+        try:
+            self.check()
+        except StartError as error:
+            sys.stderr.write(f"relay-agent: error: {error} (see `twistd relay-agent --help`)\n")
+            raise SystemExit(EXIT_CONFIG_ERROR) from None
+        choose_pidfile(self, f"relay-agent-{self.settings.agent}.pid")
+
+    def check(self) -> None:
+        """Resolve the settings and load the handler; :class:`StartError` on a problem."""
         flags = {key: self[key.replace("_", "-")] for key in FLAG_KEYS}
         try:
             self.settings = resolve_settings(flags, os.environ, Path.home())
         except UsageError as error:
-            raise usage.UsageError(str(error)) from None
+            raise StartError(str(error)) from None
         settings = self.settings
         if settings.ca_file is not None or settings.client_cert is not None:
             try:
                 client_tls_policy(settings.ca_file, settings.client_cert, settings.client_key)
             except RelayError as error:
-                raise usage.UsageError(f"{error.code}: {error.message}") from None
+                raise StartError(f"{error.code}: {error.message}") from None
         if not settings.agent:
-            raise usage.UsageError(f"no agent name: pass --agent NAME or set {ENV_AGENT}")
+            raise StartError(f"no agent name: pass --agent NAME or set {ENV_AGENT}")
         if not settings.secret:
-            raise usage.UsageError(f"no secret: pass --secret, --secret-file or set {ENV_SECRET}")
+            raise StartError(
+                f"no secret: pass --secret-file PATH or --secret, or set {ENV_SECRET_FILE} "
+                f"or {ENV_SECRET}"
+            )
         if (self["handler"] is None) == (self["exec"] is None):
-            raise usage.UsageError("give exactly one of --handler and --exec")
+            raise StartError("give exactly one of --handler and --exec")
         if self["handler"] is not None:
             self.handler = load_handler(self["handler"])
         if self["heartbeat"] >= 90:
-            raise usage.UsageError("--heartbeat must be well under the broker's 90 s TTL")
+            raise StartError("--heartbeat must be well under the broker's 90 s TTL")
 
 
 def _exit_failed() -> None:
@@ -204,4 +268,5 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
         on_receipt=getattr(handler, "on_receipt", None),
         on_reply=getattr(handler, "on_reply", None),
         on_fatal=fatal,
+        debug=bool(options["debug"]),
     )

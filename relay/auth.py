@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import math
 from collections import OrderedDict
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
@@ -129,6 +130,11 @@ class Lockout:
             return True
         del self._locked[agent]
         return False
+
+    def seconds_left(self, agent: str) -> float:
+        """How long ``agent`` stays locked (0 when it is not)."""
+        until = self._locked.get(agent)
+        return 0.0 if until is None else max(0.0, until - self.clock.seconds())
 
     def failed(self, agent: str) -> bool:
         """Count a failure; the ``after``-th consecutive one locks the agent.
@@ -344,7 +350,9 @@ class Authenticator:
         if keys is None:
             raise self._refused("unknown_agent", errors.unknown_agent())
         if self.lockout.is_locked(agent):
-            raise self._refused("locked", errors.locked())
+            left = math.ceil(self.lockout.seconds_left(agent))
+            raise self._refused("locked", errors.locked(
+                f"agent is locked after repeated authentication failures; try again in {left} s"))
         if not _is_integer(timestamp_header):
             raise self._failed(agent, "bad_timestamp", errors.unauthenticated("invalid timestamp"))
         # Whole seconds on both sides: a fractional clock would make the window lopsided.
@@ -362,7 +370,8 @@ class Authenticator:
             if hmac.compare_digest(mac.hexdigest().encode("ascii"), signature):
                 break
         else:
-            raise self._failed(agent, "bad_signature", errors.unauthenticated("invalid signature"))
+            raise self._failed(agent, "bad_signature", errors.unauthenticated(
+                "invalid signature; check the secret and the clock"))
         if nonce is not None:
             try:
                 self.nonces.use(agent, nonce, int(timestamp_header))

@@ -24,17 +24,23 @@ from urllib.parse import quote, urlsplit
 
 import treq
 from twisted.internet import defer
-from twisted.internet.error import ConnectError, ConnectionClosed, DNSLookupError
+from twisted.internet.error import (
+    ConnectError,
+    ConnectionClosed,
+    ConnectionRefusedError,
+    DNSLookupError,
+    TCPTimedOutError,
+)
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
-from twisted.web.client import RequestTransmissionFailed, ResponseFailed
+from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from relay import pem
 from relay.errors import RelayError
-from relay.protocol import PROTOCOL_VERSION
+from relay.protocol import PROTOCOL_VERSION, is_loopback_host
 from relay.settings import ENV_CA_FILE, ENV_CLIENT_CERT
 from relay.signing import auth_headers
 
@@ -134,6 +140,16 @@ _CLIENT_CERTIFICATE_ALERTS = (
     "certificate revoked",
     "unsupported certificate",
     "access denied",
+)
+
+
+# What OpenSSL says when the other side answered a ClientHello in plain text.
+_PLAIN_HTTP_REASONS = (
+    "wrong version number",
+    "packet length too long",
+    "http request",
+    "unknown protocol",
+    "record layer failure",
 )
 
 
@@ -359,6 +375,12 @@ def describe_tls_failure(
             f"{where}: the broker refused the client certificate {client_cert} ({reason}); "
             "it must be signed by the CA in the broker's tlsClientCA"
         )
+    if any(sign in reason for sign in _PLAIN_HTTP_REASONS):
+        plain = urlsplit(broker_url)._replace(scheme="http").geturl()
+        return (
+            f"{where}: the broker speaks plain HTTP here, not TLS ({reason}); "
+            f"is this the https port? For plain HTTP use {plain}"
+        )
     hint = "check that the URL is the broker's https port"
     if client_cert is None:
         hint += "; if the broker requires client certificates, pass --client-cert"
@@ -382,6 +404,13 @@ class RelayClient:
     :param cursor: the initial ``GET /messages`` cursor (a message id).
     :param retry_delays: backoff delays in seconds; one retry per entry.
     :param timeout: seconds before an unanswered request counts as failed.
+    :param retry_refused_loopback: retry a connection refused by a loopback
+        broker like any connection failure (the default). ``False`` fails at
+        once: on this machine a refusal means no broker is listening, which
+        a person at a prompt wants to hear now, not after 14 s.
+    :param on_retry: called before each retry as ``on_retry(error, delay,
+        retry, retries)``: the failure, the seconds until the next attempt,
+        which retry this is (from 1) and how many there may be.
     """
 
     log = Logger()
@@ -401,6 +430,8 @@ class RelayClient:
         cursor: Optional[str] = None,
         retry_delays: Iterable[float] = RETRY_DELAYS_SECONDS,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        retry_refused_loopback: bool = True,
+        on_retry: Optional[Callable[[RelayError, float, int, int], None]] = None,
     ) -> None:
         parts = urlsplit(broker_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -419,6 +450,9 @@ class RelayClient:
         self.cursor = cursor
         self.retry_delays = tuple(retry_delays)
         self.timeout = timeout
+        self.retry_refused_loopback = retry_refused_loopback
+        self.on_retry = on_retry
+        self._loopback = is_loopback_host(parts.hostname or "")
         self.info: Optional[Dict[str, Any]] = None
 
     # -- transport --------------------------------------------------------
@@ -516,6 +550,12 @@ class RelayClient:
                 if not isinstance(failure, _TRANSIENT_FAILURES):
                     raise
                 error = RelayError(0, "connection_error", _describe(failure, self.broker_url))
+                if (
+                    isinstance(failure, ConnectionRefusedError)
+                    and self._loopback
+                    and not self.retry_refused_loopback
+                ):
+                    raise error from None
             else:
                 if 200 <= status < 300:
                     return _decode_answer(status, raw)
@@ -525,6 +565,8 @@ class RelayClient:
             if not delays:
                 raise error
             delay = delays.pop(0)
+            if self.on_retry is not None:
+                self.on_retry(error, delay, attempt, len(self.retry_delays))
             self.log.info(
                 "relay {method} {path} failed ({code}, attempt {attempt}); retrying in {delay}s",
                 method=method,
@@ -724,8 +766,25 @@ def _decode_answer(status: int, raw: bytes) -> Any:
 
 
 def _describe(failure: BaseException, broker_url: str) -> str:
+    """A connection failure in words, with what the person may do about it."""
     if isinstance(failure, _TimedOut):
         return f"no answer from {broker_url} in time"
+    if isinstance(failure, ResponseNeverReceived):
+        hint = " (if the broker speaks TLS here, use https://)" if _is_http(broker_url) else ""
+        return f"{broker_url} closed the connection without an answer{hint}"
     if isinstance(failure, ResponseFailed):
         return f"connection to {broker_url} failed mid-request"
+    if isinstance(failure, ConnectionRefusedError):
+        return (
+            f"cannot reach {broker_url}: connection refused; is the broker running "
+            "(`make run` or `twistd -n relay`) and listening on that port?"
+        )
+    if isinstance(failure, DNSLookupError):
+        return f"cannot reach {broker_url}: the host name does not resolve"
+    if isinstance(failure, TCPTimedOutError):
+        return f"cannot reach {broker_url}: connecting timed out"
     return f"cannot reach {broker_url}: {failure.__class__.__name__}"
+
+
+def _is_http(broker_url: str) -> bool:
+    return urlsplit(broker_url).scheme == "http"

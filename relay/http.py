@@ -1,7 +1,9 @@
 """The HTTP layer under the Klein app: bounded request bodies, bounded request
 reading time, and a quiet site.
 
-A request body over 1 MiB is counted but not kept: the app answers
+A connection that opens with a TLS handshake (an ``https://`` URL pointed at a
+plain port) gets a plain ``400`` at once and is closed. A request body over
+1 MiB is counted but not kept: the app answers
 ``400 bad_request`` once the request is complete, so memory stays bounded
 whatever ``Content-Length`` or chunked upload a client sends. A request must
 arrive whole within ``REQUEST_READ_SECONDS`` of its first byte, so a client
@@ -42,6 +44,13 @@ TIMEOUT_RESPONSE = closing_response(
 BAD_REQUEST_RESPONSE = closing_response(
     b"400 Bad Request", b"bad_request", b"malformed HTTP request"
 )
+TLS_ON_PLAIN_PORT_RESPONSE = closing_response(
+    b"400 Bad Request",
+    b"bad_request",
+    b"this port speaks plain HTTP, not TLS: use an http:// URL, or the broker's https port",
+)
+# A TLS connection starts with a handshake record: content type 22, version 3.x.
+_TLS_HANDSHAKE = b"\x16\x03"
 
 
 class RelayRequest(server.Request):
@@ -92,8 +101,18 @@ class RelayChannel(http.HTTPChannel):
 
     request_read_seconds = REQUEST_READ_SECONDS
     reading_since: Optional[float] = None
+    _first_bytes = True
 
     def dataReceived(self, data: bytes) -> None:
+        if self._first_bytes:
+            self._first_bytes = False
+            if data.startswith(_TLS_HANDSHAKE):
+                # An https client on a plain port: a plain answer makes its TLS
+                # library fail at once ("wrong version number") instead of
+                # waiting for a request line that never comes.
+                self.transport.write(TLS_ON_PLAIN_PORT_RESPONSE)
+                self.transport.loseConnection()
+                return
         if self.reading_since is None and not self._handlingRequest:
             self.reading_since = self.site.reactor.seconds()
         super().dataReceived(data)

@@ -7,6 +7,11 @@ taken from the first level that has it: flags, then the environment
 ``DSH_RELAY_CLIENT_KEY``), then ``~/.dsh-relay.json`` (``brokerUrl``,
 ``agent``, ``secret``, ``secretFile``, ``caFile``, ``clientCert``,
 ``clientKey``), then the defaults.
+
+The settings file is as strict as the broker's config: an unknown key or a
+value that is not a string is an error naming the key, and a relative path
+in it (``secretFile``, ``caFile``, ``clientCert``, ``clientKey``) is relative
+to the file's own directory, not to wherever the command runs.
 """
 
 from __future__ import annotations
@@ -30,7 +35,20 @@ ENV_CLIENT_KEY = "DSH_RELAY_CLIENT_KEY"
 
 
 class UsageError(Exception):
-    """Flags or settings that cannot be used (the ``relay`` command exits with status 2)."""
+    """Flags or settings that cannot be used (the ``relay`` command exits with status 2).
+
+    :param usage: the usage line of the command, when the command line was at fault.
+    """
+
+    def __init__(self, message: str, usage: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.usage = usage
+
+    def lines(self) -> str:
+        """What to print: the usage line (if any), then ``error: MESSAGE``."""
+        head = f"{self.usage}\n" if self.usage else ""
+        return f"{head}error: {self.message}\n"
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,9 @@ _SETTING_SOURCES: Tuple[Tuple[str, str, str], ...] = (
     ("client_key", ENV_CLIENT_KEY, "clientKey"),
 )
 FLAG_KEYS: Tuple[str, ...] = tuple(flag for flag, _, _ in _SETTING_SOURCES)
+FILE_KEYS: Tuple[str, ...] = tuple(name for _, _, name in _SETTING_SOURCES)
+# The settings-file keys that name files: relative ones are relative to the settings file.
+_PATH_KEYS = frozenset({"secretFile", "caFile", "clientCert", "clientKey"})
 
 
 def _read_secret_file(path: str) -> str:
@@ -71,6 +92,39 @@ def _read_secret_file(path: str) -> str:
     return lines[0]
 
 
+def read_settings_file(path: Path) -> Dict[str, str]:
+    """The settings in ``path`` (``{}`` when there is no such file), paths made absolute.
+
+    A file that cannot be read or parsed, that does not hold a JSON object,
+    or that has an unknown key or a value other than a string is a
+    :class:`UsageError` naming the file and the key.
+    """
+    if not path.exists():
+        return {}
+    try:
+        loaded = read_json(path)
+    except OSError as error:
+        raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise UsageError(f"{path}: not valid JSON: {error}") from None
+    if not isinstance(loaded, dict):
+        raise UsageError(f"{path}: must hold a JSON object")
+    stored: Dict[str, str] = {}
+    for key, value in loaded.items():
+        if key not in FILE_KEYS:
+            raise UsageError(
+                f"{path}: unknown key {key!r} (known keys: {', '.join(sorted(FILE_KEYS))})"
+            )
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise UsageError(f"{path}: {key}: must be a string")
+        if key in _PATH_KEYS and value:
+            value = str(path.parent / Path(value).expanduser())
+        stored[key] = value
+    return stored
+
+
 def resolve_settings(
     flags: Mapping[str, Optional[str]], env: Mapping[str, str], home: Path
 ) -> Settings:
@@ -78,20 +132,11 @@ def resolve_settings(
 
     ``flags`` may hold the keys of :data:`FLAG_KEYS` (``broker``, ``agent``,
     ``secret``, ``secret_file``, ``ca_file``, ``client_cert``, ``client_key``).
-    At each level a secret beats a secret file. An unreadable settings or
-    secret file, and a client key without a client certificate, are a
-    :class:`UsageError`.
+    At each level a secret beats a secret file. A bad settings file (see
+    :func:`read_settings_file`), an unreadable or empty secret file, and a
+    client key without a client certificate are a :class:`UsageError`.
     """
-    path = home / SETTINGS_FILE
-    stored: Dict[str, Any] = {}
-    if path.exists():
-        try:
-            loaded = read_json(path)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot read {path}: {error}") from None
-        if not isinstance(loaded, dict):
-            raise UsageError(f"{path} must hold a JSON object")
-        stored = loaded
+    stored = read_settings_file(home / SETTINGS_FILE)
 
     def text(value: Any) -> Optional[str]:
         return value if isinstance(value, str) and value else None

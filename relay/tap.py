@@ -8,8 +8,13 @@ from typing import Any, Dict
 from twisted.python import usage
 
 from relay.errors import ConfigError
+from relay.pidfile import choose_pidfile
 
 DEFAULT_CONFIG = "conf/relay.yaml"
+# The pid file of a detached broker (none in the foreground; see relay.pidfile).
+BROKER_PIDFILE = "relay.pid"
+# sysexits.h EX_CONFIG: a supervisor should not restart what will fail again.
+EXIT_CONFIG_ERROR = 78
 
 
 class Options(usage.Options):
@@ -28,6 +33,9 @@ class Options(usage.Options):
         """Twisted endpoint string to listen on (repeatable; overrides broker.listen)."""
         self["listen"].append(description)
 
+    def postOptions(self) -> None:
+        choose_pidfile(self, BROKER_PIDFILE)
+
     def overrides(self) -> Dict[str, Any]:
         """The ``broker.*`` values given on the command line."""
         out: Dict[str, Any] = {}
@@ -39,9 +47,9 @@ class Options(usage.Options):
 
 
 def fail(error: Exception) -> None:
-    """Stop the start with one line on stderr and exit status 1."""
+    """Stop the start with one line on stderr and exit status 78 (EX_CONFIG)."""
     sys.stderr.write(f"relay: config error: {error}\n")
-    raise SystemExit(1)
+    raise SystemExit(EXIT_CONFIG_ERROR)
 
 
 def makeService(options: Options, reactor=None):

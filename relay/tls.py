@@ -7,8 +7,10 @@ it names is read and checked before the broker listens, so a missing,
 unreadable, malformed or mismatched key or certificate stops the start with
 the path and the reason. When ``broker.tlsClientCA`` is set, every ``ssl:``
 listener also requires a client certificate signed by a CA in that file and
-refuses any other client during the handshake. Other endpoint strings go to
-:func:`twisted.internet.endpoints.serverFromString` unchanged.
+refuses any other client during the handshake. A client that speaks plain
+HTTP to an ``ssl:`` listener gets a plain ``400`` saying the port speaks TLS.
+Other endpoint strings go to :func:`twisted.internet.endpoints.serverFromString`
+unchanged.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from cryptography import x509
 from OpenSSL import SSL, crypto
 from twisted.internet import ssl
-from twisted.internet.endpoints import SSL4ServerEndpoint, serverFromString
-from twisted.internet.interfaces import IStreamServerEndpoint
+from twisted.internet.endpoints import TCP4ServerEndpoint, serverFromString
+from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.filepath import FilePath
+from zope.interface import implementer
 
 from relay import pem
 from relay.config import split_endpoint, unescape_endpoint_value
 from relay.errors import ConfigError
+from relay.http import closing_response
 
-__all__ = ["TLSListener", "parse_ssl_endpoint", "server_endpoints"]
+__all__ = ["TLSListener", "TLSServerEndpoint", "parse_ssl_endpoint", "server_endpoints"]
 
 log = Logger(namespace="relay.tls")
 
@@ -255,6 +260,64 @@ def certificate_options(
     return options
 
 
+PLAIN_HTTP_ON_TLS_PORT_RESPONSE = closing_response(
+    b"400 Bad Request",
+    b"bad_request",
+    b"this port speaks TLS: use an https:// URL (is this the https port?)",
+)
+
+
+def _looks_like_plain_http(data: bytes) -> bool:
+    """Whether a connection's first bytes are an HTTP request line, not a TLS record.
+
+    Every HTTP method starts with an upper-case letter; a TLS record starts
+    with its content type (22 for a handshake), an SSLv2 hello with 0x80.
+    """
+    return data[:1].isalpha() and data[:1].isupper()
+
+
+class _TLSOrPlainAnswer(TLSMemoryBIOFactory.protocol):  # type: ignore[misc, valid-type]
+    """TLS, except that a client speaking plain HTTP gets a plain ``400`` at once.
+
+    Without it an ``http://`` URL pointed at the TLS port gets its connection
+    dropped with no word, which clients report as a network failure and retry.
+    """
+
+    _first_bytes = True
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._first_bytes:
+            self._first_bytes = False
+            if _looks_like_plain_http(data):
+                self.transport.write(PLAIN_HTTP_ON_TLS_PORT_RESPONSE)
+                self.transport.loseConnection()
+                return
+        super().dataReceived(data)
+
+
+class _TLSServerFactory(TLSMemoryBIOFactory):
+    protocol = _TLSOrPlainAnswer
+
+
+@implementer(IStreamServerEndpoint)
+class TLSServerEndpoint:
+    """A TLS listener (what ``reactor.listenSSL`` builds) that answers plain HTTP clearly.
+
+    :param options: the TLS server settings (:func:`certificate_options`).
+    """
+
+    def __init__(
+        self, reactor: Any, port: int, options: ssl.CertificateOptions, backlog: int,
+        interface: str,
+    ) -> None:
+        self.options = options
+        self._tcp = TCP4ServerEndpoint(reactor, port, backlog=backlog, interface=interface)
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Any:  # noqa: N803 (the interface's name)
+        """Listen; each connection speaks TLS to ``protocolFactory``'s protocol."""
+        return self._tcp.listen(_TLSServerFactory(self.options, False, protocolFactory))
+
+
 def server_endpoints(
     reactor, descriptions: Sequence[str], client_ca_path: Optional[str] = None
 ) -> List[IStreamServerEndpoint]:
@@ -281,12 +344,6 @@ def server_endpoints(
         listener = parse_ssl_endpoint(description)
         options = certificate_options(listener, client_ca)
         endpoints.append(
-            SSL4ServerEndpoint(
-                reactor,
-                listener.port,
-                options,
-                backlog=listener.backlog,
-                interface=listener.interface,
-            )
+            TLSServerEndpoint(reactor, listener.port, options, listener.backlog, listener.interface)
         )
     return endpoints

@@ -5,6 +5,7 @@ tested in test_receipts."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -14,7 +15,6 @@ import pytest_twisted
 from treq.testing import StubTreq
 from twisted.internet import defer
 from twisted.internet.task import Clock
-from twisted.python import usage
 from twisted.python.failure import Failure
 
 from relay.agent import AgentService, ExecFailed, ExecHandler, exec_input, reply_body
@@ -178,6 +178,54 @@ def test_handler_failure_retries_then_fails_after_max_attempts(tmp_path: Path) -
     assert notice["body"]["relayNotice"]["event"] == "failed"
     assert notice["parentId"] == request
     stop(world, service)
+
+
+class FailsWithItsOwnWords:
+    def __call__(self, message: Dict[str, Any]) -> Any:
+        raise ValueError("the model refused:\nquota exceeded")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_handler_failure_is_logged_with_its_message_not_the_body(
+    tmp_path: Path, debug: bool
+) -> None:
+    from twisted.logger import capturedLogs, formatEvent
+
+    world = World(tmp_path)
+    service = world.runtime(FailsWithItsOwnWords(), retry_delay=0, debug=debug)
+    with capturedLogs() as events:
+        start(world, service)
+        request = world.request("secret-body-marker")
+        world.settle()
+        stop(world, service)
+    text = "\n".join(formatEvent(e) + str(e.get("log_failure", "")) for e in events)
+    assert (
+        f"agent worker: handler failed for {request}: ValueError: the model refused: quota "
+        "exceeded; asking for a retry"
+    ) in text
+    assert "secret-body-marker" not in text
+    tracebacks = [e for e in events if e.get("log_failure") is not None]
+    assert bool(tracebacks) == debug
+    assert world.run(world.alpha.status([request]))["messages"][0]["error"] == (
+        "the model refused:\nquota exceeded"
+    )
+
+
+def test_a_refused_reply_holds_the_lease_before_the_retry(tmp_path: Path) -> None:
+    """A reply the broker refuses (here the ACL; often a requester that has not
+    registered yet) does not burn the request's attempts at once."""
+    world = World(tmp_path, agents={"worker": {"allowed_targets": ["nobody"]}})
+    service = world.runtime(Recorder(), retry_delay=5.0)
+    start(world, service)
+    request = world.request("hello")
+    world.settle()
+    assert world.status(request) == ("leased", 0)
+    world.settle(5)
+    assert world.status(request) == ("leased", 1)  # retried once, leased again
+    stopped = service.stopService()
+    world.settle(5)  # the runtime waits out the delay, hands the request back, stops
+    assert stopped.called
+    assert world.status(request) == ("queued", 2)
 
 
 def test_deferred_handler(tmp_path: Path) -> None:
@@ -485,7 +533,22 @@ def _sleep(reactor: Any, seconds: float) -> defer.Deferred:
 # -- the twistd plugin ----------------------------------------------------------------
 
 
-def test_plugin_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def refused(argv: List[str], capsys: pytest.CaptureFixture) -> str:
+    """The one line ``twistd relay-agent`` prints for options it cannot start with."""
+    from relay import agent_tap
+
+    with pytest.raises(SystemExit) as info:
+        agent_tap.Options().parseOptions(argv)
+    assert info.value.code == 78  # EX_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("relay-agent: error: "), err
+    assert err.endswith(" (see `twistd relay-agent --help`)\n")
+    return err
+
+
+def test_plugin_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     from relay import agent_tap
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -496,21 +559,68 @@ def test_plugin_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     )
     assert options.settings.agent == "worker"
     assert options["concurrency"] == 3
-    with pytest.raises(usage.UsageError, match="exactly one"):
-        agent_tap.Options().parseOptions(["--agent", "w", "--secret", "s"])
-    with pytest.raises(usage.UsageError, match="exactly one"):
-        agent_tap.Options().parseOptions(
-            ["--agent", "w", "--secret", "s", "--exec", "cat", "--handler", "json:dumps"]
-        )
-    with pytest.raises(usage.UsageError, match="no agent"):
-        agent_tap.Options().parseOptions(["--secret", "s", "--exec", "cat"])
-    with pytest.raises(usage.UsageError, match="cannot load"):
-        agent_tap.Options().parseOptions(
-            ["--agent", "w", "--secret", "s", "--handler", "no_such_module:f"]
-        )
+    assert "exactly one" in refused(["--agent", "w", "--secret", "s"], capsys)
+    assert "exactly one" in refused(
+        ["--agent", "w", "--secret", "s", "--exec", "cat", "--handler", "json:dumps"], capsys
+    )
+    assert "no agent" in refused(["--secret", "s", "--exec", "cat"], capsys)
     loaded = agent_tap.Options()
     loaded.parseOptions(["--agent", "w", "--secret", "s", "--handler", "json:dumps"])
     assert loaded.handler is json.dumps
+
+
+@pytest.fixture
+def importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A working directory of its own; the modules a test imports are forgotten after it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    "spec, source, message",
+    [
+        ("nosuch:answer", None,
+         "cannot load handler 'nosuch:answer': No module named 'nosuch' (looked in {cwd} and "
+         "the installed packages)"),
+        ("nosuch.deeper:answer", None, "No module named 'nosuch'"),
+        ("myhandlers:answer", "import numpy_that_is_missing\n",
+         "importing myhandlers failed: No module named 'numpy_that_is_missing'"),
+        ("myhandlers:answer", "1 / 0\n",
+         "importing myhandlers failed: ZeroDivisionError: division by zero"),
+        ("myhandlers:answer", "def answer(:\n",
+         "importing myhandlers failed: SyntaxError: "),
+        ("myhandlers:other", "def answer(m):\n    return 'x'\n",
+         "module myhandlers has no 'other'"),
+        ("myhandlers:answer", "answer = 3\n", "answer is not callable"),
+        ("myhandlers", None, "expected MODULE:CALLABLE"),
+    ],
+)
+def test_handler_problems_are_one_line(
+    importing: Path,
+    capsys: pytest.CaptureFixture,
+    spec: str,
+    source: Optional[str],
+    message: str,
+) -> None:
+    tmp_path = importing
+    if source is not None:
+        (tmp_path / "myhandlers.py").write_text(source, encoding="utf-8")
+    err = refused(["--agent", "w", "--secret", "s", "--handler", spec], capsys)
+    assert message.format(cwd=tmp_path) in err
+
+
+def test_a_handler_in_the_working_directory_is_found(importing: Path) -> None:
+    from relay import agent_tap
+
+    tmp_path = importing
+    (tmp_path / "cwd_handlers.py").write_text("def answer(m):\n    return 'hi'\n")
+    options = agent_tap.Options()
+    options.parseOptions(["--agent", "w", "--secret", "s", "--handler", "cwd_handlers:answer"])
+    assert options.handler({"body": {}}) == "hi"
 
 
 def test_make_service_builds_an_agent_service(
@@ -528,3 +638,28 @@ def test_make_service_builds_an_agent_service(
     assert service.client.agent == "worker"
     assert service.receipts.path == receipts_path("worker", tmp_path)
     assert isinstance(service.handler, ExecHandler)
+
+
+@pytest.mark.parametrize(
+    "given, nodaemon, chosen",
+    [
+        ("twistd.pid", True, ""),  # the foreground: no pid file
+        ("twistd.pid", False, "relay-agent-w.pid"),  # detached: its own
+        ("/run/relay/w.pid", True, "/run/relay/w.pid"),  # asked for: kept
+        ("", False, ""),
+    ],
+)
+def test_the_agent_chooses_its_own_pid_file(
+    given: str, nodaemon: bool, chosen: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from twisted.scripts.twistd import ServerOptions
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    argv = (["--nodaemon"] if nodaemon else []) + [f"--pidfile={given}", "relay-agent"]
+    options = ServerOptions()
+    options.parseOptions(argv + ["--agent", "w", "--secret", "s", "--exec", "cat"])
+    assert options["pidfile"] == (os.path.abspath(chosen) if chosen else "")
+    broker = ServerOptions()
+    broker.parseOptions((["--nodaemon"] if nodaemon else []) + [f"--pidfile={given}", "relay"])
+    expected = chosen.replace("relay-agent-w.pid", "relay.pid")
+    assert broker["pidfile"] == (os.path.abspath(expected) if expected else "")

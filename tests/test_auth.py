@@ -196,10 +196,23 @@ def test_unlock_after_lock_minutes():
     auth = make_auth(clock, seconds=300.0)
     for _ in range(5):
         refused(check, auth, secret="wrong")
-    clock.advance(299)
-    assert refused(check, auth).code == "locked"
-    clock.advance(1)
+    assert refused(check, auth).message.endswith("; try again in 300 s")
+    clock.advance(299.5)
+    locked = refused(check, auth)
+    assert locked.code == "locked"
+    assert locked.message == (
+        "agent is locked after repeated authentication failures; try again in 1 s"
+    )
+    clock.advance(0.5)
     assert check(auth) == "alpha"
+
+
+def test_a_bad_signature_says_what_to_check():
+    error = refused(check, make_auth(clock_at()), secret="wrong")
+    assert (error.code, error.message) == (
+        "unauthenticated",
+        "invalid signature; check the secret and the clock",
+    )
 
 
 def test_success_resets_the_failure_count():
@@ -442,7 +455,7 @@ def test_a_nonce_is_accepted_once_and_a_replay_does_not_lock():
 def test_the_signature_covers_the_agent_name_with_a_nonce():
     auth = make_auth(clock_at())
     e = refused(check_nonce, auth, agent="beta", signed_agent="alpha")
-    assert e.message == "invalid signature"
+    assert e.message.startswith("invalid signature")
 
 
 @pytest.mark.parametrize("nonce", ["short", "x" * 65, "has space0123456789", "ünicode-0123456789",

@@ -153,8 +153,10 @@ def test_subcommand_options(tmp_path: Path) -> None:
 def test_usage_errors_carry_the_usage_line(argv: List[str], fragment: str, tmp_path: Path) -> None:
     with pytest.raises(UsageError) as info:
         parse(argv + ["--agent", "a", "--secret", "s"] if argv else argv, {}, tmp_path)
-    assert "usage: relay" in str(info.value)
-    assert fragment in str(info.value)
+    printed = info.value.lines()
+    assert printed.startswith("usage: relay")
+    assert printed.splitlines()[-1].startswith("error: ")
+    assert fragment in printed
 
 
 def test_missing_identity_is_a_usage_error(tmp_path: Path) -> None:
@@ -184,6 +186,9 @@ def test_every_table_entry_is_a_subcommand_in_table_order(tmp_path: Path) -> Non
 # -- formatting --------------------------------------------------------------------
 
 
+NOW = 1_700_000_000.0  # 2023-11-14T22:13:20Z
+
+
 def test_readable_formats() -> None:
     assert body_text({"text": "hello"}) == "hello"
     assert body_text({"text": "hello", "x": 1}) == '{"text": "hello", "x": 1}'
@@ -192,27 +197,30 @@ def test_readable_formats() -> None:
             "id": "m1",
             "from": "a",
             "to": "b",
-            "ts": "T",
+            "ts": "2023-11-14T22:13:08.000Z",
             "kind": "request",
             "leaseId": "L",
             "ack": True,
             "body": {"text": "two\nlines"},
-        }
+        },
+        NOW,
     )
     assert block == [
-        "m1  a -> b  T",
+        "m1  a -> b  12 s ago",
         "  kind request | lease L | receipt requested",
         "  two",
         "  lines",
     ]
-    assert table([("alpha", "yes", 5)], ("AGENT", "ONLINE", "LAST SEEN")) == [
+    assert table([("alpha", "yes", "5 s ago")], ("AGENT", "ONLINE", "LAST SEEN")) == [
         "AGENT  ONLINE  LAST SEEN",
-        "alpha  yes     5",
+        "alpha  yes     5 s ago",
     ]
-    line = watch_line({"id": "m", "from": "a", "ts": "T", "body": {"text": "a\nb"}})
-    assert line == "T a [m]: a b"
+    line = watch_line(
+        {"id": "m", "from": "a", "ts": "2023-11-14T22:10:20Z", "body": {"text": "a\nb"}}, NOW
+    )
+    assert line == "3 min ago a [m]: a b"
     receipt = {"type": "ack", "from": "b", "replyTo": "m", "body": {"status": "ok"}}
-    assert watch_line(receipt) == "[receipt] b ok for m"
+    assert watch_line(receipt, NOW) == "[receipt] b ok for m"
 
 
 # -- files ---------------------------------------------------------------------------
@@ -278,25 +286,68 @@ def in_process(argv: List[str], home: Path, **kwargs: Any) -> defer.Deferred:
 @pytest_twisted.inlineCallbacks
 def test_init_writes_a_private_config_and_refuses_to_overwrite(tmp_path: Path) -> Any:
     config = tmp_path / "conf" / "relay.yaml"
+    secret_file = tmp_path / "conf" / "relay.secret"
     first = yield in_process(["init", "--config", str(config)], tmp_path)
     assert first.status == 0, first.err
-    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    for path in (config, secret_file):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
     loaded = yaml.safe_load(config.read_text())
-    secret = loaded["broker"]["secret"]
+    assert loaded == {
+        "broker": {
+            "listen": ["tcp:19121:interface=127.0.0.1"],
+            "secretFile": "relay.secret",
+            "dataDir": "data",
+        }
+    }
+    secret = secret_file.read_text().strip()
     assert len(secret) == 64 and int(secret, 16) >= 0
-    assert loaded["broker"]["port"] == 19121
+    assert secret not in first.out + first.err  # it is in the file, not on the screen
     assert f"twistd -n relay --config {config}" in first.out
+    assert f"relay --secret-file {secret_file} selfcheck" in first.out
 
     again = yield in_process(["init", "--config", str(config)], tmp_path)
     assert again.status == 2
-    assert "--force" in again.err
-    assert yaml.safe_load(config.read_text())["broker"]["secret"] == secret
+    assert again.err.startswith("error: ") and "--force" in again.err
+    assert secret_file.read_text().strip() == secret
 
-    forced = yield in_process(["init", "--config", str(config), "--force", "--json"], tmp_path)
+    forced = yield in_process(
+        ["init", "--config", str(config), "--force", "--json", "--port", "19200"], tmp_path
+    )
     assert forced.status == 0
     document = forced.json()
-    assert yaml.safe_load(config.read_text())["broker"]["secret"] == document["secret"] != secret
+    assert secret not in forced.out and "secret" not in document
+    assert document["secretFile"] == str(secret_file)
+    assert document["brokerUrl"] == "http://127.0.0.1:19200"
+    assert secret_file.read_text().strip() != secret
+    assert yaml.safe_load(config.read_text())["broker"]["listen"] == [
+        "tcp:19200:interface=127.0.0.1"
+    ]
     assert stat.S_IMODE(config.stat().st_mode) == 0o600
+
+
+@pytest_twisted.inlineCallbacks
+def test_init_by_default_writes_a_directory_of_its_own(tmp_path: Path) -> Any:
+    """Not the working directory, where a checkout's `make run` keeps conf/, data/ and
+    its pid file."""
+    done = yield in_process(["init"], tmp_path)
+    assert done.status == 0, done.err
+    home = tmp_path / ".dsh-agent-relay"
+    assert sorted(p.name for p in home.iterdir()) == ["relay.secret", "relay.yaml"]
+    assert [p.name for p in tmp_path.iterdir()] == [".dsh-agent-relay"]
+
+
+@pytest_twisted.inlineCallbacks
+def test_init_warns_when_its_port_is_taken(tmp_path: Path) -> Any:
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        done = yield in_process(["init", "--port", str(port)], tmp_path)
+    assert done.status == 0
+    assert f"already listens on http://127.0.0.1:{port}" in done.err
+    assert f"relay --broker http://127.0.0.1:{port} --secret-file" in done.out
 
 
 @pytest_twisted.inlineCallbacks
@@ -693,10 +744,12 @@ def test_relay_agent_process_exits_nonzero_on_a_fatal_handshake(tmp_path: Path) 
 
 
 def test_watch_line_stays_one_line_whatever_the_fields_hold():
-    line = watch_line({"id": "a\nb", "from": "alpha", "ts": "2024\n01", "body": {"text": "x"}})
+    line = watch_line(
+        {"id": "a\nb", "from": "alpha", "ts": "2024\n01", "body": {"text": "x"}}, NOW
+    )
     assert "\n" not in line and line == "2024 01 alpha [a b]: x"
     receipt = watch_line({"type": "ack", "from": "beta", "replyTo": "m\r\n1",
-                          "body": {"status": "ok"}})
+                          "body": {"status": "ok"}}, NOW)
     assert receipt == "[receipt] beta ok for m 1"
 
 

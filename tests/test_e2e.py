@@ -55,7 +55,7 @@ def test_config_error_stops_the_start_with_one_line(tmp_path):
         [TWISTD, "-n", "--pidfile=", "relay", "--config", str(conf)],
         capture_output=True, text=True, timeout=60, cwd=str(tmp_path),
     )
-    assert result.returncode != 0
+    assert result.returncode == 78  # EX_CONFIG: systemd's RestartPreventExitStatus=78
     assert "Traceback" not in result.stderr + result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [

@@ -105,7 +105,7 @@ def test_config_error_exits_with_one_line(tmp_path, capsys):
     conf = write_config(tmp_path, "broker: {secret: s0123456789abcdef, port: nope}\n")
     with pytest.raises(SystemExit) as info:
         makeService(options("--config", conf), MemoryReactorClock())
-    assert info.value.code == 1
+    assert info.value.code == 78  # EX_CONFIG
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "broker.port" in err
 

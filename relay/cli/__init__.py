@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence, TextIO, Tuple
 from twisted.internet import defer
 
 from relay.cli.command import Context
-from relay.cli.output import Console
+from relay.cli.output import Console, printable
 from relay.cli.parser import Exit, parse
 from relay.client import RETRY_DELAYS_SECONDS, RelayClient
 from relay.errors import RelayError
@@ -35,26 +35,36 @@ async def run(
     out: Optional[TextIO] = None,
     err: Optional[TextIO] = None,
     http: Any = None,
+    stdin: Optional[TextIO] = None,
+    interactive: Optional[bool] = None,
 ) -> int:
     """Run one ``relay`` command line on ``reactor``; the exit status.
 
-    ``env``, ``home``, ``out`` and ``err`` default to the process's own;
-    ``http`` replaces the HTTP client (tests pass ``StubTreq``).
+    ``env``, ``home``, ``out``, ``err`` and ``stdin`` default to the process's
+    own; ``http`` replaces the HTTP client (tests pass ``StubTreq``).
+    ``interactive`` (default: whether ``err`` is a terminal) prints a line on
+    ``err`` before each retry.
     """
     env = os.environ if env is None else env
     home = Path.home() if home is None else home
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    stdin = sys.stdin if stdin is None else stdin
+    if interactive is None:
+        interactive = bool(getattr(err, "isatty", lambda: False)())
     try:
         inv = parse(argv, env, home)
     except UsageError as error:
-        err.write(f"{error}\n")
+        err.write(printable_lines(error.lines()))
         return 2
     except Exit as done:
         (out if done.status == 0 else err).write(done.message)
         return done.status
-    console = Console(out, err, inv.json)
+    console = Console(out, err, inv.json, reactor.seconds)
     settings = inv.settings
+
+    def retrying(error: RelayError, delay: float, retry: int, retries: int) -> None:
+        console.warn(f"retrying in {delay:g} s ({retry}/{retries}): {error.code}: {error.message}")
 
     def new_client(agent: str) -> RelayClient:
         return RelayClient(
@@ -68,19 +78,41 @@ async def run(
             client_cert=settings.client_cert,
             client_key=settings.client_key,
             retry_delays=RETRY_DELAYS_SECONDS[: inv.retries],
+            retry_refused_loopback=False,
+            on_retry=retrying if interactive else None,
         )
 
-    ctx = Context(inv.args, settings, console, home, reactor, new_client, env, http)
+    ctx = Context(inv.args, settings, console, home, reactor, new_client, stdin, env, http)
     try:
         return await inv.command.run(ctx)
     except UsageError as error:
-        err.write(f"{error}\n")
+        err.write(printable_lines(error.lines()))
         return 2
     except RelayError as error:
         if inv.json:
             console.document({"error": {"status": error.status, **error.to_body()["error"]}})
-        err.write(f"error: {error.code}: {error.message}\n")
+        console.warn(f"error: {error.code}: {error.message}")
         return 1
+    except BrokenPipeError:
+        # The reader went away (`relay recv | head -1`): nothing more to say.
+        _discard(out)
+        return 1
+
+
+def _discard(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null, so that flushing it at exit is quiet."""
+    try:
+        fileno = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fileno)
+    os.close(devnull)
+
+
+def printable_lines(text: str) -> str:
+    """``text`` (lines ending in newlines) with control characters escaped in each line."""
+    return "".join(printable(line) + "\n" for line in text.splitlines())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

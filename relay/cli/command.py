@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, TextIO
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -31,6 +31,7 @@ class Command:
     :param arguments: adds the command's own arguments to its parser.
     :param needs_agent: refuse to run without an agent name.
     :param needs_secret: refuse to run without a secret.
+    :param description: the command's own ``--help`` text, when one line is not enough.
     """
 
     name: str
@@ -39,6 +40,7 @@ class Command:
     arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
     needs_agent: bool = True
     needs_secret: bool = True
+    description: str = ""
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Context:
     home: Path
     clock: IReactorTime
     new_client: Callable[[str], RelayClient]
+    stdin: TextIO
     env: Mapping[str, str] = field(default_factory=dict)
     http: Any = None  # an HTTP client replacing the default (tests pass StubTreq)
 
@@ -71,6 +74,14 @@ def positive_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    return number
+
+
+def port_number(value: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    number = positive_int(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535: {value}")
     return number
 
 

@@ -1,32 +1,110 @@
-"""How the ``relay`` command prints: readable text, or JSON with ``--json``."""
+"""How the ``relay`` command prints: readable text, or JSON with ``--json``.
+
+Readable output never passes a control character through: anything a sender
+or a broker put in a message, a name or an error could otherwise move the
+cursor, recolour or retitle the terminal, or hide text. Such characters are
+shown escaped (``\\x1b``, ``\\u202e``). Times are shown as ages ("12 s ago");
+``--json`` prints the broker's values unchanged.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
-from typing import Any, Callable, List, Mapping, Sequence, TextIO
+import re
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
+
+# Characters that a terminal may act on, or that reorder or break the text
+# around them: C0, DEL and C1 controls, the bidirectional embeddings,
+# overrides and isolates, and the Unicode line and paragraph separators.
+_BIDI_CONTROLS = (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x2028, 0x2029)
+_ESCAPES: Dict[int, str] = {
+    code: (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    for code in (*range(0x00, 0x20), *range(0x7F, 0xA0), *_BIDI_CONTROLS)
+}
+_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+# A body's own lines are shown as lines; every other control character is escaped.
+_LINE_BREAK = re.compile(r"\r?\n")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped, safe to write to a terminal."""
+    return text.translate(_ESCAPES)
+
+
+def _parse_time(value: Any) -> Optional[float]:
+    """Epoch seconds from an ISO-8601 string, epoch seconds or epoch milliseconds."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        # The protocol's epoch numbers are seconds (lastSeen) or milliseconds
+        # (leaseUntil); milliseconds are past 1e11 for any date after 1973.
+        return value / 1000.0 if value > 1e11 else float(value)
+    if isinstance(value, str) and value:
+        try:
+            parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+        return parsed.timestamp()
+    return None
+
+
+def _span(seconds: float) -> str:
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min"
+    if whole < 86400:
+        return f"{whole // 3600} h"
+    return f"{whole // 86400} d"
+
+
+def age(value: Any, now: float) -> Optional[str]:
+    """A time as a person reads it next to ``now``: ``12 s ago``, ``in 3 min``.
+
+    ``value`` is an ISO-8601 string, epoch seconds or epoch milliseconds;
+    ``None`` when it is none of these.
+    """
+    when = _parse_time(value)
+    if when is None:
+        return None
+    delta = now - when
+    if -1 < delta < 1:
+        return "just now"
+    return f"{_span(delta)} ago" if delta > 0 else f"in {_span(-delta)}"
 
 
 class Console:
-    """Writes readable text, or exactly one JSON document with ``--json``."""
+    """Writes readable text, or exactly one JSON document with ``--json``.
 
-    def __init__(self, out: TextIO, err: TextIO, as_json: bool) -> None:
+    :param now: the current time in epoch seconds, for the ages of readable output.
+    """
+
+    def __init__(
+        self, out: TextIO, err: TextIO, as_json: bool, now: Callable[[], float]
+    ) -> None:
         self.out = out
         self.err = err
         self.as_json = as_json
+        self.now = now
 
     def line(self, text: str = "") -> None:
-        """One line of standard output."""
-        self.out.write(text + "\n")
+        """One line of standard output, control characters escaped."""
+        self.out.write(printable(text) + "\n")
         self.out.flush()
 
     def warn(self, text: str) -> None:
-        """One line of standard error."""
-        self.err.write(text + "\n")
+        """One line of standard error, control characters escaped."""
+        self.err.write(printable(text) + "\n")
         self.err.flush()
 
     def document(self, value: Any) -> None:
-        """``value`` as one line of JSON."""
-        self.line(json.dumps(value, ensure_ascii=False, sort_keys=True))
+        """``value`` as one line of JSON (JSON escapes control characters itself)."""
+        self.out.write(json.dumps(value, ensure_ascii=False, sort_keys=True) + "\n")
+        self.out.flush()
 
     def emit(self, value: Any, readable: Callable[[], None]) -> None:
         """``value`` as JSON with ``--json``, else whatever ``readable()`` prints."""
@@ -34,6 +112,11 @@ class Console:
             self.document(value)
         else:
             readable()
+
+    def age(self, value: Any) -> str:
+        """``value`` (a protocol time) as an age, or as given when it is not a time."""
+        shown = age(value, self.now())
+        return shown if shown is not None else ("" if value is None else str(value))
 
 
 def body_text(body: Any) -> str:
@@ -43,11 +126,11 @@ def body_text(body: Any) -> str:
     return json.dumps(body, ensure_ascii=False, sort_keys=True)
 
 
-def message_block(message: Mapping[str, Any]) -> List[str]:
-    """One message as a few readable lines."""
+def message_block(message: Mapping[str, Any], now: float) -> List[str]:
+    """One message as a few readable lines (the caller escapes them)."""
     head = f"{message.get('id')}  {message.get('from')} -> {message.get('to')}"
     if message.get("ts"):
-        head += f"  {message.get('ts')}"
+        head += f"  {age(message.get('ts'), now) or message.get('ts')}"
     facts = []
     for label, key in (
         ("type", "type"),
@@ -58,6 +141,7 @@ def message_block(message: Mapping[str, Any]) -> List[str]:
         ("replyTo", "replyTo"),
         ("root", "rootId"),
         ("parent", "parentId"),
+        ("error", "error"),
     ):
         value = message.get(key)
         if value not in (None, "", False):
@@ -68,7 +152,7 @@ def message_block(message: Mapping[str, Any]) -> List[str]:
     if facts:
         lines.append("  " + " | ".join(facts))
     if "body" in message:
-        lines.extend("  " + line for line in body_text(message.get("body")).splitlines() or [""])
+        lines.extend("  " + line for line in _LINE_BREAK.split(body_text(message.get("body"))))
     return lines
 
 
@@ -77,17 +161,18 @@ def print_messages(console: Console, messages: Sequence[Mapping[str, Any]], empt
     if not messages:
         console.line(empty)
         return
+    now = console.now()
     for index, message in enumerate(messages):
         if index:
             console.line()
-        for line in message_block(message):
+        for line in message_block(message, now):
             console.line(line)
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> List[str]:
-    """Rows as left-aligned columns under ``headers``."""
+    """Rows as left-aligned columns under ``headers``, control characters escaped."""
     cells = [list(headers)] + [
-        ["" if value is None else str(value) for value in row] for row in rows
+        ["" if value is None else printable(str(value)) for value in row] for row in rows
     ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return [
@@ -100,17 +185,18 @@ def _one_line(value: Any) -> str:
     return " ".join(str(value).split())
 
 
-def watch_line(message: Mapping[str, Any]) -> str:
+def watch_line(message: Mapping[str, Any], now: float) -> str:
     """One message as one line (ids and a client's ``ts`` may hold newlines too)."""
     if message.get("type") == "ack":
         body = message.get("body") if isinstance(message.get("body"), dict) else {}
         status = _one_line(body.get("status", "ok"))
-        return (f"[receipt] {message.get('from')} {status} for "
+        return (f"[receipt] {_one_line(message.get('from'))} {status} for "
                 f"{_one_line(message.get('replyTo'))}")
     kind = message.get("kind")
-    tag = f" ({kind})" if kind and kind != "message" else ""
+    tag = f" ({_one_line(kind)})" if kind and kind != "message" else ""
     text = _one_line(body_text(message.get("body")))
+    when = age(message.get("ts"), now) or _one_line(message.get("ts", ""))
     return (
-        f"{_one_line(message.get('ts', ''))} {message.get('from')}{tag} "
+        f"{when} {_one_line(message.get('from'))}{tag} "
         f"[{_one_line(message.get('id'))}]: {text}"
     ).strip()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from relay.cli.command import Command
-from relay.cli.commands import bootstrap, broker, leases, messages, ops, views
+from relay.cli.commands import bootstrap, broker, completion, leases, messages, ops, views
 
 COMMANDS: Tuple[Command, ...] = (
     Command(
@@ -21,13 +21,25 @@ COMMANDS: Tuple[Command, ...] = (
         needs_secret=False,
     ),
     Command("register", "register this agent (heartbeat)", broker.register),
-    Command("peers", "list registered agents", broker.peers),
-    Command("send", "send a text message", messages.send, messages.send_arguments),
+    Command(
+        "peers",
+        "list registered agents and when each was last seen",
+        broker.peers,
+        broker.peers_arguments,
+    ),
+    Command(
+        "send",
+        "send a message (text, standard input, a file or a JSON body)",
+        messages.send,
+        messages.send_arguments,
+        description=messages.SEND_DESCRIPTION,
+    ),
     Command(
         "recv",
         "fetch new messages (drains the inbox unless --once)",
         messages.recv,
         messages.recv_arguments,
+        description=messages.RECV_DESCRIPTION,
     ),
     Command(
         "watch",
@@ -35,7 +47,13 @@ COMMANDS: Tuple[Command, ...] = (
         messages.watch,
         messages.watch_arguments,
     ),
-    Command("pull", "lease queued messages (v1.1)", leases.pull, leases.pull_arguments),
+    Command(
+        "pull",
+        "lease queued messages (v1.1)",
+        leases.pull,
+        leases.pull_arguments,
+        description=leases.PULL_DESCRIPTION,
+    ),
     Command(
         "ack", "finish or re-queue a leased message (v1.1)", leases.ack, leases.ack_arguments
     ),
@@ -57,16 +75,26 @@ COMMANDS: Tuple[Command, ...] = (
     ),
     Command(
         "init",
-        "write a broker config with a fresh secret",
+        "write a broker config and a fresh secret in a directory of their own",
         bootstrap.init,
         bootstrap.init_arguments,
         needs_agent=False,
         needs_secret=False,
+        description=bootstrap.INIT_DESCRIPTION,
     ),
     Command(
         "selfcheck",
         "round-trip messages between two throwaway agents (v1.0 and v1.1)",
         bootstrap.selfcheck,
         needs_agent=False,
+    ),
+    Command(
+        "completion",
+        "print the bash or zsh completion script",
+        completion.completion,
+        completion.completion_arguments,
+        needs_agent=False,
+        needs_secret=False,
+        description=completion.COMPLETION_DESCRIPTION,
     ),
 )

@@ -3,76 +3,135 @@
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
+import socket
 import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-from relay.cli.command import Context, positive_int
+from relay.cli.command import Context, port_number
+from relay.cli.commands.broker import selfcheck_agent_names
 from relay.cli.output import Console
 from relay.errors import RelayError
 from relay.files import write_atomic
-from relay.settings import ENV_BROKER, ENV_SECRET, UsageError
+from relay.settings import UsageError
 
+# `relay init` writes its broker into a directory of its own, so that broker
+# shares no config, secret, data or pid file with a checkout's `make run`.
+DEFAULT_INIT_DIRECTORY = ".dsh-agent-relay"
 DEFAULT_INIT_CONFIG = "relay.yaml"
 DEFAULT_PORT = 19121
+INIT_DESCRIPTION = f"""\
+Write a broker config and a fresh 256-bit secret (both mode 0600) into a
+directory of their own, by default ~/{DEFAULT_INIT_DIRECTORY}/: relay.yaml, relay.secret, and
+data/ once the broker runs. The secret is not printed; clients read the file
+with --secret-file. Nothing is overwritten without --force."""
 
 
 def init_arguments(parser: argparse.ArgumentParser) -> None:
     """Where to write the config, whether to overwrite it, and the broker's port."""
-    parser.add_argument("--config", metavar="PATH", default=DEFAULT_INIT_CONFIG)
-    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
-    parser.add_argument("--port", type=positive_int, default=DEFAULT_PORT)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help="the config file to write "
+        f"(default ~/{DEFAULT_INIT_DIRECTORY}/{DEFAULT_INIT_CONFIG}); the secret goes beside it",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite an existing config and secret"
+    )
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=DEFAULT_PORT,
+        metavar="N",
+        help=f"the loopback port the broker listens on (default {DEFAULT_PORT})",
+    )
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 async def init(ctx: Context) -> int:
-    """Write a broker config with a fresh secret (mode 0600)."""
+    """Write a broker config and its secret file (mode 0600) in a directory of their own."""
     args, console = ctx.args, ctx.console
-    path = Path(args.config).expanduser()
-    secret = secrets.token_hex(32)
+    if args.config:
+        path = Path(args.config).expanduser().absolute()
+    else:
+        path = ctx.home / DEFAULT_INIT_DIRECTORY / DEFAULT_INIT_CONFIG
+    secret_path = path.with_suffix(".secret")
+    for existing in (path, secret_path):
+        if existing.exists() and not args.force:
+            raise UsageError(f"relay init: {existing} exists; pass --force to overwrite it")
     text = (
         "# dsh-agent-relay broker configuration, written by `relay init`.\n"
-        "# Keep this file private: the secret authenticates every agent.\n"
+        "# Paths are relative to this file; docs/CONFIG.md describes every key.\n"
         "broker:\n"
-        "  host: 127.0.0.1\n"
-        f"  port: {args.port}\n"
-        f"  secret: {secret}\n"
+        "  listen:\n"
+        f"    - tcp:{args.port}:interface=127.0.0.1\n"
+        f"  secretFile: {secret_path.name}\n"
+        "  dataDir: data\n"
     )
-    if path.exists() and not args.force:
-        raise UsageError(f"relay init: {path} exists; pass --force to overwrite it")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(secret_path, secrets.token_hex(32) + "\n")
         write_atomic(path, text)
     except OSError as error:
-        raise RelayError(0, "io_error", f"cannot write {path}: {error.strerror}") from None
+        raise RelayError(
+            0, "io_error", f"cannot write {error.filename}: {error.strerror}"
+        ) from None
     broker_url = f"http://127.0.0.1:{args.port}"
+    broker_flag = "" if args.port == DEFAULT_PORT else f"--broker {broker_url} "
     steps = [
         f"twistd -n relay --config {path}",
-        f"export {ENV_BROKER}={broker_url} {ENV_SECRET}={secret}",
-        "relay selfcheck",
+        f"relay {broker_flag}--secret-file {secret_path} selfcheck",
     ]
+    busy = _port_in_use(args.port)
     console.emit(
-        {"config": str(path), "brokerUrl": broker_url, "secret": secret, "nextSteps": steps},
-        lambda: _print_init(console, path, steps),
+        {
+            "config": str(path),
+            "secretFile": str(secret_path),
+            "brokerUrl": broker_url,
+            "portInUse": busy,
+            "nextSteps": steps,
+        },
+        lambda: _print_init(console, path, secret_path, broker_url, steps, busy),
     )
     return 0
 
 
-def _print_init(console: Console, path: Path, steps: Sequence[str]) -> None:
-    console.line(f"wrote {path} (mode 0600) with a fresh secret")
+def _print_init(
+    console: Console,
+    path: Path,
+    secret_path: Path,
+    broker_url: str,
+    steps: Sequence[str],
+    busy: bool,
+) -> None:
+    console.line(f"wrote {path} and a fresh secret in {secret_path} (both mode 0600)")
+    if busy:
+        console.warn(
+            f"warning: something already listens on {broker_url} (a broker from `make run`?); "
+            "stop it first, or run `relay init --force --port N` for another port"
+        )
     console.line("next steps:")
-    console.line(f"  1. start the broker:        {steps[0]}")
-    console.line(f"  2. point clients at it:     {steps[1]}")
-    console.line("     (or save brokerUrl/agent/secret in ~/.dsh-relay.json)")
-    console.line(f"  3. check the round trip:    {steps[2]}")
+    console.line(f"  1. start the broker:      {steps[0]}")
+    console.line(f"  2. check the round trip:  {steps[1]}")
+    settings = json.dumps({"brokerUrl": broker_url, "secretFile": str(secret_path)})
+    console.line(f"  3. save the settings:     put {settings}")
+    console.line("     (and your \"agent\" name) in ~/.dsh-relay.json to drop the flags")
 
 
 async def selfcheck(ctx: Context) -> int:
     """Round-trip a message over v1.0 and over v1.1 between two throwaway agents."""
     console = ctx.console
     tag = uuid.uuid4().hex[:8]
-    alice = ctx.new_client(f"selfcheck-{tag}-a")
-    bob = ctx.new_client(f"selfcheck-{tag}-b")
+    alice_name, bob_name = selfcheck_agent_names(tag)
+    alice, bob = ctx.new_client(alice_name), ctx.new_client(bob_name)
     report: List[Dict[str, Any]] = []
     context: Dict[str, Any] = {}
 

@@ -7,11 +7,26 @@ import argparse
 from relay.cli.command import Context, positive_int
 from relay.cli.output import print_messages
 
+PULL_DESCRIPTION = """\
+Lease queued messages: each is handed to this agent alone until the lease
+ends, with a leaseId to acknowledge it by (`relay ack ID LEASE_ID completed`,
+or `retry`). A lease that runs out puts the message back in the queue."""
+
 
 def pull_arguments(parser: argparse.ArgumentParser) -> None:
     """The number of messages and the lease length."""
-    parser.add_argument("--limit", type=positive_int)
-    parser.add_argument("--lease", type=positive_int, metavar="SECONDS")
+    parser.add_argument(
+        "--limit",
+        type=positive_int,
+        metavar="N",
+        help="lease at most N messages (broker default 50)",
+    )
+    parser.add_argument(
+        "--lease",
+        type=positive_int,
+        metavar="SECONDS",
+        help="how long the lease lasts (default: the broker's leaseSeconds, 600)",
+    )
 
 
 async def pull(ctx: Context) -> int:
@@ -24,10 +39,14 @@ async def pull(ctx: Context) -> int:
 
 def ack_arguments(parser: argparse.ArgumentParser) -> None:
     """``ID LEASE_ID completed|retry`` and the error text of a retry."""
-    parser.add_argument("message_id", metavar="ID")
-    parser.add_argument("lease_id", metavar="LEASE_ID")
-    parser.add_argument("outcome", choices=["completed", "retry"])
-    parser.add_argument("--error", metavar="TEXT")
+    parser.add_argument("message_id", metavar="ID", help="the leased message")
+    parser.add_argument("lease_id", metavar="LEASE_ID", help="the leaseId that `pull` showed")
+    parser.add_argument(
+        "outcome",
+        choices=["completed", "retry"],
+        help="completed (done) or retry (queued again, one attempt more)",
+    )
+    parser.add_argument("--error", metavar="TEXT", help="why it is retried (shown by `status`)")
 
 
 async def ack(ctx: Context) -> int:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, Mapping, Optional, Sequence
+import json
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence, TextIO
 
 from relay.cli.command import Context, positive_float, positive_int
 from relay.cli.output import print_messages, watch_line
 from relay.cli.state import STATE_FILE, CursorState
 from relay.errors import RelayError
 from relay.polling import drain, poll
+from relay.settings import UsageError
+
+KINDS = ("message", "request", "reply")
 
 DEFAULT_RECV_LIMIT = 50
 # A recv drain stops after this many pages even if the broker keeps answering.
@@ -19,23 +24,86 @@ WATCH_HEARTBEAT_SECONDS = 60.0
 WATCH_PAGE_LIMIT = 50
 
 
+SEND_DESCRIPTION = """\
+Send one message to TARGET. CONTENT is the text of the body {"text": CONTENT};
+"-" reads it from standard input and "@PATH" from a file (one trailing newline
+is dropped); "@@..." stands for a text that starts with "@". With --json-body,
+CONTENT (or the input or file it names) is the whole body, a JSON object.
+A --kind request registers the sender first, so that the reply can reach it."""
+
+
 def send_arguments(parser: argparse.ArgumentParser) -> None:
     """``TARGET CONTENT`` and the envelope's optional fields."""
-    parser.add_argument("target", metavar="TARGET")
-    parser.add_argument("content", metavar="CONTENT")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("target", metavar="TARGET", help="the receiving agent")
+    parser.add_argument(
+        "content", metavar="CONTENT", help='the text, "-" (standard input) or "@PATH" (a file)'
+    )
+    parser.add_argument(
+        "--json-body", action="store_true", help="CONTENT is the body itself, a JSON object"
+    )
     parser.add_argument("--ack", action="store_true", help="ask the receiver for a receipt")
-    parser.add_argument("--kind", choices=["message", "request", "reply"])
+    parser.add_argument(
+        "--kind",
+        choices=KINDS,
+        help="message (the default), request (opens a conversation) or reply",
+    )
     parser.add_argument("--reply-to", metavar="ID", help="the id this message answers")
     parser.add_argument("--root-id", metavar="ID", help="the first message of the conversation")
-    parser.add_argument("--id", dest="message_id", metavar="ID", help="a message id (idempotency)")
+    parser.add_argument(
+        "--id",
+        dest="message_id",
+        metavar="ID",
+        help="the message id (default: a fresh UUID); resending an id is a no-op",
+    )
+
+
+def read_content(value: str, stdin: TextIO) -> str:
+    """The text CONTENT stands for: itself, standard input (``-``) or a file (``@PATH``)."""
+    if value.startswith("@@"):
+        return value[1:]
+    if value == "-":
+        text = stdin.read()
+    elif value.startswith("@"):
+        path = Path(value[1:]).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise UsageError(
+                f"cannot read {path}: {error.strerror} (write @@ for a text starting with @)"
+            ) from None
+        except UnicodeDecodeError:
+            raise UsageError(f"{path} is not UTF-8 text") from None
+    else:
+        return value
+    return text[:-1] if text.endswith("\n") else text
+
+
+def message_body(content: str, json_body: bool, stdin: TextIO) -> Dict[str, Any]:
+    """The body to send: ``{"text": ...}``, or with ``json_body`` the JSON object given."""
+    text = read_content(content, stdin)
+    if not json_body:
+        return {"text": text}
+    try:
+        body = json.loads(text)
+    except ValueError as error:
+        raise UsageError(f"--json-body: not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise UsageError("--json-body: the body must be a JSON object")
+    return body
 
 
 async def send(ctx: Context) -> int:
     """POST /messages: a ``{"text": CONTENT}`` message; ``--kind reply`` sets ``parentId`` too."""
     args = ctx.args
+    body = message_body(args.content, args.json_body, ctx.stdin)
+    if args.kind == "request":
+        # The reply is a message to this agent, and only a registered agent
+        # can receive one (spec §2, `to`): register (heartbeat) first.
+        await ctx.client.register()
     answer = await ctx.client.send(
         args.target,
-        {"text": args.content},
+        body,
         message_id=args.message_id,
         kind=args.kind,
         reply_to=args.reply_to,
@@ -52,11 +120,30 @@ async def send(ctx: Context) -> int:
     return 0
 
 
+RECV_DESCRIPTION = """\
+Fetch the messages that arrived since the last recv or watch (a v1.0 cursor,
+kept in ~/.dsh-relay-state.json) and send the receipts asked for, once.
+Reading changes nothing at the broker: a message read here is still queued,
+and `relay pull` still leases it. Use pull and ack for work that must be done
+exactly once (docs/CLIENT.md)."""
+
+
 def recv_arguments(parser: argparse.ArgumentParser) -> None:
     """The page size, one page only, and forgetting the cursor."""
-    parser.add_argument("--limit", type=positive_int, default=DEFAULT_RECV_LIMIT)
+    parser.add_argument(
+        "--limit",
+        type=positive_int,
+        default=DEFAULT_RECV_LIMIT,
+        metavar="N",
+        help=f"messages per page (default {DEFAULT_RECV_LIMIT}; the broker caps it at 200)",
+    )
     parser.add_argument("--once", action="store_true", help="fetch one page only")
-    parser.add_argument("--reset", action="store_true", help="forget the saved cursor first")
+    parser.add_argument(
+        "--reset",
+        action="store_true",
+        help="forget the saved cursor and read the inbox from its start "
+        "(receipts already sent are not sent again)",
+    )
 
 
 async def recv(ctx: Context) -> int:
@@ -72,7 +159,7 @@ async def recv(ctx: Context) -> int:
         return answer.get("messages") or []
 
     received = await drain(page, 1 if args.once else MAX_DRAIN_PAGES)
-    await _send_receipts(ctx, received)
+    await _send_receipts(ctx, state, received)
     state.set(client.cursor)
     console.emit(
         {"count": len(received), "messages": received, "cursor": client.cursor},
@@ -83,8 +170,15 @@ async def recv(ctx: Context) -> int:
 
 def watch_arguments(parser: argparse.ArgumentParser) -> None:
     """The poll interval and a message count to stop after."""
-    parser.add_argument("--interval", type=positive_float, default=DEFAULT_WATCH_INTERVAL_SECONDS)
-    parser.add_argument("--count", type=positive_int, help="stop after N messages")
+    parser.add_argument(
+        "--interval",
+        type=positive_float,
+        default=DEFAULT_WATCH_INTERVAL_SECONDS,
+        metavar="SECONDS",
+        help="seconds between polls when the broker cannot long-poll "
+        f"(default {DEFAULT_WATCH_INTERVAL_SECONDS:g})",
+    )
+    parser.add_argument("--count", type=positive_int, metavar="N", help="stop after N messages")
 
 
 async def watch(ctx: Context) -> int:
@@ -121,9 +215,9 @@ async def watch(ctx: Context) -> int:
             if console.as_json:
                 console.document(message)
             else:
-                console.line(watch_line(message))
+                console.line(watch_line(message, console.now()))
             shown += 1
-        await _send_receipts(ctx, messages)
+        await _send_receipts(ctx, state, messages)
         state.set(client.cursor)
 
     await poll(
@@ -142,11 +236,23 @@ def _cursor_state(ctx: Context) -> CursorState:
     return CursorState(ctx.home / STATE_FILE, ctx.client.broker_url, ctx.client.agent)
 
 
-async def _send_receipts(ctx: Context, messages: Sequence[Mapping[str, Any]]) -> None:
-    """The v1.0 receipt for every message that asked for one (best effort)."""
+async def _send_receipts(
+    ctx: Context, state: CursorState, messages: Sequence[Mapping[str, Any]]
+) -> None:
+    """The v1.0 receipt for every message that asked for one, once (best effort).
+
+    The broker stores a new receipt for each ``POST /messages/<id>/ack``, so a
+    message read again (``recv --reset``) must not be acknowledged again.
+    """
     for message in messages:
-        if message.get("ack") and message.get("type", "message") == "message":
-            try:
-                await ctx.client.ack(str(message["id"]), "ok")
-            except RelayError as error:
-                ctx.console.warn(f"warning: no receipt sent for {message.get('id')}: {error.code}")
+        if not message.get("ack") or message.get("type", "message") != "message":
+            continue
+        message_id = str(message["id"])
+        if state.receipt_sent(message_id):
+            continue
+        try:
+            await ctx.client.ack(message_id, "ok")
+        except RelayError as error:
+            ctx.console.warn(f"warning: no receipt sent for {message_id}: {error.code}")
+            continue
+        state.note_receipt(message_id, ctx.clock.seconds())
