@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
+import ipaddress
 import math
 from collections import OrderedDict
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -39,6 +40,20 @@ class _Bounded(OrderedDict):
             self.popitem(last=False)
 
 
+def _rate_key(host: str) -> str:
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if address.version == 6:
+        mapped = address.ipv4_mapped
+        if mapped is not None:
+            return str(mapped)
+        if not address.is_loopback:
+            return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
 class RateLimiter:
     """Requests per source address per minute, as a sliding window of two buckets.
 
@@ -57,14 +72,21 @@ class RateLimiter:
 
     def limit_for(self, host: str) -> int:
         """The per-minute limit of a source address."""
-        loop = self._loopback_cache.get(host)
-        if loop is None:
-            loop = is_loopback_host(host)
-            self._loopback_cache.put(host, loop)
-        return self.loopback if loop else self.remote
+        return self.loopback if self._classify(host)[0] else self.remote
+
+    def _classify(self, host: str) -> Tuple[bool, str]:
+        """Whether ``host`` is loopback, and the key it is counted under: the address
+        itself, or its /64 for IPv6 (one host usually holds a whole /64)."""
+        known = self._loopback_cache.get(host)
+        if known is None:
+            known = (is_loopback_host(host), _rate_key(host))
+            self._loopback_cache.put(host, known)
+        return known
 
     def hit(self, host: str) -> None:
         """Count one request from ``host``; raise 429 ``rate_limited`` over the limit."""
+        loop, host = self._classify(host)
+        limit = self.loopback if loop else self.remote
         now = self.clock.seconds()
         window = int(now // RATE_WINDOW_SECONDS)
         entry = self._windows.get(host)
@@ -76,7 +98,7 @@ class RateLimiter:
             previous, current = entry[1], entry[2]
         elapsed = (now % RATE_WINDOW_SECONDS) / RATE_WINDOW_SECONDS
         estimate = previous * (1.0 - elapsed) + current
-        if estimate >= self.limit_for(host):
+        if estimate >= limit:
             self._windows.put(host, (window, previous, current))
             raise errors.rate_limited()
         self._windows.put(host, (window, previous, current + 1))

@@ -89,6 +89,7 @@ class Config:
     request_read_seconds: float = 30.0
     access_log: bool = False
     allow_insecure_remote: bool = False
+    allowed_hosts: Tuple[str, ...] = ()
     tls_client_ca: Optional[str] = None
     lock_after_failures: int = 5
     lock_minutes: float = 5
@@ -148,6 +149,7 @@ _BROKER_KEYS = frozenset(
         "requestReadSeconds",
         "accessLog",
         "allowInsecureRemote",
+        "allowedHosts",
         "tlsClientCA",
         "opsListen",
         "opsToken",
@@ -276,11 +278,17 @@ def resolve_endpoint_paths(description: str, base_dir: str) -> str:
 _INTERFACE_POSITION = {"tcp": 2, "tcp6": 2, "ssl": 5}
 
 
+def endpoint_kind(description: str) -> str:
+    """The type of an endpoint string, as Twisted matches it (case-insensitively)."""
+    return split_endpoint(description)[0].strip().lower()
+
+
 def listen_interface(description: str) -> Optional[str]:
     """The interface a ``tcp``, ``tcp6`` or ``ssl`` endpoint string binds (``0.0.0.0``
     or ``::`` when it names none); None for any other endpoint type."""
     parts = split_endpoint(description)
-    position = _INTERFACE_POSITION.get(parts[0])
+    kind = endpoint_kind(description)
+    position = _INTERFACE_POSITION.get(kind)
     if position is None:
         return None
     interface = None
@@ -295,33 +303,55 @@ def listen_interface(description: str) -> Optional[str]:
             if positional == position:
                 interface = unescape_endpoint_value(part)
     if not interface:
-        return "::" if parts[0] == "tcp6" else "0.0.0.0"
+        return "::" if kind == "tcp6" else "0.0.0.0"
     return interface
 
 
-def plaintext_remote(description: str) -> Optional[str]:
-    """The interface a plaintext TCP endpoint exposes beyond loopback, or None.
-
-    ``tcp``/``tcp6`` endpoints without an ``interface`` listen on every
-    interface, so they count as remote.
-    """
-    if split_endpoint(description)[0] not in ("tcp", "tcp6"):
-        return None
-    interface = listen_interface(description)
-    return None if is_loopback_host(interface) else interface
+def _unix_path(description: str) -> Optional[str]:
+    parts = split_endpoint(description)[1:]
+    for part in parts:
+        name, sep, value = part.partition("=")
+        if sep and name == "address":
+            return unescape_endpoint_value(value)
+    positional = [p for p in parts if "=" not in p]
+    return unescape_endpoint_value(positional[0]) if positional else None
 
 
 def beyond_loopback(description: str) -> Optional[str]:
-    """What an endpoint string exposes beyond this machine, or None: the interface
-    of a ``tcp``/``tcp6``/``ssl`` endpoint off loopback, ``unknown`` for endpoint
-    types other than those and ``unix``."""
-    kind = split_endpoint(description)[0]
+    """What an endpoint string exposes beyond this machine, or None when it is
+    provably local: a ``tcp``/``tcp6``/``ssl`` endpoint on a loopback interface, or a
+    ``unix`` socket at a filesystem path. The interface of any other TCP endpoint,
+    and ``unknown <type>`` for every other endpoint type (``systemd``, plugins, an
+    abstract unix socket), which counts as remote."""
+    kind = endpoint_kind(description)
     if kind == "unix":
-        return None
+        path = _unix_path(description)
+        if path and not path.startswith(("\0", "@")):  # not an abstract socket
+            return None
+        return "unknown unix address"
     interface = listen_interface(description)
     if interface is None:
-        return "unknown"
+        return f"unknown endpoint type {kind!r}"
     return None if is_loopback_host(interface) else interface
+
+
+def plaintext_remote(description: str) -> Optional[str]:
+    """What a plaintext endpoint exposes beyond loopback (see :func:`beyond_loopback`),
+    or None: an ``ssl`` endpoint is never plaintext."""
+    if endpoint_kind(description) == "ssl":
+        return None
+    return beyond_loopback(description)
+
+
+def _allowed_hosts(broker: Mapping[str, Any]) -> Tuple[str, ...]:
+    """``broker.allowedHosts``: host names a loopback listener may be reached by
+    besides loopback's own (a local reverse proxy's name, say)."""
+    raw = broker.get("allowedHosts")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(h, str) and h.strip() for h in raw):
+        raise ConfigError("broker.allowedHosts", "must be a list of host names")
+    return tuple(h.strip().lower() for h in raw)
 
 
 def default_listen(host: str, port: int) -> str:
@@ -412,7 +442,7 @@ def _ops(broker: Mapping[str, Any], base_dir: str, token_from_file: Optional[str
         exposed = beyond_loopback(description)
         if exposed is None:
             continue
-        if split_endpoint(description)[0] != "ssl" and not allow_insecure:
+        if endpoint_kind(description) != "ssl" and not allow_insecure:
             raise ConfigError(
                 "broker.opsListen",
                 f"{description!r} is reachable beyond loopback (interface {exposed}); the ops "
@@ -508,10 +538,12 @@ def parse_config(
         for description in listen:
             exposed = plaintext_remote(description)
             if exposed is not None:
+                where = (exposed if exposed.startswith("unknown")
+                         else f"interface {exposed}")
                 raise ConfigError(
                     "broker.listen",
-                    f"plaintext endpoint {description!r} is reachable beyond loopback "
-                    f"(interface {exposed}); HMAC authenticates but does not encrypt, so "
+                    f"plaintext endpoint {description!r} may be reachable beyond loopback "
+                    f"({where}); HMAC authenticates but does not encrypt, so "
                     "remote deployments must use an ssl: endpoint "
                     "(or set broker.allowInsecureRemote: true)",
                 )
@@ -547,6 +579,7 @@ def parse_config(
         request_read_seconds=read_number(broker, "requestReadSeconds", "broker", 30, 1, 3600),
         access_log=read_bool(broker, "accessLog", "broker", False),
         allow_insecure_remote=allow_insecure,
+        allowed_hosts=_allowed_hosts(broker),
         tls_client_ca=tls_client_ca,
         lock_after_failures=read_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
         lock_minutes=read_number(security, "lockMinutes", "security", 5, 0.01, 525600),

@@ -14,12 +14,12 @@ connections close after ``IDLE_SECONDS``.
 from __future__ import annotations
 
 from io import BytesIO
-from typing import Optional, Set
+from typing import Collection, Optional, Set
 
 from twisted.internet.task import LoopingCall
 from twisted.web import http, server
 
-from relay.protocol import MAX_BODY_BYTES
+from relay.protocol import MAX_BODY_BYTES, is_loopback_host
 
 REQUEST_READ_SECONDS = 30.0
 REAP_SECONDS = 0.5
@@ -51,6 +51,29 @@ TLS_ON_PLAIN_PORT_RESPONSE = closing_response(
 )
 # A TLS connection starts with a handshake record: content type 22, version 3.x.
 _TLS_HANDSHAKE = b"\x16\x03"
+
+
+def host_name(header: bytes) -> str:
+    """The host of a ``Host`` header, without its port or IPv6 brackets, lowercased."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].split("]", 1)[0]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def names_this_machine(request, allowed: Collection[str] = ()) -> bool:
+    """False when ``request`` reached a loopback listener naming another host in its
+    ``Host`` header (DNS rebinding: a web page in the user's browser, whose name now
+    resolves to 127.0.0.1). Loopback names and addresses pass, and ``allowed``; a
+    request without ``Host`` (HTTP/1.0) or on any other listener passes too."""
+    local = getattr(request.getHost(), "host", None)
+    if local is None or not is_loopback_host(local):
+        return True
+    headers = request.requestHeaders.getRawHeaders(b"host")
+    if not headers:
+        return True
+    name = host_name(headers[0])
+    return name in allowed or is_loopback_host(name) or name.endswith(".localhost")
 
 
 class RelayRequest(server.Request):

@@ -128,7 +128,7 @@ def make_api(config: Config, store, clock: IReactorTime,
     if ISharedLockouts.providedBy(store):  # several brokers count failures together
         auth.lockout.share(store.share_lockouts(auth.lockout))
     limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote)
-    return RelayAPI(broker, auth, limiter)
+    return RelayAPI(broker, auth, limiter, config.allowed_hosts)
 
 
 def _ops_endpoints(reactor, descriptions: Sequence[str]) -> list:

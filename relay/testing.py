@@ -91,7 +91,7 @@ class SignedClient:
                                                             **sign_options)
         all_headers.update(headers or {})
         response = await self.treq.request(
-            method, "http://relay.test" + path, data=raw or None, headers=all_headers
+            method, "http://127.0.0.1:19121" + path, data=raw or None, headers=all_headers
         )
         content = await response.content()
         return response.code, json.loads(content) if content else None, response

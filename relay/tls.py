@@ -30,7 +30,7 @@ from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
 from relay import pem
-from relay.config import split_endpoint, unescape_endpoint_value
+from relay.config import endpoint_kind, split_endpoint, unescape_endpoint_value
 from relay.errors import ConfigError
 from relay.http import closing_response
 
@@ -70,7 +70,7 @@ class TLSListener:
 
 
 def _is_ssl(description: str) -> bool:
-    return split_endpoint(description)[0] == "ssl"
+    return endpoint_kind(description) == "ssl"
 
 
 def parse_ssl_endpoint(description: str) -> TLSListener:

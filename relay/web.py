@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional
 
 from klein import Klein
 from twisted.internet.defer import Deferred
@@ -26,6 +26,7 @@ from relay import errors, protocol
 from relay.auth import Authenticator, RateLimiter
 from relay.broker import Broker
 from relay.errors import RelayError
+from relay.http import names_this_machine
 
 log = Logger(namespace="relay.web")
 
@@ -130,22 +131,26 @@ class RelayAPI:
 
     app = Klein()
 
-    def __init__(self, broker: Broker, auth: Authenticator, rate_limiter: RateLimiter) -> None:
+    def __init__(self, broker: Broker, auth: Authenticator, rate_limiter: RateLimiter,
+                 allowed_hosts: Collection[str] = ()) -> None:
         self.broker = broker
         self.auth = auth
         self.rate_limiter = rate_limiter
+        self.allowed_hosts = frozenset(allowed_hosts)
         self.info = encode_json(broker.info())
 
     def resource(self):
-        """The resource serving this API: Klein's, behind a check of the URL's encoding."""
-        return _UTF8URLs(self.app.resource())
+        """The resource serving this API: Klein's, behind the checks of the URL's
+        encoding and of the ``Host`` a loopback listener was reached by."""
+        return _Front(self.app.resource(), self)
 
     # -- plumbing ------------------------------------------------------------
 
     def authenticate(self, request) -> str:
-        """The agent that signed ``request``; RelayError on any §3 failure."""
-        check_body_size(request)
+        """The agent that signed ``request``; RelayError on any §3 failure. Every
+        request counts toward its address's rate limit, a refused one included."""
         self.rate_limiter.hit(_peer_host(request))
+        check_body_size(request)
         headers = request.requestHeaders
         return self.auth.authenticate(
             request.method,
@@ -203,6 +208,7 @@ class RelayAPI:
         if request.path != b"/":
             return self.no_route(request, None)
         request.route = "info"
+        self.rate_limiter.hit(_peer_host(request))
         check_body_size(request)
         set_json_headers(request, 200)
         request.setHeader(b"content-length", b"%d" % len(self.info))
@@ -361,20 +367,24 @@ class RelayAPI:
         return d
 
 
-class _UTF8URLs(Resource):
-    """Answers a URL that is not UTF-8 once percent-decoded with the §6 ``400``.
-
-    Klein refuses such a URL itself, but with a plain-text body and a logged
-    traceback; every other request goes to the Klein resource unchanged.
-    """
+class _Front(Resource):
+    """In front of the Klein resource: a request that reached a loopback listener
+    by another host's name (DNS rebinding from a web page) is ``403 forbidden``, and
+    a URL that is not UTF-8 once percent-decoded is the §6 ``400`` (Klein refuses it
+    too, but with a plain-text body and a logged traceback)."""
 
     isLeaf = True
 
-    def __init__(self, klein_resource) -> None:
+    def __init__(self, klein_resource, api: RelayAPI) -> None:
         super().__init__()
         self.klein_resource = klein_resource
+        self.api = api
 
     def render(self, request):
+        if not names_this_machine(request, self.api.allowed_hosts):
+            error = errors.forbidden("the Host header names neither this machine's loopback "
+                                     "nor a host in broker.allowedHosts")
+            return write_json(request, 403, error.to_body())
         try:
             request.getRequestHostname().decode("utf-8")
             if not (request.uri.isascii() and b"%" not in request.uri):

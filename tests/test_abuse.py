@@ -135,7 +135,7 @@ def trickle(broker: BrokerProcess, data: bytes, result: Dict[str, Any]) -> None:
 @pytest.mark.parametrize("part", ["headers", "body"])
 def test_one_byte_at_a_time_is_timed_out_and_others_are_served(broker, part):
     body = json.dumps({"to": "beta", "body": {"pad": "x" * 200}}).encode()
-    head = (b"POST /messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
     results: List[Dict[str, Any]] = [{} for _ in range(8)]
     threads = []
@@ -192,7 +192,7 @@ def _slow_client(part: str, head: bytes, broker: BrokerProcess, data: bytes,
 def signed_head(broker: BrokerProcess, path: str, raw: bytes, length: int,
                 agent: str = "alpha") -> bytes:
     ts = int(time.time())
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"X-Relay-Agent: {agent}\r\nX-Relay-Timestamp: {ts}\r\n"
             f"X-Relay-Signature: {sign(broker.secret, 'POST', path, ts, raw)}\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
@@ -228,7 +228,8 @@ def test_content_length_longer_than_the_body(broker):
 def test_huge_declared_content_length_is_refused_without_buffering(broker):
     before = rss_kb(broker.proc.pid)
     with socket.create_connection(("127.0.0.1", broker.port), timeout=10) as s:
-        s.sendall(b"POST /messages HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n")
+        s.sendall(b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Length: 99999999999\r\n\r\n")
         s.sendall(b"x" * (4 << 20))
         responses = parse(read_response(s, READ_SECONDS + 4))
     assert responses and responses[0][0] in (400, 408), responses
@@ -242,7 +243,7 @@ def test_chunked_body_over_one_mebibyte(broker):
     raw = b"{" + b" " * 1000
     path = "/messages"
     ts = int(time.time())
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
             f"X-Relay-Agent: alpha\r\nX-Relay-Timestamp: {ts}\r\n"
             f"X-Relay-Signature: {sign(broker.secret, 'POST', path, ts, raw)}\r\n\r\n").encode()
     chunk = b"z" * 65536
@@ -269,7 +270,7 @@ def test_hundreds_of_idle_connections_bounded_memory(broker):
         for i in range(600):
             s = socket.create_connection(("127.0.0.1", broker.port), timeout=5)
             if i % 3 == 1:
-                s.sendall(b"POST /messages HTTP/1.1\r\nHost: x\r\n")  # never finished
+                s.sendall(b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
             elif i % 3 == 2:
                 s.sendall(b"POST /messages HTTP/1.1\r\nContent-Length: 1000\r\n\r\n{")
             sockets.append(s)

@@ -56,7 +56,7 @@ class World:
         self.alpha = self.client("alpha")
 
     def client(self, agent: str) -> RelayClient:
-        return RelayClient("http://relay.test", agent, TEST_SECRET, clock=self.clock,
+        return RelayClient("http://127.0.0.1:19121", agent, TEST_SECRET, clock=self.clock,
                            http=self.stub)
 
     def runtime(
@@ -276,7 +276,7 @@ def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
 ) -> None:
     world = World(tmp_path)
     handler = Recorder()
-    lossy = LosesAcks("http://relay.test", "worker", TEST_SECRET, clock=world.clock,
+    lossy = LosesAcks("http://127.0.0.1:19121", "worker", TEST_SECRET, clock=world.clock,
                       http=world.stub)
     first = world.runtime(handler, client=lossy, lease_seconds=60)
     start(world, first)

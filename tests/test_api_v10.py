@@ -623,9 +623,19 @@ async def test_rate_limit_at_http_level():
     assert_error(await b.get("beta", "/peers", secret="wrong"), 401, "unauthenticated")
     assert_error(await b.post("alpha", "/register", {}), 429, "rate_limited")
     assert_error(await b.get("beta", "/nope"), 429, "rate_limited")
-    assert (await b.get(None, "/")).code == 200, "GET / is not rate limited"
+    assert_error(await b.get(None, "/"), 429, "rate_limited")
     b.clock.advance(120)
     assert (await b.post("alpha", "/register", {})).code == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_requests_refused_for_size_and_get_root_count_toward_the_limit():
+    b = Broker(rateLimitLoopback=3)
+    too_big = b"x" * (MAX_BODY_BYTES + 1)
+    assert_error(await b.post("alpha", "/messages", raw=too_big), 400, "bad_request")
+    assert (await b.get(None, "/")).code == 200
+    assert_error(await b.post(None, "/messages", raw=too_big), 400, "bad_request")
+    assert_error(await b.get(None, "/"), 429, "rate_limited")
 
 
 @pytest_twisted.ensureDeferred

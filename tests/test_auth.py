@@ -371,8 +371,22 @@ def test_rate_windows_are_bounded():
     assert limiter.tracked() <= 1000
     limiter = RateLimiter(clock_at(), loopback=600, remote=120)
     for i in range(100_000):
-        limiter.hit(f"2001:db8::{i:x}")
+        limiter.hit(f"2001:db8:{i >> 16:x}:{i & 0xffff:x}::1")
     assert limiter.tracked() <= 50_000
+
+
+def test_ipv6_clients_are_limited_per_64():
+    limiter = RateLimiter(clock_at(), loopback=600, remote=3)
+    for i in range(3):
+        limiter.hit(f"2001:db8:1:2::{i + 1:x}")  # three addresses of one /64
+    assert refused(limiter.hit, "2001:db8:1:2:ffff::9").code == "rate_limited"
+    limiter.hit("2001:db8:1:3::1")  # the next /64 has its own window
+    limiter.hit("::ffff:10.0.0.1")  # an IPv4-mapped address counts as IPv4
+    for _ in range(2):
+        limiter.hit("10.0.0.1")
+    assert refused(limiter.hit, "10.0.0.1").code == "rate_limited"
+    for _ in range(600):
+        limiter.hit("::1")  # loopback keeps its own address and limit
 
 
 # -- several secrets (rotation), failure reasons, reloads ------------------------------

@@ -56,7 +56,7 @@ class Shell:
         stdin: str = "",
         interactive: bool = False,
         http: Any = None,
-        broker: str = "http://relay.test",
+        broker: str = "http://127.0.0.1:19121",
     ) -> defer.Deferred:
         out, err = io.StringIO(), io.StringIO()
         flags = ["--broker", broker, "--secret", SECRET] + (["--agent", agent] if agent else [])
@@ -283,7 +283,7 @@ async def test_recv_reset_does_not_send_receipts_twice(shell: Shell) -> None:
     again = await shell.run("beta", "recv", "--reset")
     assert "please confirm" in again.out
     # watch reads the inbox from the start too once the cursor is gone
-    CursorState(shell.home / STATE_FILE, "http://relay.test", "beta").set(None)
+    CursorState(shell.home / STATE_FILE, "http://127.0.0.1:19121", "beta").set(None)
     watched = await shell.run("beta", "watch", "--count", "1")
     assert watched.status == 0, watched.err
     receipts = [
@@ -345,7 +345,7 @@ class RefusingHTTP:
 
 @pytest.mark.parametrize(
     "url, calls", [("http://127.0.0.1:1", 1), ("http://localhost:1", 1), ("http://[::1]:1", 1),
-                   ("http://relay.test:1", 4)]
+                   ("http://127.0.0.1:19121:1", 4)]
 )
 def test_a_refused_loopback_connection_can_fail_at_once(url: str, calls: int) -> None:
     clock, http = Clock(), RefusingHTTP()
@@ -540,7 +540,7 @@ def test_a_closed_pipe_ends_the_command_quietly(shell: Shell) -> None:
     d.addCallback(results.append)
     err = io.StringIO()
     d = defer.Deferred.fromCoroutine(
-        run(shell.clock, ["handshake", "--broker", "http://relay.test"], env={},
+        run(shell.clock, ["handshake", "--broker", "http://127.0.0.1:19121"], env={},
             home=shell.home, out=Closed(), err=err, http=shell.http)
     )
     d.addCallback(results.append)

@@ -515,7 +515,7 @@ def broker_clients(**broker: Any) -> Tuple[RelayClient, RelayClient, Any, Clock]
     stub = relay_stub(api.resource())
 
     def client(agent: str) -> RelayClient:
-        return RelayClient("http://relay.test", agent, TEST_SECRET, clock=clock, http=stub)
+        return RelayClient("http://127.0.0.1:19121", agent, TEST_SECRET, clock=clock, http=stub)
 
     return client("alpha"), client("beta"), stub, clock
 
@@ -579,7 +579,7 @@ async def test_every_method_against_the_memory_broker() -> None:
     with pytest.raises(RelayError) as info_:
         await alpha.ack("no-such-id")
     assert info_.value.code == "no_such_message"
-    wrong = RelayClient("http://relay.test", "alpha", "wrong", clock=clock, http=stub)
+    wrong = RelayClient("http://127.0.0.1:19121", "alpha", "wrong", clock=clock, http=stub)
     with pytest.raises(RelayError) as info_:
         await wrong.peers()
     assert (info_.value.status, info_.value.code) == (401, "unauthenticated")

@@ -247,8 +247,30 @@ def test_listen_interface_reads_positional_and_named_forms():
     assert listen_interface("ssl:443:privateKey=k.pem") == "0.0.0.0"
     assert listen_interface("unix:/tmp/s") is None
     assert beyond_loopback("unix:/tmp/s") is None
-    assert beyond_loopback("systemd:domain=INET:index=0") == "unknown"
+    assert beyond_loopback("systemd:domain=INET:index=0") == "unknown endpoint type 'systemd'"
     assert parse(broker(listen=["tcp:1:127.0.0.1"])).listen == ("tcp:1:127.0.0.1",)
+
+
+@pytest.mark.parametrize("listen", [
+    "TCP6:29131:interface=\\:\\:", "Tcp6:29131:interface=\\:\\:", "TCP:29131",
+    "Tcp:29131:interface=0.0.0.0", "systemd:domain=INET:index=0", "unix:@abstract",
+    "someplugin:29131", "tcp:29131:interface=192.168.1.5",
+])
+def test_a_listener_not_provably_local_needs_tls(listen):
+    """Endpoint types match case-insensitively, as Twisted matches them; a type the
+    check does not know counts as remote."""
+    with pytest.raises(ConfigError) as info:
+        parse(broker(listen=[listen]))
+    assert info.value.key == "broker.listen" and "ssl:" in info.value.reason
+    assert parse(broker(listen=[listen], allowInsecureRemote=True)).listen
+
+
+@pytest.mark.parametrize("listen", [
+    "TCP:29131:interface=127.0.0.1", "tcp6:29131:interface=\\:\\:1",
+    "unix:/run/relay/relay.sock", "unix:address=/tmp/relay.sock", "SSL:443:privateKey=k.pem",
+])
+def test_a_listener_that_is_local_or_tls_needs_nothing(listen):
+    assert parse(broker(listen=[listen])).listen
 
 
 # -- several secrets (rotation) ------------------------------------------------------------

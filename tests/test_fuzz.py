@@ -529,7 +529,7 @@ def test_process_fuzz_keeps_serving_others(process, bystander, report, method, p
 
 @examples(40)
 @given(garbage=st.binary(min_size=1, max_size=300) | st.sampled_from([
-    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -1",
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1",
     b"POST /messages HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     b"POST /messages HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2",
     b"GET /" + b"a" * 20000 + b" HTTP/1.1",
@@ -549,7 +549,7 @@ def test_process_raw_garbage_gets_a_4xx_or_a_close(process, bystander, report, g
 
 def test_process_malformed_http_gets_the_section_6_body(process, report):
     """Twisted's own refusals (request line too long, bad framing) carry the §6 body."""
-    for data in (b"POST /messages/" + b"a" * 100_000 + b"/ack HTTP/1.1\r\nHost: x\r\n\r\n",
+    for data in (b"POST /messages/" + b"a" * 100_000 + b"/ack HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
                  b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 600 + b"\r\n",
                  b"NOT-HTTP\r\n\r\n",
                  b"POST /messages HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",

@@ -46,7 +46,7 @@ def status_and_body(response: bytes):
 
 def test_declared_oversize_body_gets_the_uniform_400(broker):
     size = 1024 * 1024 + 1
-    request = (b"POST /messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n" % size) + b"x" * size
     status, body = status_and_body(raw_exchange(broker, request))
     assert status == 400 and body["error"]["code"] == "bad_request"
@@ -54,7 +54,7 @@ def test_declared_oversize_body_gets_the_uniform_400(broker):
 
 def test_chunked_oversize_body_gets_the_uniform_400(broker):
     chunk = b"y" * 65536
-    parts = [b"POST /v1/pull HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    parts = [b"POST /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"]
     for _ in range(17):
         parts.append(b"%x\r\n%s\r\n" % (len(chunk), chunk))
     parts.append(b"0\r\n\r\n")
@@ -64,7 +64,7 @@ def test_chunked_oversize_body_gets_the_uniform_400(broker):
 
 def test_exactly_one_mebibyte_is_not_too_large(broker):
     size = 1024 * 1024
-    request = (b"POST /messages HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
+    request = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % size
                ) + b" " * size
     status, body = status_and_body(raw_exchange(broker, request))
     assert status == 401, "an unsigned body of the maximum size reaches authentication"
@@ -72,7 +72,7 @@ def test_exactly_one_mebibyte_is_not_too_large(broker):
 
 def test_form_bodies_are_not_parsed(broker):
     body = b"--b\r\nContent-Disposition: form-data; name=x\r\n\r\n"
-    request = (b"POST /messages HTTP/1.1\r\nHost: x\r\n"
+    request = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                b"Content-Type: multipart/form-data; boundary=b\r\n"
                b"Content-Length: %d\r\n\r\n" % len(body)) + body
     status, reply = status_and_body(raw_exchange(broker, request))
@@ -81,7 +81,7 @@ def test_form_bodies_are_not_parsed(broker):
 
 def test_a_trickling_client_is_timed_out_without_blocking_others(broker):
     slow = socket.create_connection(("127.0.0.1", broker.port), timeout=60)
-    slow.sendall(b"POST /messages HTTP/1.1\r\nHost: x\r\n")
+    slow.sendall(b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     try:
         started = time.monotonic()
         status, info = broker.request("alpha", "GET", "/")

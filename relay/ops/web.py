@@ -35,6 +35,7 @@ from relay import __version__, errors, protocol
 from relay.broker import Broker
 from relay.delivery import Message
 from relay.errors import RelayError
+from relay.http import host_name
 from relay.ops import metrics
 from relay.ops.counters import Counters
 from relay.protocol import FAILED, LEASED, is_loopback_host
@@ -61,14 +62,6 @@ PAGE_HEADERS = (
 
 def _static(name: str) -> bytes:
     return resources.files("relay.ops").joinpath("static", name).read_bytes()
-
-
-def _host_name(host: bytes) -> str:
-    """The host of a ``Host`` header, without its port or IPv6 brackets."""
-    text = host.decode("latin-1").strip()
-    if text.startswith("["):
-        return text[1:].split("]", 1)[0]
-    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
 def _presented_token(header: Optional[bytes]) -> Optional[bytes]:
@@ -155,7 +148,7 @@ class OpsAPI:
         non-loopback ``Host`` (when none is)."""
         if not self.tokens:
             host = request.getHeader(b"host")
-            if host is not None and not is_loopback_host(_host_name(host)):
+            if host is not None and not is_loopback_host(host_name(host)):
                 raise errors.forbidden("this ops listener has no token: use a loopback host name")
             return
         presented = _presented_token(request.getHeader(b"authorization"))

@@ -54,7 +54,7 @@ def ops_url(description: str) -> str:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(interface, interface)
     if ":" in host:
         host = f"[{host}]"
-    scheme = "https" if parts[0] == "ssl" else "http"
+    scheme = "https" if parts[0].strip().lower() == "ssl" else "http"
     return f"{scheme}://{host}:{port}"
 
 
