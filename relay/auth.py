@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import hmac
-import ipaddress
 import math
 from collections import OrderedDict
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -19,7 +18,12 @@ from twisted.internet.interfaces import IReactorTime
 
 from relay import errors
 from relay.config import AgentConfig, Config
-from relay.protocol import MAX_CLOCK_SKEW_SECONDS, is_loopback_host, is_valid_agent_name
+from relay.protocol import (
+    MAX_CLOCK_SKEW_SECONDS,
+    address_group,
+    is_loopback_host,
+    is_valid_agent_name,
+)
 from relay.signing import NONCE, signing_string
 
 RATE_WINDOW_SECONDS = 60.0
@@ -38,20 +42,6 @@ class _Bounded(OrderedDict):
         self.move_to_end(key)
         while len(self) > self.limit:
             self.popitem(last=False)
-
-
-def _rate_key(host: str) -> str:
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if address.version == 6:
-        mapped = address.ipv4_mapped
-        if mapped is not None:
-            return str(mapped)
-        if not address.is_loopback:
-            return str(ipaddress.ip_network(f"{address}/64", strict=False))
-    return str(address)
 
 
 class RateLimiter:
@@ -79,7 +69,7 @@ class RateLimiter:
         itself, or its /64 for IPv6 (one host usually holds a whole /64)."""
         known = self._loopback_cache.get(host)
         if known is None:
-            known = (is_loopback_host(host), _rate_key(host))
+            known = (is_loopback_host(host), address_group(host))
             self._loopback_cache.put(host, known)
         return known
 

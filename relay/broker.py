@@ -43,6 +43,10 @@ class Policy:
     registered_recipients: bool = True
     # EXTENSIONS.md §9: requests without a signed nonce are refused
     require_nonce: bool = False
+    # a new agent beyond this many registered ones is refused (0: no limit)
+    max_agents: int = 10_000
+    # sends are refused (503 busy) while the store's disk has less free space (0: never)
+    min_free_disk_bytes: int = 64 * 1024 * 1024
 
     @classmethod
     def from_config(cls, config) -> Policy:
@@ -50,7 +54,9 @@ class Policy:
         return cls(
             lease_seconds=config.lease_seconds,
             rules=Rules(max_attempts=config.max_attempts, max_deliveries=config.max_deliveries,
-                        notify_failures=config.notify_failures),
+                        notify_failures=config.notify_failures,
+                        inbox_max_messages=config.inbox_max_messages,
+                        inbox_max_bytes=config.inbox_max_bytes),
             message_ttl_seconds=config.message_ttl_seconds,
             allowed_targets={
                 name: frozenset(agent.allowed_targets)
@@ -58,6 +64,8 @@ class Policy:
                 if agent.allowed_targets is not None
             },
             require_nonce=config.require_nonce,
+            max_agents=config.max_agents,
+            min_free_disk_bytes=config.min_free_disk_mb * 1024 * 1024,
         )
 
     @property
@@ -136,7 +144,7 @@ class Broker:
         """A heartbeat of ``agent``, with its peer card (None removes it,
         :data:`relay.protocol.KEEP_CARD` keeps it); fires with its time (epoch seconds)."""
         now = int(self.clock.seconds())
-        d = self.store.register(agent, now, card)
+        d = self.store.register(agent, now, card, self.policy.max_agents)
         d.addCallback(lambda _: now)
         return d
 
@@ -164,8 +172,9 @@ class Broker:
     def send(self, agent: str, envelope: Dict[str, Any], ttl_seconds: Optional[int] = None,
              delay_seconds: int = 0) -> Deferred:
         """Store a normalised envelope from ``agent``; fires with True when stored,
-        False for a duplicate id. Errbacks 400 (a TTL over the broker's), 403 (ACL)
-        or 404 (unregistered recipient)."""
+        False for a duplicate id. Errbacks 400 (a TTL over the broker's), 403 (ACL),
+        404 (unregistered recipient), 429 ``inbox_full`` or 503 (disk nearly full)."""
+        self._check_disk()
         if ttl_seconds is not None and ttl_seconds > self.policy.max_ttl_seconds:
             raise errors.bad_request(
                 f"ttlSeconds must be an integer from 1 to {self.policy.max_ttl_seconds}")
@@ -174,7 +183,7 @@ class Broker:
         message = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds,
                                         delay_seconds)
         if not self.policy.registered_recipients:
-            return self.store.add(message)
+            return self.store.add(message, self.policy.rules).addErrback(self._count_refusal)
         registered = self.store.is_registered(recipient)
         if isinstance(registered, Deferred):  # a store that answers asynchronously
             registered.addCallback(self._add_if_registered, message)
@@ -184,7 +193,41 @@ class Broker:
     def _add_if_registered(self, registered: bool, message: Message) -> Deferred:
         if not registered:
             raise errors.no_such_agent(f"recipient {message.to!r} has never registered")
-        return self.store.add(message)
+        return self.store.add(message, self.policy.rules).addErrback(self._count_refusal)
+
+    def disk_low(self) -> Optional[str]:
+        """Why new messages are refused for want of disk space, or None: the store's
+        disk has less free space than ``broker.minFreeDiskMB``."""
+        floor = self.policy.min_free_disk_bytes
+        free = self.store.space_left() if floor else None
+        if free is None or free >= floor:
+            return None
+        return (f"the broker's disk is nearly full ({free // 2**20} MB free, "
+                f"broker.minFreeDiskMB is {floor // 2**20}): new messages are refused "
+                "until space is freed")
+
+    def _check_disk(self) -> None:
+        reason = self.disk_low()
+        if reason is not None:
+            self.counters.send_refused("disk_full")
+            raise errors.busy(reason)
+
+    def _count_refusal(self, failure):
+        if isinstance(failure.value, errors.RelayError) and failure.value.code == "inbox_full":
+            self.counters.send_refused("inbox_full")
+        return failure
+
+    def limits(self) -> Dict[str, Any]:
+        """The quotas in force and the disk space they watch (the ops endpoints)."""
+        rules = self.policy.rules
+        return {
+            "inboxMaxMessages": rules.inbox_max_messages,
+            "inboxMaxBytes": rules.inbox_max_bytes,
+            "maxAgents": self.policy.max_agents,
+            "minFreeDiskBytes": self.policy.min_free_disk_bytes,
+            "diskFreeBytes": self.store.space_left(),
+            "sendsRefused": self.disk_low(),
+        }
 
     @inlineCallbacks
     def receipt(self, agent: str, message_id: str, raw_body: bytes):
@@ -199,7 +242,9 @@ class Broker:
         body = protocol.parse_json_body(raw_body)
         envelope = protocol.ack_receipt({"id": target.id, "from": target.sender}, agent, body)
         self.policy.check_route(agent, envelope["to"])
-        yield self.store.add(Message.from_envelope(envelope, self.clock.seconds()))
+        self._check_disk()
+        yield self.store.add(Message.from_envelope(envelope, self.clock.seconds()),
+                             self.policy.rules)
         return envelope["id"]
 
     def poll(self, agent: str, since: Optional[str], limit: int, wait: int) -> Deferred:
@@ -269,6 +314,7 @@ class Broker:
         repeated = yield self._repeated_reply(agent, request)
         if repeated is not None:
             return repeated
+        self._check_disk()
         try:
             result = yield self.store.settle(request.message_id, transition,
                                              self.clock.seconds(), self.policy.rules)
@@ -350,14 +396,25 @@ class Broker:
         cutoff = now - self.policy.message_ttl_seconds
         d = maybeDeferred(self.store.sweep_expired, cutoff, now, self.policy.rules)
 
-        def removed(count: int) -> int:
+        def removed(count: int) -> Deferred:
             if count:
                 log.info("expired {count} messages", count=count)
                 self.counters.messages_expired(count)
-            return count
+            # Agents offline for longer than messages live (never while they may be
+            # online) and with nothing addressed to them are forgotten.
+            offline = max(self.policy.message_ttl_seconds, HEARTBEAT_TTL_SECONDS)
+            forgetting = self.store.forget_peers(now - offline)
+            forgetting.addCallback(self._forgotten)
+            forgetting.addCallback(lambda _: count)
+            return forgetting
 
         d.addCallback(removed)
         return d
+
+    def _forgotten(self, agents: List[str]) -> None:
+        if agents:
+            log.info("forgot {count} agents offline for longer than the message TTL",
+                     count=len(agents))
 
     # -- operators (the ops listener) ------------------------------------------------
 

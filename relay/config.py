@@ -90,6 +90,12 @@ class Config:
     access_log: bool = False
     allow_insecure_remote: bool = False
     allowed_hosts: Tuple[str, ...] = ()
+    max_connections: int = 10_000
+    max_connections_per_address: int = 256
+    inbox_max_messages: int = 10_000
+    inbox_max_bytes: int = 100 * 1024 * 1024
+    min_free_disk_mb: int = 64
+    max_agents: int = 10_000
     tls_client_ca: Optional[str] = None
     lock_after_failures: int = 5
     lock_minutes: float = 5
@@ -150,6 +156,12 @@ _BROKER_KEYS = frozenset(
         "accessLog",
         "allowInsecureRemote",
         "allowedHosts",
+        "maxConnections",
+        "maxConnectionsPerAddress",
+        "inboxMaxMessages",
+        "inboxMaxBytes",
+        "minFreeDiskMB",
+        "maxAgents",
         "tlsClientCA",
         "opsListen",
         "opsToken",
@@ -580,6 +592,14 @@ def parse_config(
         access_log=read_bool(broker, "accessLog", "broker", False),
         allow_insecure_remote=allow_insecure,
         allowed_hosts=_allowed_hosts(broker),
+        max_connections=read_int(broker, "maxConnections", "broker", 10_000, 1, 10**6),
+        max_connections_per_address=read_int(broker, "maxConnectionsPerAddress", "broker",
+                                             256, 1, 10**6),
+        inbox_max_messages=read_int(broker, "inboxMaxMessages", "broker", 10_000, 0, big),
+        inbox_max_bytes=read_int(broker, "inboxMaxBytes", "broker", 100 * 1024 * 1024, 0,
+                                 2**62),
+        min_free_disk_mb=read_int(broker, "minFreeDiskMB", "broker", 64, 0, 2**40),
+        max_agents=read_int(broker, "maxAgents", "broker", 10_000, 0, big),
         tls_client_ca=tls_client_ca,
         lock_after_failures=read_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
         lock_minutes=read_number(security, "lockMinutes", "security", 5, 0.01, 525600),
@@ -598,8 +618,9 @@ def check_secret_strength(key: str, secret: str) -> None:
     (the secret itself is never shown)."""
     size = len(secret.encode("utf-8"))
     if size < MIN_SECRET_BYTES:
-        raise ConfigError(key, f"is {size} bytes long; a secret must be at least "
-                               f"{MIN_SECRET_BYTES} bytes (for example: openssl rand -hex 32)")
+        raise ConfigError(key, f"is {size} byte{'' if size == 1 else 's'} long; a secret "
+                               f"must be at least {MIN_SECRET_BYTES} bytes "
+                               "(for example: openssl rand -hex 32)")
 
 
 def read_or_create_secret(path: str, key: str = "broker.secretFile") -> Tuple[str, bool]:

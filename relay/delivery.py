@@ -93,6 +93,7 @@ class Message:
         "dead_reason",
         "delay_until",
         "expires_at",
+        "_bytes",
     )
 
     def __init__(
@@ -153,6 +154,7 @@ class Message:
         self.dead_reason = dead_reason
         self.delay_until = delay_until
         self.expires_at = expires_at
+        self._bytes: Optional[int] = None
 
     @property
     def body(self) -> Any:
@@ -166,6 +168,13 @@ class Message:
     def body(self, value: Any) -> None:
         self._body = value
         self._body_json = None
+        self._bytes = None
+
+    def body_bytes(self) -> int:
+        """The size of the body's JSON text in UTF-8 bytes (what inbox quotas count)."""
+        if self._bytes is None or self._body_json is None:
+            self._bytes = len(self.body_json().encode("utf-8"))
+        return self._bytes
 
     def body_json(self) -> str:
         """The body as compact JSON text (UTF-8 characters kept, not escaped)."""
@@ -202,6 +211,7 @@ class Message:
         other.dead_reason = self.dead_reason
         other.delay_until = self.delay_until
         other.expires_at = self.expires_at
+        other._bytes = self._bytes
         return other
 
     @classmethod
@@ -352,6 +362,10 @@ class Rules:
     max_attempts: int = 3
     max_deliveries: int = 10  # 0: no limit
     notify_failures: bool = True
+    # The most messages (and body bytes) waiting for one recipient — queued or
+    # leased — before a send to it is refused (429 inbox_full); 0: no limit.
+    inbox_max_messages: int = 10_000
+    inbox_max_bytes: int = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -430,6 +444,18 @@ def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -
             changes.ready.add(after.to)
     elif after.status == LEASED and (was != LEASED or before[2] != after.lease_until):
         changes.due.add((after.lease_until / 1000.0, after.to))
+
+
+PENDING = (QUEUED, LEASED)
+
+
+def inbox_full(usage: Tuple[int, int], message: Message, rules: Rules) -> bool:
+    """True when ``message`` would take its recipient's pending messages, counted in
+    ``usage`` as ``(messages, body bytes)``, past a limit of ``rules``."""
+    count, size = usage
+    return bool((rules.inbox_max_messages and count >= rules.inbox_max_messages)
+                or (rules.inbox_max_bytes
+                    and size + message.body_bytes() > rules.inbox_max_bytes))
 
 
 def not_found_status(message_id: str) -> Dict[str, Any]:

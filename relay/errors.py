@@ -88,5 +88,9 @@ def rate_limited(message: str = "rate limit exceeded") -> RelayError:
     return RelayError(429, "rate_limited", message)
 
 
+def inbox_full(message: str) -> RelayError:
+    return RelayError(429, "inbox_full", message)
+
+
 def busy(message: str = "internal broker error") -> RelayError:
     return RelayError(503, "busy", message)

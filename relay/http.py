@@ -14,14 +14,23 @@ connections close after ``IDLE_SECONDS``.
 from __future__ import annotations
 
 from io import BytesIO
-from typing import Collection, Optional, Set
+from typing import Collection, Dict, Optional, Set
 
+from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
 from twisted.web import http, server
 
-from relay.protocol import MAX_BODY_BYTES, is_loopback_host
+from relay.protocol import MAX_BODY_BYTES, address_group, is_loopback_host
+
+log = Logger(namespace="relay.http")
 
 REQUEST_READ_SECONDS = 30.0
+MAX_CONNECTIONS = 10_000
+MAX_CONNECTIONS_PER_ADDRESS = 256
+# Refused connections answered 503 at once; past this many still open, the excess
+# is closed without an answer (each holds a descriptor until its answer is sent).
+MAX_REFUSING = 32
 REAP_SECONDS = 0.5
 IDLE_SECONDS = 60.0
 
@@ -38,6 +47,9 @@ def closing_response(status: bytes, code: bytes, message: bytes) -> bytes:
     )
 
 
+BUSY_RESPONSE = closing_response(
+    b"503 Service Unavailable", b"busy", b"too many connections; try again later"
+)
 TIMEOUT_RESPONSE = closing_response(
     b"408 Request Timeout", b"request_timeout", b"request not received in time"
 )
@@ -168,8 +180,28 @@ class RelayChannel(http.HTTPChannel):
         self.transport.loseConnection()
 
 
+class _Refused(Protocol):
+    """A connection over the limits: one ``503`` with the §6 body, then closed."""
+
+    def __init__(self, refusing: Set[_Refused]) -> None:
+        self.refusing = refusing
+        refusing.add(self)
+
+    def connectionMade(self) -> None:
+        self.transport.write(BUSY_RESPONSE)
+        self.transport.loseConnection()
+
+    def connectionLost(self, reason: object = None) -> None:
+        self.refusing.discard(self)
+
+
 class RelaySite(server.Site):
-    """A Site that builds :class:`RelayRequest` and writes no access log by default."""
+    """A Site that builds :class:`RelayRequest`, writes no access log by default, and
+    holds at most ``max_connections`` connections, at most ``max_per_address`` of
+    them from one remote address (IPv6: one /64; loopback counts toward the total
+    only). A connection over a limit is answered ``503 busy`` and closed at once
+    (closed unanswered while ``MAX_REFUSING`` such answers are in flight), and the
+    refusals are logged at most once a minute, as a count."""
 
     requestFactory = RelayRequest
     protocol = RelayChannel
@@ -177,25 +209,61 @@ class RelaySite(server.Site):
 
     def __init__(self, resource, access_log: bool = False, timeout: float = IDLE_SECONDS,
                  request_read_seconds: float = REQUEST_READ_SECONDS, reactor=None,
-                 counters=None) -> None:
+                 counters=None, max_connections: int = MAX_CONNECTIONS,
+                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS) -> None:
         super().__init__(resource, timeout=timeout, reactor=reactor)
         self.request_read_seconds = request_read_seconds
         self.access_log = access_log
         # A relay.ops.counters.Counters that hears of every answered request, or None.
         self.counters = counters
+        self.max_connections = max_connections
+        self.max_per_address = max_per_address
         self.channels: Set[RelayChannel] = set()
+        self.per_address: Dict[str, int] = {}
+        self.refusing: Set[_Refused] = set()  # refused connections not yet closed
+        self.refused = 0
+        self._refusals_logged_at: Optional[float] = None
         self._reaper = LoopingCall(self.reap)
         self._reaper.clock = self.reactor
 
     def buildProtocol(self, addr):
+        host = getattr(addr, "host", None)
+        group = None if host is None or is_loopback_host(host) else address_group(host)
+        if len(self.channels) >= self.max_connections or (
+                group is not None and self.per_address.get(group, 0) >= self.max_per_address):
+            self._refuse()
+            if len(self.refusing) >= MAX_REFUSING:
+                return None  # closed at once: a burst cannot take every descriptor
+            return _Refused(self.refusing)
         channel = super().buildProtocol(addr)
         channel.request_read_seconds = self.request_read_seconds
+        channel.address_group = group
         self.channels.add(channel)
+        if group is not None:
+            self.per_address[group] = self.per_address.get(group, 0) + 1
         return channel
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        now = self.reactor.seconds()
+        if self._refusals_logged_at is None or now - self._refusals_logged_at >= 60:
+            log.warn("refused {count} connection(s) over the connection limits "
+                     "(broker.maxConnections, broker.maxConnectionsPerAddress) since the "
+                     "last report", count=self.refused)
+            self._refusals_logged_at = now
+            self.refused = 0
 
     def forget(self, channel: RelayChannel) -> None:
         """A connection closed."""
-        self.channels.discard(channel)
+        if channel in self.channels:
+            self.channels.discard(channel)
+            group = getattr(channel, "address_group", None)
+            if group is not None:
+                left = self.per_address.get(group, 1) - 1
+                if left:
+                    self.per_address[group] = left
+                else:
+                    self.per_address.pop(group, None)
 
     def reap(self) -> None:
         """Time out every request that has been arriving for too long."""

@@ -79,6 +79,23 @@ def is_loopback_host(host: str) -> bool:
     return mapped is not None and mapped.is_loopback
 
 
+def address_group(host: str) -> str:
+    """The key a client address is counted under (rate limits, connection caps): the
+    address itself, an IPv4-mapped address as its IPv4 address, and any other IPv6
+    address as its /64 (one host usually holds a whole /64)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if address.version == 6:
+        mapped = address.ipv4_mapped
+        if mapped is not None:
+            return str(mapped)
+        if not address.is_loopback:
+            return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
 _second_prefix: Tuple[int, str] = (-1, "")
 
 

@@ -30,6 +30,8 @@ EXPIRY_SWEEP_SECONDS = 60.0
 MIN_EXPIRY_SWEEP_SECONDS = 0.5
 PEER_SWEEP_SECONDS = 15.0
 OPEN_FILES_WANTED = 65536
+# Descriptors kept for the store, the logs and the listeners themselves.
+FILES_IN_RESERVE = 64
 # Reactors that are not limited to select()'s 1024 descriptors.
 _MANY_FD_REACTORS = frozenset({"EPollReactor", "PollReactor", "KQueueReactor"})
 
@@ -152,6 +154,7 @@ RESTART_KEYS = (
     ("broker.sweepSeconds", "sweep_seconds"),
     ("broker.requestReadSeconds", "request_read_seconds"),
     ("broker.messageTtlDays (the sweep interval)", "message_ttl_seconds"),
+    ("broker.maxConnections", "max_connections"),
     ("broker.<backend> sections", "backend_sections"),
 )
 
@@ -198,6 +201,8 @@ class RelayService(MultiService):
             access_log=config.access_log,
             request_read_seconds=config.request_read_seconds,
             counters=self.counters,
+            max_connections=config.max_connections,
+            max_per_address=config.max_connections_per_address,
         )
         for endpoint in server_endpoints(reactor, config.listen, config.tls_client_ca):
             listener = StreamServerEndpointService(endpoint, self.site)
@@ -253,6 +258,8 @@ class RelayService(MultiService):
         api.rate_limiter.remote = config.rate_limit_remote
         self.broker.policy = Policy.from_config(config)
         self.site.access_log = config.access_log
+        self.site.max_per_address = config.max_connections_per_address
+        api.allowed_hosts = frozenset(config.allowed_hosts)
         if self.ops is not None:
             self.ops.tokens = config.ops.tokens
         kept = [key for key, path in RESTART_KEYS
@@ -272,8 +279,16 @@ class RelayService(MultiService):
         timer.setServiceParent(self)
 
     def privilegedStartService(self) -> None:
-        """Listen on every endpoint; one that cannot listen stops the start with one line."""
-        raise_open_files_limit(self.reactor)
+        """Listen on every endpoint; one that cannot listen stops the start with one line.
+
+        The connection cap stays below the open-files limit, so an accept never fails
+        for want of a descriptor (and Twisted never logs that, once per attempt).
+        """
+        soft = raise_open_files_limit(self.reactor)
+        if soft is not None and soft - FILES_IN_RESERVE < self.site.max_connections:
+            self.site.max_connections = max(1, soft - FILES_IN_RESERVE)
+            log.info("at most {count} connections: the open-files limit is {soft}",
+                     count=self.site.max_connections, soft=soft)
         try:
             super().privilegedStartService()
         except CannotListenError as e:

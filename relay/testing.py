@@ -164,7 +164,7 @@ class _Contract:
 
     async def send(self, store, sender="alpha", to="beta", now=START, **fields) -> Message:
         message = new_message(sender, to, now, **fields)
-        assert await store.add(message) is True
+        assert await store.add(message, RULES) is True
         return message
 
 
@@ -178,7 +178,7 @@ class StoreContract(_Contract):
 
     async def send(self, store, sender="alpha", to="beta", now=START, **fields) -> Message:
         message = new_message(sender, to, now, **fields)
-        assert await store.add(message) is True
+        assert await store.add(message, RULES) is True
         return message
 
     def test_provides_the_interface(self, store):
@@ -207,7 +207,7 @@ class StoreContract(_Contract):
     async def test_duplicate_id_is_not_stored_twice(self, store):
         sent = await self.send(store, id="same")
         again = new_message("alpha", "beta", START + 1, id="same", body={"text": "other"})
-        assert await store.add(again) is False
+        assert await store.add(again, RULES) is False
         assert (await store.find("same", START)).body == sent.body
         messages, _ = await store.poll("beta", None, 50, START, RULES)
         assert [m.id for m in messages] == ["same"]
@@ -456,7 +456,7 @@ class StoreContract(_Contract):
         store.subscribe(heard)
         sent = await self.send(store, id="w")
         assert heard.take() == ({"beta"}, set())
-        assert await store.add(new_message("alpha", "beta", START, id="w")) is False
+        assert await store.add(new_message("alpha", "beta", START, id="w"), RULES) is False
         assert heard.take() == (set(), set())
         (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
         assert heard.take() == (set(), {(START + self.LEASE, "beta")})
@@ -639,8 +639,123 @@ class StoreContract(_Contract):
         assert all(isinstance(t, float) and t >= 0 for t in timings)
 
 
-__all__ = ["ExtensionContract", "Recorder", "StoreContract", "SignedClient", "ack", "make_api",
-           "make_config", "new_message"]
+class QuotaContract(_Contract):
+    """Inbox quotas, the agent cap and forgetting agents (``docs/SECURITY.md``) as
+    every IMessageStore must apply them; needs a ``store`` fixture."""
+
+    async def put(self, store, rules: Rules, **fields) -> Any:
+        """``store.add`` of a message to beta under ``rules``: True, False or the error."""
+        try:
+            return await store.add(new_message("alpha", fields.pop("to", "beta"), START,
+                                               **fields), rules)
+        except errors.RelayError as e:
+            return e
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_full_inbox_refuses_new_messages_until_one_is_taken(self, store):
+        rules = Rules(inbox_max_messages=2)
+        assert await self.put(store, rules, id="a") is True
+        assert await self.put(store, rules, id="b") is True
+        refused = await self.put(store, rules, id="c")
+        assert (refused.status, refused.code) == (429, "inbox_full")
+        assert "beta" in refused.message and "2 messages" in refused.message
+        assert await self.put(store, rules, id="a") is False, "a duplicate stays a duplicate"
+        assert await self.put(store, rules, id="c", to="gamma") is True, "per recipient"
+        leased = await store.pull("beta", 2, self.LEASE, START, rules)
+        assert (await self.put(store, rules, id="d")).code == "inbox_full", "leased counts"
+        await ack(store, leased[0].id, "beta", leased[0].lease_id, "completed", None, START,
+                  rules)
+        assert await self.put(store, rules, id="d") is True
+        assert (await store.find("d", START)).to == "beta"
+
+    @pytest_twisted.ensureDeferred
+    async def test_the_byte_limit_counts_utf8_bytes_of_the_body(self, store):
+        one = new_message("alpha", "beta", START, body={"t": "\U0001F600" * 10})
+        size = one.body_bytes()
+        assert size == len('{"t":""}') + 40, "UTF-8, not escapes"
+        rules = Rules(inbox_max_bytes=2 * size)
+        assert await self.put(store, rules, id="x", body=one.body) is True
+        assert await self.put(store, rules, id="y", body=one.body) is True, "up to the limit"
+        assert (await self.put(store, rules, id="z", body={})).code == "inbox_full"
+        (m,) = await store.pull("beta", 1, self.LEASE, START, rules)
+        await ack(store, m.id, "beta", m.lease_id, "reject", "no", START, rules)
+        assert await self.put(store, rules, id="z", body=one.body) is True, "failed frees"
+
+    @pytest_twisted.ensureDeferred
+    async def test_expiry_frees_the_inbox(self, store):
+        rules = Rules(inbox_max_messages=2)
+        assert await self.put(store, rules, id="old") is True
+        assert await store.add(new_message("alpha", "beta", START, id="brief",
+                                           ttl_seconds=10), rules) is True
+        assert (await self.put(store, rules, id="new")).code == "inbox_full"
+        assert await store.sweep_expired(START - 1, START + 10, rules) == 1
+        assert await self.put(store, rules, id="new") is True
+        assert await store.sweep_expired(START + 1, START + 10, rules) == 2
+        assert await self.put(store, rules, id="a") is True
+        assert await self.put(store, rules, id="b") is True
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_reply_into_a_full_inbox_is_refused_and_changes_nothing(self, store):
+        rules = Rules(inbox_max_messages=1)
+        assert await self.put(store, rules, id="ask", kind="request") is True
+        assert await store.add(new_message("gamma", "alpha", START, id="fill"), rules) is True
+        (m,) = await store.pull("beta", 1, self.LEASE, START, rules)
+        reply = {"id": "ans", "body": {}, "kind": "reply", "ack": False}
+        transition = delivery.ack("beta", m.lease_id, "completed", None, rules, reply=reply)
+        e = await _error(store.settle("ask", transition, START, rules))
+        assert (e.status, e.code) == (429, "inbox_full")
+        found = await store.find("ask", START)
+        assert (found.status, found.lease_id) == (LEASED, m.lease_id), "the lease is intact"
+        assert await store.find("ans", START) is None
+
+    @pytest_twisted.ensureDeferred
+    async def test_failure_notices_are_stored_into_a_full_inbox(self, store):
+        rules = Rules(inbox_max_messages=1)
+        assert await self.put(store, rules, id="ask", kind="request") is True
+        assert await store.add(new_message("gamma", "alpha", START, id="fill"), rules) is True
+        (m,) = await store.pull("beta", 1, self.LEASE, START, rules)
+        await settle(store, "ask", delivery.ack("beta", m.lease_id, "reject", "no", rules),
+                     START, rules)
+        notice = await store.find(delivery.notice_id("ask"), START)
+        assert notice is not None and notice.to == "alpha", "the requester still learns"
+
+    @pytest_twisted.ensureDeferred
+    async def test_the_agent_cap_refuses_only_new_agents(self, store):
+        await store.register("alpha", START, max_agents=2)
+        await store.register("beta", START, max_agents=2)
+        e = await _error(store.register("gamma", START, max_agents=2))
+        assert (e.status, e.code) == (403, "forbidden") and "2 agents" in e.message
+        await store.register("beta", START + 1, {"description": "x"}, max_agents=2)
+        assert [name for name, _, _ in await store.peers()] == ["alpha", "beta"]
+        await store.register("gamma", START, max_agents=0)  # 0: no limit
+
+    @pytest_twisted.ensureDeferred
+    async def test_forgetting_takes_only_long_offline_agents_with_no_messages(self, store):
+        await store.register("idle", START, {"description": "gone"})
+        await store.register("holder", START)
+        await store.register("sender", START)
+        await store.register("recent", START + 100)
+        await self.send(store, sender="sender", to="holder", id="kept")
+        (m,) = await store.pull("holder", 1, self.LEASE, START, RULES)
+        await ack(store, m.id, "holder", m.lease_id, "completed", None, START)
+        assert sorted(await store.forget_peers(START + 50)) == ["idle", "sender"]
+        assert [name for name, _, _ in await store.peers()] == ["holder", "recent"]
+        assert await maybeDeferred(store.is_registered, "idle") is False
+        assert await maybeDeferred(store.is_registered, "holder") is True
+        assert await store.forget_peers(START + 50) == []
+        await store.register("idle", START + 60)
+        assert [name for name, _, _ in await store.peers()] == ["holder", "idle", "recent"]
+        assert await maybeDeferred(store.is_registered, "idle") is True
+        await store.sweep_expired(START + 1, START + 200, RULES)
+        assert await store.forget_peers(START + 50) == ["holder"], "its messages are gone"
+
+    def test_space_left_is_a_number_or_none(self, store):
+        free = store.space_left()
+        assert free is None or (isinstance(free, int) and free >= 0)
+
+
+__all__ = ["ExtensionContract", "QuotaContract", "Recorder", "StoreContract", "SignedClient",
+           "ack", "make_api", "make_config", "new_message"]
 
 
 def settle(store, message_id: str, transition, now: float, rules: Rules = RULES):

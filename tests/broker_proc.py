@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import yaml
 
@@ -52,12 +52,29 @@ class BrokerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> BrokerProcess:
+    def spawn(self, preexec_fn: Optional[Callable[[], None]] = None) -> subprocess.Popen:
+        """Start the process (``preexec_fn`` runs in the child first: a umask, limits)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [TWISTD, "-n", "--pidfile=", "relay", "--config", self.config_path],
                 stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
+                preexec_fn=preexec_fn,
             )
+        return self.proc
+
+    def exit_status(self, timeout: float = 20.0) -> Tuple[int, str]:
+        """Start a broker that must stop by itself: its exit status and its output."""
+        proc = self.spawn()
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the broker kept running: {self.log()}") from None
+        return code, self.log()
+
+    def start(self, timeout: float = 20.0,
+              preexec_fn: Optional[Callable[[], None]] = None) -> BrokerProcess:
+        self.spawn(preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

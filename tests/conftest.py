@@ -62,13 +62,13 @@ def postgres_dsn() -> str:
 
 
 def reset_postgres() -> str:
-    """This run's database with no relay tables (the next store migrates from scratch)."""
+    """This run's database, emptied (the next store migrates from scratch)."""
     import psycopg
 
     dsn = postgres_dsn()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS relay_messages, relay_peers, relay_lockouts, "
-                     "relay_schema")
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
     return dsn
 
 

@@ -67,7 +67,7 @@ async def test_non_ascii_is_stored_and_served_as_utf8(tmp_path):
     assert text.encode("utf-8") in reply.raw, "served as UTF-8, not \\u escapes"
     store = open_backend("sqlite", tmp_path)
     try:
-        await store.add(new_message("alpha", "beta", START, id="u", body={"text": text}))
+        await store.add(new_message("alpha", "beta", START, id="u", body={"text": text}), RULES)
     finally:
         await store.close()
     db = sqlite3.connect(tmp_path / "relay.db")
@@ -107,7 +107,7 @@ async def test_listings_stop_at_the_byte_budget_but_never_return_nothing(backend
     try:
         big = "x" * (RESPONSE_BUDGET_BYTES // 3 - 1000)
         for i in range(5):
-            await store.add(new_message("alpha", "beta", START, id=f"b{i}", body={"t": big}))
+            await store.add(new_message("alpha", "beta", START, id=f"b{i}", body={"t": big}), RULES)
         recent = await store.recent("beta", 50, START, RULES)
         assert [m.id for m in recent] == ["b4", "b3", "b2"]
         messages, cursor = await store.poll("beta", None, 50, START, RULES)
@@ -117,7 +117,7 @@ async def test_listings_stop_at_the_byte_budget_but_never_return_nothing(backend
         assert [m.id for m in await store.query("beta", 50, {"status": "queued"}, START,
                                                 RULES)] == ["b4", "b3"]
         huge = "y" * (RESPONSE_BUDGET_BYTES + 10)
-        await store.add(new_message("alpha", "gamma", START, id="huge", body={"t": huge}))
+        await store.add(new_message("alpha", "gamma", START, id="huge", body={"t": huge}), RULES)
         assert [m.id for m in await store.recent("gamma", 50, START, RULES)] == ["huge"]
     finally:
         await store.close()

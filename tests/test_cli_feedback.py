@@ -345,7 +345,7 @@ class RefusingHTTP:
 
 @pytest.mark.parametrize(
     "url, calls", [("http://127.0.0.1:1", 1), ("http://localhost:1", 1), ("http://[::1]:1", 1),
-                   ("http://127.0.0.1:19121:1", 4)]
+                   ("http://relay.test:1", 4)]
 )
 def test_a_refused_loopback_connection_can_fail_at_once(url: str, calls: int) -> None:
     clock, http = Clock(), RefusingHTTP()

@@ -5,8 +5,8 @@ dead lease ids, with and without retry-after), renew, requeue, cancel, clock
 advances, sweeps and polls run against the memory store; after every step the
 store must agree with the model: no message leased to two holders, a dead lease
 id never acts, nothing is delivered before it is due, attempts and deliveries
-follow the rules, failed messages are revived only by requeue, and nothing is
-lost or duplicated.
+follow the rules, failed messages are revived only by requeue, nothing is
+lost or duplicated, and the inbox quota counters match a recount.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def send(self, count, delay):
         for _ in range(count):
             message = new_message("alpha", "beta", self.now, delay_seconds=delay)
-            assert result_of(self.store.add(message)) is True
+            assert result_of(self.store.add(message, RULES)) is True
             self.model[message.id] = {"status": QUEUED, "attempts": 0, "deliveries": 0,
                                       "lease_id": None, "until": None,
                                       "not_before": self.now + delay if delay else None}
@@ -101,7 +101,7 @@ class DeliveryMachine(RuleBasedStateMachine):
     def resend_duplicate(self):
         if self.order:
             again = new_message("alpha", "beta", self.now, id=self.order[0])
-            assert result_of(self.store.add(again)) is False
+            assert result_of(self.store.add(again, RULES)) is False
 
     @rule(limit=st.integers(1, 4), lease=st.sampled_from([5, 30]))
     def pull(self, limit, lease):
@@ -237,6 +237,13 @@ class DeliveryMachine(RuleBasedStateMachine):
         notices = {m.id for m in self.store.records.by_id.values() if m.sender == "beta"}
         assert len(self.store.records.by_id) == len(self.order) + len(notices), (
             "nothing lost or duplicated")
+        for agent in ("alpha", "beta"):
+            pending = [m for m in self.store.records.by_id.values()
+                       if m.to == agent and m.status in delivery.PENDING]
+            assert self.store.records.usage(agent) == (
+                len(pending), sum(m.body_bytes() for m in pending)), "quota counters"
+        assert self.store.records.usage("beta")[0] == sum(
+            1 for m in self.model.values() if m["status"] in delivery.PENDING)
 
 
 DeliveryMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50,

@@ -303,3 +303,24 @@ def test_the_documented_certificates_serve_and_verify(tmp_path: Path) -> None:
             assert status == 0 and '"protocol":"1.0"' in out.replace(" ", ""), err
     finally:
         stop(broker)
+
+
+CITED_TEST = re.compile(r"`(tests/[\w/]+\.py)::(test_\w+)`|`::(test_\w+)`")
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """A page that says "shown by tests/x.py::test_y" names a test that exists
+    (``::test_z`` right after names one in the same file)."""
+    cited = 0
+    for page in PAGES:
+        current = None
+        for found in CITED_TEST.finditer(page.read_text(encoding="utf-8")):
+            path, name = (found.group(1), found.group(2)) if found.group(1) else (
+                current, found.group(3))
+            assert path is not None, f"{page.name}: `::{name}` with no file before it"
+            current = path
+            source = (REPO / path).read_text(encoding="utf-8")
+            assert re.search(rf"^(async )?def {name}\(", source, re.M), (
+                f"{page.name} cites {path}::{name}, which does not exist")
+            cited += 1
+    assert cited >= 20

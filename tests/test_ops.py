@@ -4,6 +4,7 @@ access rules; the counters behind them; the HTTP metrics of the main listener.""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from typing import Any, Dict, Optional, Tuple
 
@@ -84,7 +85,8 @@ async def test_healthz_says_ok_with_storage_and_version():
 
     ops = Ops(tokens=(TOKEN,))
     code, body, _ = await ops.get("/healthz")
-    assert (code, body) == (200, {"ok": True, "storage": "memory", "version": __version__})
+    assert (code, body) == (200, {"ok": True, "storage": "memory", "version": __version__,
+                                  "diskFreeBytes": None})
 
 
 class FailingCommits(MemoryStore):
@@ -99,6 +101,54 @@ async def test_healthz_is_503_with_the_reason_while_commits_fail():
     assert code == 503 and body["ok"] is False
     assert body["reason"] == "commits are failing: OSError: [Errno 28] No space left on device"
     assert "agents" not in body and "peers" not in body
+
+
+class NearlyFullDisk(MemoryStore):
+    def space_left(self):
+        return 10 * 2**20
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_nearly_full_disk_is_reported_and_refuses_new_messages_only():
+    ops = Ops(store=NearlyFullDisk(), minFreeDiskMB=64)
+    assert (await ops.client.post("beta", "/register", {}))[0] == 200
+    code, body, _ = await ops.get("/healthz")
+    assert (code, body["ok"], body["diskFreeBytes"]) == (503, False, 10 * 2**20)
+    assert "10 MB free, broker.minFreeDiskMB is 64" in body["reason"]
+    code, refused, _ = await ops.client.post("alpha", "/messages", {"to": "beta"})
+    assert (code, refused["error"]["code"]) == (503, "busy")
+    assert (await ops.client.post("beta", "/v1/pull", {}))[0] == 200, "draining still works"
+    _, overview, _ = await ops.get("/api/overview")
+    assert overview["limits"]["diskFreeBytes"] == 10 * 2**20
+    assert overview["limits"]["sendsRefused"] == body["reason"]
+    assert overview["totals"]["sendsRefused"] == {"disk_full": 1}
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_disk_free_bytes"]) == 10 * 2**20
+    assert value(f["relay_sends_refused"], reason="disk_full") == 1
+    ops.broker.policy = dataclasses.replace(ops.broker.policy, min_free_disk_bytes=2**20)
+    assert (await ops.get("/healthz"))[0] == 200
+    assert (await ops.client.post("alpha", "/messages", {"to": "beta"}))[0] == 201
+
+
+@pytest_twisted.ensureDeferred
+async def test_quotas_and_refusals_are_in_the_overview_and_metrics():
+    ops = Ops(inboxMaxMessages=2, maxAgents=5)
+    assert (await ops.client.post("beta", "/register", {}))[0] == 200
+    for i in range(3):
+        await ops.client.post("alpha", "/messages", {"to": "beta", "id": f"q{i}"})
+    _, overview, _ = await ops.get("/api/overview")
+    assert overview["limits"] == {"inboxMaxMessages": 2, "inboxMaxBytes": 100 * 2**20,
+                                  "maxAgents": 5, "agentsRegistered": 1,
+                                  "minFreeDiskBytes": 64 * 2**20, "diskFreeBytes": None,
+                                  "sendsRefused": None}
+    (row,) = overview["agents"]
+    assert (row["agent"], row["queued"], row["inboxFull"]) == ("beta", 2, True)
+    assert overview["totals"]["sendsRefused"] == {"inbox_full": 1}
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_sends_refused"], reason="inbox_full") == 1
+    assert value(f["relay_sends_refused"], reason="disk_full") == 0
+    assert value(f["relay_agents_registered"]) == 1
+    assert "relay_disk_free_bytes" not in f, "a store in memory has no disk"
 
 
 @pytest_twisted.ensureDeferred
@@ -308,7 +358,8 @@ async def test_overview_lists_agents_queues_totals_and_flow():
     assert set(rows) == {"beta", "gamma"}
     assert rows["beta"] == {"agent": "beta", "registered": True, "online": True,
                             "lastSeen": int(START), "card": None, "queued": 1, "leased": 0,
-                            "delayed": 0, "failed": 1, "oldestAgeSeconds": 3.0}
+                            "delayed": 0, "failed": 1, "oldestAgeSeconds": 3.0,
+                            "inboxFull": False}
     assert rows["gamma"]["leased"] == 1
     totals = overview["totals"]
     assert (totals["sent"], totals["delivered"], totals["failed"]) == (4, 3, 1)

@@ -21,7 +21,7 @@ from relay.store.interface import IMessageStore, IStoreFactory
 from relay.store.memory import MemoryStore
 from relay.store.plugins import find_store_factory, store_factories
 from relay.tap import Options, makeService
-from relay.testing import START, make_config, new_message
+from relay.testing import RULES, START, make_config, new_message
 
 
 def test_twistd_plugins_are_found():
@@ -148,7 +148,7 @@ def test_lease_sweep_requeues_and_wakes_waiters():
     store = MemoryStore()
     service, clock = make_service(store, leaseSeconds=10)
     service.startService()
-    store.add(new_message("alpha", "beta", START, id="m1"))
+    store.add(new_message("alpha", "beta", START, id="m1"), RULES)
     store.pull("beta", 1, 10, clock.seconds(), Rules())
     woken = []
     service.broker.waiters.wake = woken.append
@@ -164,9 +164,9 @@ def test_expiry_sweep_removes_old_messages():
     store = MemoryStore()
     service, clock = make_service(store, messageTtlDays=1)
     service.startService()
-    store.add(new_message("alpha", "beta", START, id="old"))
+    store.add(new_message("alpha", "beta", START, id="old"), RULES)
     clock.advance(86400 - 60)
-    store.add(new_message("alpha", "beta", clock.seconds(), id="new"))
+    store.add(new_message("alpha", "beta", clock.seconds(), id="new"), RULES)
     clock.advance(120)
     assert set(store.records.by_id) == {"new"}
     service.stopService()
@@ -174,11 +174,11 @@ def test_expiry_sweep_removes_old_messages():
 
 def test_ttl_zero_expires_every_message_as_the_reference_does():
     store = MemoryStore()
-    store.add(new_message("alpha", "beta", START - 1, id="before the start"))
+    store.add(new_message("alpha", "beta", START - 1, id="before the start"), RULES)
     service, clock = make_service(store, messageTtlDays=0)
     service.startService()
     assert set(store.records.by_id) == set(), "swept when the broker starts"
-    store.add(new_message("alpha", "beta", START, id="sent now"))
+    store.add(new_message("alpha", "beta", START, id="sent now"), RULES)
     clock.advance(0.5)
     assert set(store.records.by_id) == set(), "and within half a second afterwards"
     service.stopService()
@@ -217,7 +217,7 @@ def test_a_short_fractional_ttl_is_swept_within_a_tenth_of_it():
     store = MemoryStore()
     service, clock = make_service(store, messageTtlDays=0.0001)  # 8.64 s
     service.startService()
-    store.add(new_message("alpha", "beta", clock.seconds(), id="short"))
+    store.add(new_message("alpha", "beta", clock.seconds(), id="short"), RULES)
     clock.advance(8.0)
     assert set(store.records.by_id) == {"short"}
     clock.advance(0.64 + 0.864 + 0.01)

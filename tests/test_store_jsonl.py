@@ -46,7 +46,7 @@ async def snapshot(store) -> Dict[str, Any]:
 async def fill(store, count: int, to: str = "beta") -> None:
     for i in range(count):
         await store.add(new_message("alpha", to, START + i, id=f"{to}{i}",
-                                    body={"text": MARKER}))
+                                    body={"text": MARKER}), RULES)
 
 
 @pytest_twisted.ensureDeferred
@@ -138,7 +138,8 @@ async def churn(store, rounds: int) -> None:
     """Messages that come and go: many records, few live messages."""
     for r in range(rounds):
         await store.register("delta", START + r)
-        await store.add(new_message("alpha", "delta", START, id=f"c{r}", body={"text": MARKER}))
+        await store.add(new_message("alpha", "delta", START, id=f"c{r}", body={"text": MARKER}),
+                        RULES)
         (m,) = await store.pull("delta", 1, LEASE, START, RULES)
         outcome = "completed" if r % 3 else "retry"
         await ack(store, m.id, "delta", m.lease_id, outcome, None, START, Rules(max_attempts=0))
@@ -165,7 +166,7 @@ async def test_compaction_keeps_everything(tmp_path):
         assert len(lines(tmp_path)) == live + 1  # + the next-seq record
         assert not os.path.exists(tmp_path / "messages.jsonl.compact")
         assert await snapshot(store) == before
-        await store.add(new_message("alpha", "beta", START, id="after"))
+        await store.add(new_message("alpha", "beta", START, id="after"), RULES)
     finally:
         await store.close()
     store = open_jsonl(tmp_path)
@@ -197,7 +198,7 @@ async def test_writes_during_compaction_reach_the_new_file(tmp_path, monkeypatch
         await store.sweep_expired(START + 2, START + 2, RULES)
         i = 0
         while not done.called:
-            await store.add(new_message("alpha", "gamma", START, id=f"during{i}"))
+            await store.add(new_message("alpha", "gamma", START, id=f"during{i}"), RULES)
             for m in await store.pull("beta", 1, LEASE, START, RULES):
                 await ack(store, m.id, "beta", m.lease_id, "completed", None, START, RULES)
             i += 1
@@ -223,7 +224,7 @@ async def test_crash_during_compaction_loses_nothing(tmp_path):
     compaction.call.cancel()
     compaction.step()  # part of the new file is written, then the process dies
     compaction.file.flush()
-    await store.add(new_message("alpha", "beta", START, id="late"))
+    await store.add(new_message("alpha", "beta", START, id="late"), RULES)
     before = await snapshot(store)
     assert os.path.exists(tmp_path / "messages.jsonl.compact")
 
@@ -263,7 +264,7 @@ async def test_no_rewrite_per_operation(tmp_path):
 
 
 async def churn_one(store, r: int) -> None:
-    await store.add(new_message("alpha", "beta", START, id=f"n{r}"))
+    await store.add(new_message("alpha", "beta", START, id=f"n{r}"), RULES)
     (m,) = await store.pull("beta", 1, LEASE, START, RULES)
     await ack(store, m.id, "beta", m.lease_id, "completed", None, START, RULES)
 
@@ -280,7 +281,7 @@ async def test_one_fsync_per_turn_under_sync_full(tmp_path, monkeypatch):
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
     try:
-        ds = [store.add(new_message("alpha", "beta", START, id=f"f{i}")) for i in range(25)]
+        ds = [store.add(new_message("alpha", "beta", START, id=f"f{i}"), RULES) for i in range(25)]
         assert not any(d.called for d in ds)
         for d in ds:
             assert await d is True
@@ -295,7 +296,7 @@ async def test_sync_normal_writes_before_the_result_without_fsync(tmp_path, monk
     synced: List[int] = []
     monkeypatch.setattr(os, "fsync", synced.append)
     try:
-        d = store.add(new_message("alpha", "beta", START, id="w"))
+        d = store.add(new_message("alpha", "beta", START, id="w"), RULES)
         assert len(lines(tmp_path)) == 0
         await d
         assert len(lines(tmp_path)) == 1 and synced == []
@@ -360,6 +361,6 @@ async def test_commits_are_timed(tmp_path):
     store = open_jsonl(tmp_path)
     timings = []
     store.observe_commits(timings.append)
-    await store.add(new_message("alpha", "beta", START))
+    await store.add(new_message("alpha", "beta", START), RULES)
     await store.close()
     assert len(timings) >= 1

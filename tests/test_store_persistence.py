@@ -9,6 +9,7 @@ import pytest_twisted
 
 from relay import delivery
 from relay.delivery import Rules
+from relay.errors import RelayError
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store.jsonl import snapshot_record
 from relay.testing import RULES, START, ack, new_message
@@ -39,11 +40,11 @@ async def populate(store) -> Dict[str, str]:
     for i in range(8):
         m = new_message("alpha", "beta", START + i, id=f"m{i}", body={"n": i, "text": "hé"},
                         kind="request" if i % 2 else "message", rootId=f"r{i}")
-        assert await store.add(m) is True
+        assert await store.add(m, RULES) is True
     assert await store.add(new_message("beta", "alpha", START, id="back", kind="reply",
-                                       parentId="m1")) is True
+                                       parentId="m1"), RULES) is True
     for i in range(2):
-        assert await store.add(new_message("alpha", "gamma", START, id=f"g{i}")) is True
+        assert await store.add(new_message("alpha", "gamma", START, id=f"g{i}"), RULES) is True
     # m0 done; m1 retried (queued, attempts 1); m2 failed (attempts 1 > maxAttempts 0)
     leased = {m.id: m.lease_id for m in await store.pull("beta", 3, LEASE, START, RULES)}
     assert sorted(leased) == ["m0", "m1", "m2"]
@@ -83,6 +84,37 @@ async def test_restart_keeps_everything(persistent, tmp_path):
         await store.close()
 
 
+async def recounted(store) -> Dict[str, Any]:
+    """Each agent's pending messages and body bytes, counted from the messages."""
+    usage = {}
+    for agent in ("alpha", "beta", "gamma"):
+        pending = [m for m in await store.query(agent, 200, {}, START, RULES)
+                   if m.status in delivery.PENDING]
+        usage[agent] = (len(pending), sum(m.body_bytes() for m in pending))
+    return usage
+
+
+@pytest_twisted.ensureDeferred
+async def test_restart_keeps_the_quota_counters(persistent, tmp_path):
+    store = open_backend(persistent, tmp_path)
+    await populate(store)
+    expected = await recounted(store)
+    assert expected["beta"][0] == 6 and expected["gamma"][0] == 2
+    await store.close()
+
+    store = open_backend(persistent, tmp_path)
+    try:
+        assert {a: store.records.usage(a) for a in expected} == expected
+        full = Rules(inbox_max_messages=expected["beta"][0])
+        with pytest.raises(RelayError) as refused:
+            await store.add(new_message("alpha", "beta", START, id="over"), full)
+        assert refused.value.code == "inbox_full"
+        assert await store.sweep_expired(START + 3, START + 3, RULES) > 0
+        assert {a: store.records.usage(a) for a in expected} == await recounted(store)
+    finally:
+        await store.close()
+
+
 @pytest_twisted.ensureDeferred
 async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_path):
     store = open_backend(persistent, tmp_path)
@@ -93,7 +125,7 @@ async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_pat
     try:
         now = START + LEASE + 3
         # dedup survives
-        assert await store.add(new_message("alpha", "beta", now, id="m0")) is False
+        assert await store.add(new_message("alpha", "beta", now, id="m0"), RULES) is False
         # a live lease survives with its id and deadline
         result = await ack(store, "g0", "gamma", state["g0"], "completed", None, now, RULES)
         assert result["status"] == DONE
@@ -104,7 +136,7 @@ async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_pat
         assert messages == []
         # order continues: a new message sorts after every old one
         fresh = new_message("alpha", "beta", now, id="new")
-        assert await store.add(fresh) is True
+        assert await store.add(fresh, RULES) is True
         seqs = [m.seq for m in await store.recent("beta", 200, START, RULES)]
         assert seqs == sorted(seqs, reverse=True) and seqs[0] == fresh.seq
         assert store.is_registered("gamma") is True
@@ -116,7 +148,7 @@ async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_pat
 async def test_seq_never_goes_back_after_expiry(persistent, tmp_path):
     store = open_backend(persistent, tmp_path)
     for i in range(3):
-        await store.add(new_message("alpha", "beta", START, id=f"old{i}"))
+        await store.add(new_message("alpha", "beta", START, id=f"old{i}"), RULES)
     last = (await store.find("old2", START)).seq
     assert await store.sweep_expired(START + 1, START + 1, RULES) == 3
     await store.close()
@@ -125,7 +157,7 @@ async def test_seq_never_goes_back_after_expiry(persistent, tmp_path):
     try:
         assert await store.find("old0", START) is None
         m = new_message("alpha", "beta", START + 2, id="young")
-        await store.add(m)
+        await store.add(m, RULES)
         assert m.seq > last
     finally:
         await store.close()
@@ -134,7 +166,7 @@ async def test_seq_never_goes_back_after_expiry(persistent, tmp_path):
 @pytest_twisted.ensureDeferred
 async def test_state_changed_after_restart_survives_another(persistent, tmp_path):
     store = open_backend(persistent, tmp_path)
-    await store.add(new_message("alpha", "beta", START, id="a"))
+    await store.add(new_message("alpha", "beta", START, id="a"), RULES)
     await store.close()
     for step in range(3):
         store = open_backend(persistent, tmp_path)
@@ -156,11 +188,11 @@ async def populate_v12(store) -> Dict[str, Any]:
     await store.register("alpha", START)
     for i in range(6):
         assert await store.add(new_message("alpha", "beta", START, id=f"x{i}",
-                                           kind="request")) is True
+                                           kind="request"), RULES) is True
     assert await store.add(new_message("alpha", "beta", START, id="delayed",
-                                       delay_seconds=3600)) is True
+                                       delay_seconds=3600), RULES) is True
     assert await store.add(new_message("alpha", "beta", START, id="brief",
-                                       ttl_seconds=7200)) is True
+                                       ttl_seconds=7200), RULES) is True
     leased = {m.id: m for m in await store.pull("beta", 6, LEASE, START, RULES)}
     renewed = await store.settle("x0", delivery.renew("beta", leased["x0"].lease_id, 86400),
                                  START, RULES)

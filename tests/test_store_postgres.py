@@ -13,10 +13,12 @@ import time
 import pytest
 import pytest_twisted
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.task import deferLater
 
 from relay import delivery
 from relay.auth import Lockout
+from relay.delivery import Rules
 from relay.errors import ConfigError
 from relay.protocol import LEASED
 from relay.store import postgres
@@ -165,6 +167,24 @@ def _records(conn):
     return postgres.PostgresRecords(conn.cursor())
 
 
+def test_migration_4_counts_the_pending_messages_already_stored(dsn):
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn, target=3)
+        for i, (to, status, body) in enumerate([
+                ("beta", "queued", '{"t":"é"}'), ("beta", "leased", "{}"),
+                ("beta", "done", '{"big":"xxxxxxxx"}'), ("gamma", "failed", "{}"),
+                ("gamma", "queued", '{"t":"😀"}')]):
+            conn.execute(
+                "INSERT INTO relay_messages (id, sender, recipient, ts, type, body, ack, kind,"
+                " status, attempts, created) VALUES (%s, 'alpha', %s, 't', 'message', %s,"
+                " false, 'message', %s, 0, 0)", (f"m{i}", to, body, status))
+        assert postgres.migrate(conn) == 3
+        records = _records(conn)
+        assert records.usage("beta") == (2, len('{"t":"é"}'.encode()) + 2)
+        assert records.usage("gamma") == (1, len('{"t":""}') + 4)
+        assert records.usage("nobody") == (0, 0)
+
+
 def test_a_recipients_numbers_commit_in_order(dsn):
     """The second sender to an agent takes its number only after the first commits."""
     with connect(dsn, autocommit=True) as conn:
@@ -208,11 +228,12 @@ def test_a_save_that_lost_a_race_conflicts(dsn):
     try:
         mine, theirs = _records(one), _records(two)
         a, b = mine.get("m"), theirs.get("m")
+        before = a.state()
         a.error, b.error = "mine", "theirs"
-        mine.save([a])
+        mine.save([a], [before])
         one.commit()
         with pytest.raises(postgres.Conflict):
-            theirs.save([b])
+            theirs.save([b], [before])
         two.rollback()
         assert _records(two).get("m").error == "mine"
     finally:
@@ -225,7 +246,7 @@ async def test_a_claim_gives_the_lease_of_delivery_lease(tmp_path, dsn):
     store = open_backend("postgres", tmp_path)
     try:
         sent = new_message("alpha", "beta", START, id="m")
-        assert await store.add(sent)
+        assert await store.add(sent, RULES)
         queued = await store.find("m", START)
         (claimed,) = await store.pull("beta", 5, 30, START, RULES)
         expected = queued.copy()
@@ -258,17 +279,57 @@ async def test_changes_of_one_store_reach_the_other(tmp_path, dsn):
         a.subscribe(mine)
         await a.register("beta", START)
         assert await b.is_registered("beta") is True
-        assert await a.add(new_message("alpha", "beta", START, id="x"))
+        assert await a.add(new_message("alpha", "beta", START, id="x"), RULES)
         assert await _heard(heard) == ({"beta"}, set())
         assert mine.take() == ({"beta"}, set())  # its own, at once
         (m,) = await b.pull("beta", 1, 60, START, RULES)
         assert await _heard(mine) == (set(), {(START + 60, "beta")}), "a deadline set on B"
         heard.take()
-        await b.add(new_message("alpha", "gamma", START, id="y"))
+        await b.add(new_message("alpha", "gamma", START, id="y"), RULES)
         assert await _heard(mine) == ({"gamma"}, set())
         assert heard.take() == ({"gamma"}, set())
         (m,) = await a.pull("gamma", 1, 60, START, RULES)
         assert await _heard(heard) == (set(), {(START + 60, "gamma")})
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_inbox_quota_holds_exactly_across_brokers(tmp_path, dsn):
+    from twisted.internet.defer import DeferredList
+
+    a = open_backend("postgres", tmp_path / "a")
+    b = open_backend("postgres", tmp_path / "b")
+    try:
+        rules = Rules(inbox_max_messages=25)
+        sends = [store.add(new_message("alpha", "beta", START, id=f"q{i}-{n}"), rules)
+                 for i in range(20) for n, store in enumerate((a, b))]
+        results = await DeferredList(sends, consumeErrors=True)
+        stored = [r for ok, r in results if ok and r is True]
+        refused = [r.value.code for ok, r in results if not ok]
+        assert (len(stored), refused) == (25, ["inbox_full"] * 15)
+        assert len(await a.recent("beta", 100, START, RULES)) == 25
+        forgotten = await b.forget_peers(START + 1)
+        assert forgotten == []
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_forgetting_on_one_broker_reaches_the_others_cache(tmp_path, dsn):
+    a = open_backend("postgres", tmp_path / "a")
+    b = open_backend("postgres", tmp_path / "b")
+    try:
+        await a.register("idle", START)
+        assert await b.is_registered("idle") is True
+        assert await a.forget_peers(START + 1) == ["idle"]
+        for _ in range(100):
+            if await maybeDeferred(b.is_registered, "idle") is False:
+                break
+            await deferLater(reactor, 0.02, lambda: None)
+        assert await maybeDeferred(b.is_registered, "idle") is False
     finally:
         await a.close()
         await b.close()

@@ -46,14 +46,14 @@ async def test_no_statement_scans_a_table(tmp_path):
     try:
         executed: List[str] = []
         for i in range(30):
-            await store.add(new_message("alpha", f"agent{i % 3}", START + i, id=f"x{i}"))
+            await store.add(new_message("alpha", f"agent{i % 3}", START + i, id=f"x{i}"), RULES)
         store.db.set_trace_callback(executed.append)
         await store.register("beta", START)
         store.is_registered("beta")
         await store.peers()
-        await store.add(new_message("alpha", "beta", START, id="a"))
-        await store.add(new_message("alpha", "beta", START, id="a"))
-        await store.add(new_message("alpha", "beta", START, id="b", kind="request"))
+        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
+        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
+        await store.add(new_message("alpha", "beta", START, id="b", kind="request"), RULES)
         await store.find("a", START)
         (m,) = await store.pull("beta", 1, LEASE, START, RULES)
         with pytest.raises(RelayError):
@@ -73,8 +73,8 @@ async def test_no_statement_scans_a_table(tmp_path):
         # v1.2: renew, every outcome, requeue, cancel, reply, delay, TTL, threads, boxes, cards
         await store.register("beta", START, {"skills": ["x"]})
         await store.add(new_message("alpha", "beta", START, id="c", kind="request",
-                                    rootId="b", ttl_seconds=5))
-        await store.add(new_message("alpha", "beta", START, id="d", delay_seconds=5))
+                                    rootId="b", ttl_seconds=5), RULES)
+        await store.add(new_message("alpha", "beta", START, id="d", delay_seconds=5), RULES)
         (m,) = await store.pull("beta", 1, LEASE, START + LEASE, RULES)
         await store.settle(m.id, delivery.renew("beta", m.lease_id, 30), START + LEASE, RULES)
         reply = {"id": "rep", "body": {}, "kind": "reply", "ack": False}
@@ -245,7 +245,7 @@ async def test_a_version_1_database_is_brought_to_the_newest_version(tmp_path):
         assert "(sender, status, seq)" in indexes["messages_outbox"]
         assert (await store.find("kept", START)).body == {"text": "hello"}
         assert store.is_registered("beta")
-        await store.add(new_message("alpha", "beta", START, id="after"))
+        await store.add(new_message("alpha", "beta", START, id="after"), RULES)
         leased = await store.pull("beta", 10, LEASE, START, RULES)
         assert [m.id for m in leased] == ["kept", "after"]
     finally:
@@ -375,7 +375,7 @@ async def test_imports_a_reference_jsonl_once(tmp_path):
         # r3, a request still leased, expired unprocessed: its notice took seq 5
         assert (await store.find(notice_id("r3"), START)).seq == 5
         fresh = new_message("alpha", "beta", START, id="new")
-        await store.add(fresh)
+        await store.add(fresh, RULES)
         assert fresh.seq == 6
     finally:
         await store.close()
@@ -392,8 +392,8 @@ async def test_imports_a_reference_jsonl_once(tmp_path):
 async def test_imports_the_jsonl_backends_own_log(tmp_path):
     jsonl = open_backend("jsonl", tmp_path)
     await jsonl.register("beta", START)
-    await jsonl.add(new_message("alpha", "beta", START, id="j1"))
-    await jsonl.add(new_message("alpha", "beta", START, id="j2"))
+    await jsonl.add(new_message("alpha", "beta", START, id="j1"), RULES)
+    await jsonl.add(new_message("alpha", "beta", START, id="j2"), RULES)
     (leased,) = await jsonl.pull("beta", 1, LEASE, START, RULES)
     await jsonl.close()
     store = open_sqlite(tmp_path)
@@ -412,7 +412,7 @@ async def test_results_wait_for_one_shared_commit(tmp_path):
     try:
         other = sqlite3.connect(tmp_path / "relay.db")
         before = store.commits.commits
-        ds = [store.add(new_message("alpha", "beta", START, id=f"g{i}")) for i in range(20)]
+        ds = [store.add(new_message("alpha", "beta", START, id=f"g{i}"), RULES) for i in range(20)]
         assert not any(d.called for d in ds), "no 201 before the commit"
         assert other.execute("SELECT count(*) FROM messages").fetchone()[0] == 0
         for d in ds:
@@ -431,7 +431,7 @@ async def test_an_expiry_sweep_leaves_no_read_open(tmp_path):
     store = open_sqlite(tmp_path)
     try:
         for i in range(10):
-            await store.add(new_message("alpha", "beta", START + i, id=f"m{i}"))
+            await store.add(new_message("alpha", "beta", START + i, id=f"m{i}"), RULES)
         assert await store.sweep_expired(START + 3, START + 3, RULES) == 3
         assert await store.sweep_expired(START + 3, START + 3, RULES) == 0
         other = sqlite3.connect(tmp_path / "relay.db", isolation_level=None)

@@ -26,6 +26,7 @@ HISTORY_SAMPLES = 90
 FLOW_SAMPLES = 30
 MAX_FLOW_PAIRS = 500
 OTHER = "_other"
+REFUSALS = ("disk_full", "inbox_full")
 
 # Seconds; the long polls of /v1/pull and GET /messages wait up to 20.
 HTTP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -87,6 +88,8 @@ class Counters:
         self.lease_expirations = 0
         self.auth_failures: Dict[str, int] = {}
         self.lockouts = 0
+        # why sends were refused before anything was stored: inbox_full, disk_full
+        self.refused: Dict[str, int] = {}
         # route -> status code -> count, and route -> durations
         self.http: Dict[str, Dict[int, int]] = {}
         self.http_seconds: Dict[str, Histogram] = {}
@@ -139,6 +142,11 @@ class Counters:
 
     def auth_failed(self, reason: str) -> None:
         self.auth_failures[reason] = self.auth_failures.get(reason, 0) + 1
+
+    def send_refused(self, reason: str) -> None:
+        """A message was not stored: its recipient's inbox was full (``inbox_full``)
+        or the broker's disk nearly so (``disk_full``)."""
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
     def agent_locked(self, agent: str) -> None:
         self.lockouts += 1

@@ -11,7 +11,7 @@ cycling through agent names cannot blow up a scrape.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -23,7 +23,7 @@ from prometheus_client.exposition import generate_latest
 
 from relay.auth import FAILURE_REASONS
 from relay.delivery import DEAD_REASONS
-from relay.ops.counters import OTHER, Counters
+from relay.ops.counters import OTHER, REFUSALS, Counters
 from relay.protocol import OUTCOMES
 from relay.store.interface import QueueDepth
 
@@ -42,6 +42,8 @@ class Scrape:
     agents_online: int
     version: str
     storage: str
+    agents_registered: int = 0
+    disk_free_bytes: Optional[int] = None
 
 
 def capped_depths(depths: Iterable[QueueDepth], limit: int = MAX_AGENT_SERIES) -> List[QueueDepth]:
@@ -131,6 +133,15 @@ class Report:
                         "reason", c.auth_failures, FAILURE_REASONS)
         yield _counter("relay_lockouts", "Agents locked after repeated authentication failures.",
                        c.lockouts)
+        yield _labelled("relay_sends_refused", "Messages not stored because the recipient's "
+                        "inbox was full (inbox_full) or the disk nearly so (disk_full).",
+                        "reason", c.refused, REFUSALS)
+        yield GaugeMetricFamily("relay_agents_registered", "Agents registered (broker.maxAgents "
+                                "caps them).", value=s.agents_registered)
+        if s.disk_free_bytes is not None:
+            yield GaugeMetricFamily("relay_disk_free_bytes", "Bytes free where the store "
+                                    "writes (sends are refused below broker.minFreeDiskMB).",
+                                    value=s.disk_free_bytes)
         commits = HistogramMetricFamily("relay_store_commit_seconds", "Duration of the store's "
                                         "commits (one per reactor turn with writes).")
         commits.add_metric([], c.commit_seconds.cumulative(), c.commit_seconds.total)

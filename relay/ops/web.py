@@ -207,8 +207,11 @@ class OpsAPI:
         def answer(reason: Optional[str]) -> bytes:
             if reason is None and self.stopping:
                 reason = "the broker is stopping"
+            if reason is None:
+                reason = self.broker.disk_low()
             document = {"ok": reason is None, "storage": self.broker.store.name,
-                        "version": __version__}
+                        "version": __version__,
+                        "diskFreeBytes": self.broker.store.space_left()}
             if reason is not None:
                 document["reason"] = reason
             return write_json(request, 200 if reason is None else 503, document)
@@ -229,6 +232,8 @@ class OpsAPI:
             agents_online=sum(1 for peer in peers if peer["online"]),
             version=__version__,
             storage=self.broker.store.name,
+            agents_registered=len(peers),
+            disk_free_bytes=self.broker.store.space_left(),
         )
         body = metrics.render(self.counters, scrape, self.extra_collectors)
         request.setHeader(b"content-type", metrics.CONTENT_TYPE.encode("ascii"))
@@ -284,11 +289,15 @@ class OpsAPI:
         for agent in by_agent:
             agents.setdefault(agent, {"agent": agent, "registered": False, "online": False,
                                       "lastSeen": None, "card": None})
+        limits = broker.limits()
+        inbox_max = limits["inboxMaxMessages"]
         rows: List[Dict[str, Any]] = []
         for name, row in agents.items():
             depth = by_agent.get(name)
             for state in metrics.QUEUE_STATES:
                 row[state] = getattr(depth, state) if depth is not None else 0
+            pending = row["queued"] + row["leased"] + row["delayed"]
+            row["inboxFull"] = bool(inbox_max and pending >= inbox_max)
             oldest = depth.oldest_queued if depth is not None else None
             row["oldestAgeSeconds"] = None if oldest is None else round(max(0.0, now - oldest), 3)
             rows.append(row)
@@ -304,6 +313,7 @@ class OpsAPI:
                 "healthy": health is None,
                 "health": health,
             },
+            "limits": dict(limits, agentsRegistered=len(peers)),
             "agents": rows[:MAX_AGENTS],
             "agentsListed": min(len(rows), MAX_AGENTS),
             "agentsTotal": len(rows),
@@ -316,6 +326,7 @@ class OpsAPI:
                 "leaseExpirations": counters.lease_expirations,
                 "authFailures": dict(counters.auth_failures),
                 "lockouts": counters.lockouts,
+                "sendsRefused": dict(counters.refused),
                 "pullWaiting": broker.waiters.count(),
                 "agentsOnline": sum(1 for peer in peers if peer["online"]),
                 "queued": sum(d.queued for d in depths),

@@ -9,11 +9,21 @@ from relay.errors import ConfigError
 
 
 def make_data_dir(data_dir: str) -> str:
-    """``data_dir``, created if missing; ConfigError with the path and the reason if not."""
+    """``data_dir``, created (mode 0700, whatever the umask) if missing; ConfigError
+    with the path and the reason if not. An existing directory that others may read
+    is logged, by path."""
+    from twisted.logger import Logger
+
+    from relay.files import private_dir
+
     try:
-        os.makedirs(data_dir, exist_ok=True)
+        private_dir(data_dir)
     except OSError as e:
         raise ConfigError("broker.dataDir", f"cannot create {data_dir}: {e.strerror}") from None
+    if os.stat(data_dir).st_mode & 0o077:
+        Logger(namespace="relay.store").warn(
+            "{path} can be read by other users: the stored messages are in it "
+            "(chmod 700 it)", path=data_dir)
     return data_dir
 
 

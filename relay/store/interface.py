@@ -52,12 +52,15 @@ class IMessageStore(Interface):
         every change once it is durable: this store's own, and, for a store shared
         by several brokers, those another broker made."""
 
-    def add(message):
+    def add(message, rules):
         """Store a new message (a :class:`relay.delivery.Message` without a seq).
 
         The store assigns the next sequence number. Fires with True when stored,
         False when a message with that id already exists (deduplication); fires
-        only once the message is durable.
+        only once the message is durable. Errbacks 429 ``inbox_full`` when the
+        recipient's pending (queued or leased) messages would exceed a limit of
+        ``rules`` (:func:`relay.delivery.inbox_full`), counted exactly (also
+        across brokers sharing the store) from counters, never by a scan.
         """
 
     def find(message_id, now):
@@ -92,8 +95,9 @@ class IMessageStore(Interface):
 
         Errbacks with :class:`relay.errors.RelayError`: 404 ``no_such_message``
         for an unknown or expired id, :class:`relay.delivery.IdConflict` when the
-        reply's id exists (then nothing is written), or whatever the transition
-        raised.
+        reply's id exists, 429 ``inbox_full`` when the reply would overfill its
+        recipient's inbox (in both cases nothing is written), or whatever the
+        transition raised.
         """
 
     def status(message_ids, agent, now, rules):
@@ -116,10 +120,19 @@ class IMessageStore(Interface):
         ``since_id`` (from the start when None or unknown); ``cursor`` as for
         :meth:`poll`, None for an unknown root."""
 
-    def register(agent, now, card=KEEP_CARD):
+    def register(agent, now, card=KEEP_CARD, max_agents=0):
         """Record a heartbeat of ``agent`` at ``now`` with its peer card (a dict; None
         removes it; :data:`relay.protocol.KEEP_CARD` keeps the stored one); fires
-        with None."""
+        with None. Errbacks 403 ``forbidden`` for a new agent when ``max_agents``
+        (0: no limit) are registered already."""
+
+    def forget_peers(cutoff):
+        """Forget the agents last seen before ``cutoff`` that no stored message is
+        addressed to (they may register again); fires with their names."""
+
+    def space_left():
+        """The bytes free where the store writes (an int, at once), or None when the
+        broker cannot tell (a store in memory, a database server's disk)."""
 
     def is_registered(agent):
         """True when ``agent`` has ever registered. Answered at once with a bool by the

@@ -24,6 +24,9 @@ JSON object per line:
     The expiry sweep removed every message up to and including SEQ.
 ``{"op": "drop", "id": ID}``
     The expiry sweep removed that message (its ``ttlSeconds`` ran out).
+``{"op": "forget", "agent": NAME}``
+    The agent was forgotten (offline for longer than the message TTL, no message
+    addressed to it).
 ``{"op": "next", "seq": N}``
     The next sequence number (head of a compacted file), so seqs never repeat.
 
@@ -63,6 +66,7 @@ from twisted.logger import Logger
 from relay.config import Config, check_keys, read_int
 from relay.delivery import DEAD_REASONS, Message
 from relay.errors import ConfigError, RelayError
+from relay.files import FreeSpace, private_file
 from relay.protocol import (
     KEEP_CARD,
     MESSAGE_KINDS,
@@ -321,6 +325,10 @@ def read_log(path: str, now: float) -> LoadedLog:
                     through = max(through, _int(record["through"]))
                 elif op == "drop":
                     by_id.pop(_text(record["id"], optional=False), None)
+                elif op == "forget":
+                    agent = _text(record["agent"], optional=False)
+                    loaded.peers.pop(agent, None)
+                    loaded.cards.pop(agent, None)
                 elif op == "next":
                     max_seq = max(max_seq, _int(record["seq"]) - 1)
                 else:
@@ -361,6 +369,10 @@ class LoggedRecords(MemoryRecords):
     def saved(self, stored: Message) -> None:
         self.append(state_record(stored))
 
+    def forgotten(self, agents: List[str]) -> None:
+        for agent in agents:
+            self.append({"op": "forget", "agent": agent})
+
     def registered(self, agent: str, card_changed: bool) -> None:
         card = self.cards.get(agent) if card_changed else KEEP_CARD
         self.append(peer_record(agent, self.peer_seen[agent], card))
@@ -390,6 +402,7 @@ class Compaction:
     def __init__(self, store: JsonlStore) -> None:
         self.store = store
         self.tmp_path = store.path + COMPACT_SUFFIX
+        private_file(self.tmp_path)
         self.file: IO[bytes] = open(self.tmp_path, "wb")  # noqa: SIM115 (lives across turns)
         state = store.records
         self.seqs = list(state.by_seq)
@@ -475,6 +488,7 @@ class JsonlStore(RecordStore):
         self._torn = False
         self._closed = False
         super().__init__(LoggedRecords(self._append), GroupCommit(clock, self._write, "jsonl"))
+        self.space_left = FreeSpace(os.path.dirname(path), clock)
 
     # -- the log ---------------------------------------------------------------------
 
@@ -644,6 +658,7 @@ def open_store(config: Config, options: JsonlOptions, clock: IReactorTime) -> Js
         if os.path.exists(path + COMPACT_SUFFIX):
             os.unlink(path + COMPACT_SUFFIX)  # an unfinished compaction; the log is whole
         loaded = read_log(path, clock.seconds()) if os.path.exists(path) else LoadedLog()
+        private_file(path)
         file = open(path, "ab", buffering=0)  # noqa: SIM115 (the store's log)
     except OSError as e:
         raise ConfigError("broker.dataDir", f"cannot open {path}: {e.strerror}") from None

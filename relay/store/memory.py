@@ -12,7 +12,7 @@ from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from relay import delivery
-from relay.delivery import Message
+from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
 from relay.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
 from relay.store.interface import QueueDepth
@@ -59,6 +59,8 @@ class MemoryRecords(Records):
         # agent -> how many of its queued messages wait in the delayed heap
         self.depth: Dict[str, Dict[str, int]] = {}
         self.held: Dict[str, int] = {}
+        # agent -> UTF-8 bytes of the bodies of its pending (queued or leased) messages
+        self.pending_bytes: Dict[str, int] = {}
 
     # -- indexes -----------------------------------------------------------------------
 
@@ -104,12 +106,15 @@ class MemoryRecords(Records):
         else:
             counts.pop(key, None)
 
-    def _count(self, agent: str, status: str, delta: int) -> None:
+    def _count(self, message: Message, status: str, delta: int) -> None:
+        agent = message.to
         if status in _COUNTED:
             counts = self.depth.setdefault(agent, {})
             self._tally(counts, status, delta)
             if not counts:
                 del self.depth[agent]
+        if status in PENDING:
+            self._tally(self.pending_bytes, agent, delta * message.body_bytes())
 
     def load(self, message: Message) -> None:
         """Index a message that already has its seq and state (when replaying a log)."""
@@ -125,7 +130,7 @@ class MemoryRecords(Records):
         if message.expires_at is not None:
             heapq.heappush(self.expiries, (message.expires_at, seq))
         self._index(message)
-        self._count(message.to, message.status, 1)
+        self._count(message, message.status, 1)
         self.next_seq = max(self.next_seq, seq + 1)
 
     def _promote(self, now: float) -> None:
@@ -161,6 +166,9 @@ class MemoryRecords(Records):
         """The expiry sweep removed ``messages``: every message up to seq ``through``
         (0: none by age) and the others of the list (their TTL ran out)."""
 
+    def forgotten(self, agents: List[str]) -> None:
+        """``agents`` were forgotten (offline for long, no messages addressed to them)."""
+
     def registered(self, agent: str, card_changed: bool) -> None:
         """``agent`` sent a heartbeat (with a new card or none, when ``card_changed``)."""
 
@@ -183,7 +191,7 @@ class MemoryRecords(Records):
         message = self.by_id.get(message_id)
         return 0 if message is None else message.seq
 
-    def save(self, messages: Sequence[Message]) -> None:
+    def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
         for message in messages:
             stored = self.by_seq[message.seq]
             old, new = stored.state(), message.state()
@@ -191,8 +199,8 @@ class MemoryRecords(Records):
                 continue
             self._unindex(stored)
             if old[0] != new[0]:
-                self._count(stored.to, old[0], -1)
-                self._count(stored.to, new[0], 1)
+                self._count(stored, old[0], -1)
+                self._count(stored, new[0], 1)
             stored.set_state(new)
             self._index(stored, lease_moved=old[0] != LEASED or old[2:4] != new[2:4])
             self.saved(stored)
@@ -331,7 +339,7 @@ class MemoryRecords(Records):
         del self.by_seq[message.seq]
         del self.by_id[message.id]
         self._unindex(message)
-        self._count(message.to, message.status, -1)
+        self._count(message, message.status, -1)
         for index, key in ((self.inbox_seqs, message.to), (self.outbox_seqs, message.sender)):
             seqs = index[key]
             while seqs and seqs[0] not in self.by_seq:
@@ -375,6 +383,25 @@ class MemoryRecords(Records):
 
     def is_registered(self, agent: str) -> bool:
         return agent in self.peer_seen
+
+    def usage(self, agent: str) -> Tuple[int, int]:
+        counts = self.depth.get(agent, {})
+        return (counts.get(QUEUED, 0) + counts.get(LEASED, 0),
+                self.pending_bytes.get(agent, 0))
+
+    def agent_count(self) -> int:
+        return len(self.peer_seen)
+
+    def forget(self, cutoff: float) -> List[str]:
+        gone = [agent for agent, seen in self.peer_seen.items()
+                if seen < cutoff and not any(s in self.by_seq
+                                             for s in self.inbox_seqs.get(agent, ()))]
+        for agent in gone:
+            del self.peer_seen[agent]
+            self.cards.pop(agent, None)
+        if gone:
+            self.forgotten(gone)
+        return gone
 
     def peers(self) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
         return [(agent, seen, _copy_card(self.cards.get(agent)))

@@ -76,7 +76,7 @@ from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 CHANNEL = "relay_changes"
 INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
 
@@ -145,13 +145,33 @@ COLUMNS = ", ".join(["seq", "version"] + [c for c, _, _ in _STORED])
 _M_COLUMNS = ", ".join(f"m.{c}" for c in ["seq", "version"] + [c for c, _, _ in _STORED])
 
 _SELECT = f"SELECT {COLUMNS} FROM relay_messages"
+_PENDING = "('queued', 'leased')"
+# Adds the pending messages of ``rows`` (recipient, status, body bytes) to their
+# recipients' usage.
+_COUNT = (
+    "INSERT INTO relay_inbox_usage AS u (recipient, messages, bytes) "
+    "SELECT recipient, 1, size FROM {rows} WHERE status IN " + _PENDING + " "
+    "ON CONFLICT (recipient) DO UPDATE SET messages = u.messages + excluded.messages, "
+    "bytes = u.bytes + excluded.bytes"
+)
 _INSERT = (
     # The recipient's lock is taken before the row (and its identity number) is
     # made, and held until the transaction ends.
-    "WITH recipient_lock AS (SELECT pg_advisory_xact_lock(%s, hashtext(%s))) "
-    f"INSERT INTO relay_messages ({', '.join(c for c, _, _ in _STORED)}) "
+    "WITH recipient_lock AS (SELECT pg_advisory_xact_lock(%s, hashtext(%s))), "
+    f"added AS (INSERT INTO relay_messages ({', '.join(c for c, _, _ in _STORED)}) "
     f"SELECT {', '.join(f'%s::{t}' for _, _, t in _STORED)} FROM recipient_lock "
-    "ON CONFLICT (id) DO NOTHING RETURNING seq"
+    "ON CONFLICT (id) DO NOTHING "
+    "RETURNING seq, recipient, status, octet_length(body) AS size), "
+    f"counted AS ({_COUNT.format(rows='added')}) "
+    "SELECT seq FROM added"
+)
+# Changes of pending messages to recipients' usage: (recipients, message deltas,
+# byte deltas), one entry per recipient.
+_USAGE_DELTA = (
+    "INSERT INTO relay_inbox_usage AS u (recipient, messages, bytes) "
+    "SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[]) "
+    "ON CONFLICT (recipient) DO UPDATE SET messages = u.messages + excluded.messages, "
+    "bytes = u.bytes + excluded.bytes"
 )
 _SAVE = (
     "UPDATE relay_messages AS m SET "
@@ -217,6 +237,16 @@ STATEMENTS = {
         "last_seen = greatest(p.last_seen, excluded.last_seen), card = excluded.card"
     ),
     "is_registered": "SELECT 1 FROM relay_peers WHERE agent = %s",
+    # Under the recipient's lock (the one a send to it takes), read after the lock
+    # is granted, so the quota holds exactly across brokers (migration 4).
+    "usage": "SELECT messages, bytes FROM relay_inbox_usage_locked(%s, %s)",
+    "usage_delta": _USAGE_DELTA,
+    "agent_count": "SELECT count(*) FROM relay_peers",
+    "forget": (
+        "DELETE FROM relay_peers AS p WHERE last_seen < %s AND NOT EXISTS "
+        "(SELECT 1 FROM relay_messages AS m WHERE m.recipient = p.agent) RETURNING agent"
+    ),
+    "forget_usage": "DELETE FROM relay_inbox_usage WHERE recipient = ANY(%s::text[])",
     # Per recipient and state, each part on its state's partial index: never the
     # done messages (the metrics ask at every scrape).
     "depths": (
@@ -337,9 +367,41 @@ class PostgresRecords(Records):
         row = self.cursor.fetchone()
         return 0 if row is None else row[0]
 
-    def save(self, messages: Sequence[Message]) -> None:
+    def _usage_changed(self, deltas: Mapping[str, List[int]]) -> None:
+        changed = sorted(agent for agent, (count, size) in deltas.items() if count or size)
+        if changed:
+            self.cursor.execute(STATEMENTS["usage_delta"], (
+                changed, [deltas[a][0] for a in changed], [deltas[a][1] for a in changed]))
+
+    def usage(self, agent: str) -> Tuple[int, int]:
+        self.cursor.execute(STATEMENTS["usage"], (_LOCK_CLASS_RECIPIENT, agent))
+        row = self.cursor.fetchone()
+        return (0, 0) if row is None or row[0] is None else (row[0], row[1])
+
+    def agent_count(self) -> int:
+        self.cursor.execute(STATEMENTS["agent_count"])
+        return self.cursor.fetchone()[0]
+
+    def forget(self, cutoff: float) -> List[str]:
+        self.cursor.execute(STATEMENTS["forget"], (int(cutoff),))
+        gone = sorted(row[0] for row in self.cursor.fetchall())
+        if gone:
+            self.cursor.execute(STATEMENTS["forget_usage"], (gone,))
+            self.notice["forgot"] = 1
+        return gone
+
+    def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
         if not messages:
             return
+        deltas: Dict[str, List[int]] = {}
+        for message, before in zip(messages, befores):
+            was, now = before[0] in delivery.PENDING, message.status in delivery.PENDING
+            if was != now:
+                sign = 1 if now else -1
+                entry = deltas.setdefault(message.to, [0, 0])
+                entry[0] += sign
+                entry[1] += sign * message.body_bytes()
+        self._usage_changed(deltas)
         seqs = [m.seq for m in messages]
         columns: List[List[Any]] = [seqs, [self.versions[s] for s in seqs]]
         states = [m.state() for m in messages]
@@ -396,6 +458,13 @@ class PostgresRecords(Records):
         """Remove up to ``batch`` messages stored before ``cutoff`` or past their TTL;
         also returns the removed requests that were still queued or leased."""
         removed = self._rows(STATEMENTS["expire"], (cutoff, now, batch))
+        deltas: Dict[str, List[int]] = {}
+        for message in removed:
+            if message.status in delivery.PENDING:
+                entry = deltas.setdefault(message.to, [0, 0])
+                entry[0] -= 1
+                entry[1] -= message.body_bytes()
+        self._usage_changed(deltas)
         unprocessed = [m for m in removed
                        if m.kind == "request" and m.status in ("queued", "leased")]
         return len(removed), sorted(unprocessed, key=lambda m: m.seq)
@@ -850,6 +919,8 @@ class PostgresStore:
             self._wake_everyone()
         if changes:
             self._report(changes)
+        if rest.pop("forgot", None):
+            self._registered.clear()  # another broker forgot agents: ask the table again
         if rest and self.lockouts is not None:
             self.lockouts.heard(rest)
 
@@ -885,8 +956,8 @@ class PostgresStore:
     def subscribe(self, listener: Callable[[Changes], None]) -> None:
         self._listeners.append(listener)
 
-    def add(self, message: Message) -> Deferred:
-        return self._run(ops.add, message)
+    def add(self, message: Message, rules: Rules) -> Deferred:
+        return self._run(ops.add, message, rules)
 
     def find(self, message_id: str, now: float) -> Deferred:
         return self._run(ops.find, message_id, now)
@@ -918,12 +989,27 @@ class PostgresStore:
                now: float, rules: Rules) -> Deferred:
         return self._run(ops.thread, agent, root_id, since_id, limit, now, rules)
 
-    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> Deferred:
-        return self._run(ops.register, agent, now, card)
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD,
+                 max_agents: int = 0) -> Deferred:
+        return self._run(ops.register, agent, now, card, max_agents)
+
+    def forget_peers(self, cutoff: float) -> Deferred:
+        d = self._run(ops.forget, cutoff)
+
+        def forgotten(gone: List[str]) -> List[str]:
+            self._registered.difference_update(gone)
+            return gone
+
+        d.addCallback(forgotten)
+        return d
+
+    def space_left(self) -> Optional[int]:
+        """None: the database's disk is the database server's to watch."""
+        return None
 
     def is_registered(self, agent: str):
-        """True at once for an agent known to have registered (registration is never
-        taken back); otherwise a Deferred that asks the shared table."""
+        """True at once for an agent known to have registered (until some broker
+        forgets agents); otherwise a Deferred that asks the shared table."""
         if agent in self._registered:
             return True
         d = self._run(is_registered, agent)

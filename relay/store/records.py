@@ -58,8 +58,24 @@ class Records:
         """The sequence number of that id; 0 when unknown."""
         raise NotImplementedError
 
-    def save(self, messages: Sequence[Message]) -> None:
-        """Persist the delivery state (:meth:`Message.state`) of messages got from here."""
+    def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
+        """Persist the delivery state (:meth:`Message.state`) of messages got from here;
+        ``befores`` are their states when they were got."""
+        raise NotImplementedError
+
+    def usage(self, agent: str) -> Tuple[int, int]:
+        """The messages waiting for ``agent`` (queued or leased): how many, and the
+        UTF-8 bytes of their bodies. From counters or an index, never a scan of the
+        agent's whole inbox."""
+        raise NotImplementedError
+
+    def agent_count(self) -> int:
+        """How many agents are registered."""
+        raise NotImplementedError
+
+    def forget(self, cutoff: float) -> List[str]:
+        """Forget the registered agents last seen before ``cutoff`` that no message is
+        addressed to; returns their names."""
         raise NotImplementedError
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
@@ -121,8 +137,8 @@ class Records:
 # -- the operations, once for every backend -------------------------------------------
 
 
-def _saved(records: Records, befores: Iterable[Tuple[Any, ...]], messages: List[Message]) -> None:
-    records.save(messages)
+def _saved(records: Records, befores: List[Tuple[Any, ...]], messages: List[Message]) -> None:
+    records.save(messages, befores)
     for before, message in zip(befores, messages):
         delivery.wakes(records.changes, before, message)
 
@@ -148,7 +164,21 @@ def release_lapsed(records: Records, now: float, rules: Rules) -> int:
     return len(lapsed)
 
 
-def add(records: Records, message: Message) -> bool:
+def _refuse_if_full(records: Records, message: Message, rules: Rules) -> None:
+    """429 ``inbox_full`` when ``message`` (a new id) would overfill its recipient's inbox."""
+    usage = records.usage(message.to)
+    if delivery.inbox_full(usage, message, rules) and not records.seq_of(message.id):
+        count, size = usage
+        raise errors.inbox_full(
+            f"the inbox of {message.to!r} is full ({count} messages, {size} bytes waiting; "
+            f"at most {rules.inbox_max_messages} and {rules.inbox_max_bytes}): "
+            "try again once it has taken some")
+
+
+def add(records: Records, message: Message, rules: Rules) -> bool:
+    """Store a new message unless its recipient's inbox is full (429 ``inbox_full``);
+    a duplicate id is answered as a duplicate, full inbox or not."""
+    _refuse_if_full(records, message, rules)
     if not records.insert(message):
         return False
     delivery.wakes(records.changes, None, message)
@@ -169,10 +199,11 @@ def poll(records: Records, agent: str, since_id: Optional[str], limit: int, now:
     recovered = records.recovered(agent, since_seq, limit, now) if since_seq else []
     room = limit - len(recovered)
     fresh = records.queued(agent, since_seq, room, now) if room > 0 else []
+    states = {m.seq: m.state() for m in recovered + fresh}
     messages, cursor, unmarked = delivery.poll_page(recovered, fresh, limit, since_id,
                                                     RESPONSE_BUDGET_BYTES)
     if unmarked:
-        records.save(unmarked)
+        records.save(unmarked, [states[m.seq] for m in unmarked])
     return messages, cursor
 
 
@@ -204,6 +235,7 @@ def settle(records: Records, message_id: str, transition: Transition, now: float
         raise
     reply = outcome.reply
     if reply is not None:
+        _refuse_if_full(records, reply, rules)
         if not records.insert(reply):
             raise delivery.IdConflict(reply.id)  # nothing was written
         delivery.wakes(records.changes, None, reply)
@@ -259,8 +291,18 @@ def thread(records: Records, agent: str, root_id: str, since_id: Optional[str], 
     return [], None
 
 
-def register(records: Records, agent: str, now: float, card: Any) -> None:
+def register(records: Records, agent: str, now: float, card: Any, max_agents: int) -> None:
+    """A heartbeat; a new agent beyond ``max_agents`` registered ones (0: no limit) is
+    ``403 forbidden``."""
+    if (max_agents and not records.is_registered(agent)
+            and records.agent_count() >= max_agents):
+        raise errors.forbidden(f"this broker serves at most {max_agents} agents "
+                               "(broker.maxAgents)")
     records.register(agent, now, card)
+
+
+def forget(records: Records, cutoff: float) -> List[str]:
+    return records.forget(cutoff)
 
 
 def peers(records: Records) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
@@ -320,8 +362,8 @@ class RecordStore:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def add(self, message: Message) -> Deferred:
-        return self._run(add, message)
+    def add(self, message: Message, rules: Rules) -> Deferred:
+        return self._run(add, message, rules)
 
     def find(self, message_id: str, now: float) -> Deferred:
         return self._run(find, message_id, now)
@@ -353,8 +395,16 @@ class RecordStore:
                now: float, rules: Rules) -> Deferred:
         return self._run(thread, agent, root_id, since_id, limit, now, rules)
 
-    def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> Deferred:
-        return self._run(register, agent, now, card)
+    def register(self, agent: str, now: float, card: Any = KEEP_CARD,
+                 max_agents: int = 0) -> Deferred:
+        return self._run(register, agent, now, card, max_agents)
+
+    def forget_peers(self, cutoff: float) -> Deferred:
+        return self._run(forget, cutoff)
+
+    def space_left(self) -> Optional[int]:
+        """None: a store in memory has no disk to fill."""
+        return None
 
     def is_registered(self, agent: str) -> bool:
         return self.records.is_registered(agent)

@@ -57,8 +57,9 @@ from twisted.logger import Logger
 
 from relay import delivery
 from relay.config import Config, check_keys
-from relay.delivery import Message
+from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
+from relay.files import FreeSpace, private_file
 from relay.protocol import KEEP_CARD, STATUSES
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
@@ -127,6 +128,13 @@ STATEMENTS = {
         "DELETE FROM messages WHERE seq <= ?",
         "DELETE FROM messages WHERE seq = ?",
     ],
+    # the pending (queued or leased) messages whose usage leaves with an expiry
+    "expired_usage": [
+        "SELECT recipient, length(CAST(body AS BLOB)) FROM messages "
+        "WHERE seq <= ? AND status IN ('queued', 'leased')",
+        "SELECT recipient, length(CAST(body AS BLOB)) FROM messages "
+        "WHERE seq = ? AND status IN ('queued', 'leased')",
+    ],
     "register": [
         "INSERT INTO peers (agent, last_seen) VALUES (?, ?) "
         "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen",
@@ -146,8 +154,16 @@ STATEMENTS = {
     ],
 }
 
-# Statements that return a whole table by design (the peers list is small).
-LISTINGS = ("SELECT agent, last_seen, card FROM peers ORDER BY agent",)
+# Statements that read a whole table by design: the peers (at most broker.maxAgents
+# rows; the forgetting runs once a minute), and the pending usage, read once when the
+# store opens.
+LISTINGS = (
+    "SELECT agent, last_seen, card FROM peers ORDER BY agent",
+    "SELECT recipient, count(*), sum(length(CAST(body AS BLOB))) FROM messages "
+    "WHERE status IN ('queued', 'leased') GROUP BY recipient",
+    "DELETE FROM peers WHERE last_seen < ? AND NOT EXISTS "
+    "(SELECT 1 FROM messages WHERE recipient = peers.agent) RETURNING agent",
+)
 
 
 _BOX = {"inbox": "recipient = ?", "sent": "sender = ?", "all": "(recipient = ? OR sender = ?)"}
@@ -358,6 +374,9 @@ class SQLiteRecords(Records):
         ).fetchone()
         self.next_seq = last + 1
         self.registered = {row[0] for row in db.execute("SELECT agent FROM peers")}
+        # recipient -> [pending messages, their body bytes], kept from here on
+        self.pending: Dict[str, List[int]] = {}
+        self._count_pending()
 
     def _begin(self) -> None:
         """Open the turn's transaction (if needed) before a write."""
@@ -373,6 +392,7 @@ class SQLiteRecords(Records):
         except sqlite3.Error:
             if self.db.in_transaction:
                 self.cursor.execute("ROLLBACK")
+                self._count_pending()  # the counters followed what was rolled back
             raise
 
     def _select(self, sql: str, *args: Any) -> List[Message]:
@@ -409,6 +429,8 @@ class SQLiteRecords(Records):
             message.seq = 0
             return False
         self.next_seq += 1
+        if message.status in PENDING:
+            self._pending(message.to, 1, message.body_bytes())
         return True
 
     def get(self, message_id: str) -> Optional[Message]:
@@ -420,7 +442,36 @@ class SQLiteRecords(Records):
         rows = self.cursor.execute(STATEMENTS["seq_of"][0], (message_id,)).fetchall()
         return rows[0][0] if rows else 0
 
-    def save(self, messages: Sequence[Message]) -> None:
+    def _count_pending(self) -> None:
+        self.pending = {agent: [count, size or 0]
+                        for agent, count, size in self.db.execute(LISTINGS[1]).fetchall()}
+
+    def _pending(self, agent: str, count: int, size: int) -> None:
+        entry = self.pending.setdefault(agent, [0, 0])
+        entry[0] += count
+        entry[1] += size
+        if entry[0] <= 0:
+            del self.pending[agent]
+
+    def usage(self, agent: str) -> Tuple[int, int]:
+        count, size = self.pending.get(agent, (0, 0))
+        return count, size
+
+    def agent_count(self) -> int:
+        return len(self.registered)
+
+    def forget(self, cutoff: float) -> List[str]:
+        self._begin()
+        gone = [row[0] for row in self.cursor.execute(LISTINGS[2], (int(cutoff),))]
+        self.registered.difference_update(gone)
+        return gone
+
+    def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
+        for message, before in zip(messages, befores):
+            was, now = before[0] in PENDING, message.status in PENDING
+            if was != now:
+                self._pending(message.to, 1 if now else -1,
+                              message.body_bytes() if now else -message.body_bytes())
         self._begin()
         self.cursor.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
 
@@ -470,6 +521,10 @@ class SQLiteRecords(Records):
         merged = sorted(root + [m for m in rest if m.id != root_id], key=lambda m: m.seq)
         return merged[:limit]
 
+    def _forget_usage(self, sql: str, seq: int) -> None:
+        for agent, size in self.cursor.execute(sql, (seq,)).fetchall():
+            self._pending(agent, -1, -size)
+
     def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
         """Remove the oldest messages (in seq order) stored before ``cutoff``, then those
         whose TTL ran out, up to ``batch`` in all."""
@@ -488,6 +543,7 @@ class SQLiteRecords(Records):
         unprocessed: List[Message] = []
         if last is not None:
             unprocessed = self._select(STATEMENTS["expire"][2], last)
+            self._forget_usage(STATEMENTS["expired_usage"][0], last)
             self._begin()
             self.cursor.execute(STATEMENTS["expire"][4])
             removed = self.cursor.execute(STATEMENTS["expire"][5], (last,)).rowcount
@@ -497,6 +553,7 @@ class SQLiteRecords(Records):
             if ttl:
                 for seq in ttl:
                     unprocessed.extend(self._select(STATEMENTS["expire"][3], seq))
+                    self._forget_usage(STATEMENTS["expired_usage"][1], seq)
                 self._begin()
                 self.cursor.execute(STATEMENTS["expire"][4])
                 self.cursor.executemany(STATEMENTS["expire"][6], [(seq,) for seq in ttl])
@@ -558,6 +615,7 @@ class SQLiteStore(RecordStore):
         super().__init__(SQLiteRecords(db, commits), commits)
         self.checkpointer = Checkpointer(path, sync, clock, lambda: commits.commits)
         self.checkpointer.start()
+        self.space_left = FreeSpace(os.path.dirname(path), clock)
 
     def _commit(self) -> None:
         self.records.commit()
@@ -589,6 +647,7 @@ class SQLiteStore(RecordStore):
 
 
 def _connect(path: str, sync: str) -> sqlite3.Connection:
+    private_file(path)  # SQLite gives its -wal and -shm files the database's mode
     db = sqlite3.connect(path, isolation_level=None)
     try:
         mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -664,6 +723,7 @@ def upgrade(db: sqlite3.Connection, path: str, target: int = SCHEMA_VERSION,
             "it was written by a newer relay; run that, or point broker.dataDir elsewhere",
         )
     if found < target:
+        private_file(f"{path}.v{found}.bak")
         backup = sqlite3.connect(f"{path}.v{found}.bak")
         try:
             db.backup(backup)
