@@ -298,7 +298,7 @@ async def test_recv_reset_does_not_send_receipts_twice(shell: Shell) -> None:
 
 
 class FlakyBroker(Resource):
-    """Answers 503 ``busy`` ``failures`` times, then the peers list."""
+    """Answers the handshake, then 503 ``busy`` ``failures`` times, then the peers list."""
 
     isLeaf = True
 
@@ -308,6 +308,8 @@ class FlakyBroker(Resource):
 
     def render(self, request: Any) -> bytes:
         request.setHeader(b"content-type", b"application/json")
+        if request.path == b"/":
+            return b'{"protocol": "1.0"}'
         if self.failures:
             self.failures -= 1
             request.setResponseCode(503)
