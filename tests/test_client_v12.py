@@ -6,15 +6,11 @@ Time is a ``task.Clock``; HTTP goes through ``StubTreq`` to the real resource.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import pytest
-from treq.testing import StubTreq
 from twisted.internet import defer
 from twisted.internet.task import Clock
-from twisted.python.failure import Failure
-from twisted.web.client import ResponseNeverReceived
 
 from relay.client import (
     REQUEST_GRACE_SECONDS,
@@ -26,120 +22,15 @@ from relay.client import (
     notice_of,
 )
 from relay.delivery import notice_id
-from relay.errors import RelayError
 from relay.signing import NONCE, sign
 from relay.testing import SECRET
-
-# What the reference broker (v1.1) advertises.
-V11_INFO = {
-    "protocol": "1.0",
-    "capabilities": {"leaseDelivery": True, "requestReply": True, "filteredQuery": True},
-}
-# The request fields v1.2 adds, by path.
-V12_FIELDS = {
-    "/messages": {"ttlSeconds", "delaySeconds"},
-    "/register": {"card"},
-    "/v1/pull": {"parentId"},
-    "/v1/ack": {"reply", "retryAfterSeconds"},
-    "/v1/messages/query": {"box", "rootId", "parentId"},
-}
-V12_PATHS = {"/v1/lease/renew", "/v1/requeue", "/v1/cancel", "/v1/thread"}
-
-
-def assert_v11_requests(requests: List[Tuple[str, str, Dict[str, List[str]], bytes]]) -> None:
-    """No v1.2 path, field or nonce in ``requests``."""
-    for _, path, headers, raw in requests:
-        assert path not in V12_PATHS, path
-        assert "X-Relay-Nonce" not in headers, path
-        if raw:
-            assert not set(json.loads(raw)) & V12_FIELDS.get(path, set()), (path, raw)
-
-
-class Recording:
-    """A treq stand-in that records every request and passes it on.
-
-    ``drop_answers`` makes the next answers get lost on the way back, after the
-    broker has acted on the request (as a connection reset would).
-    """
-
-    def __init__(self, http: Any) -> None:
-        self.http = http
-        self.requests: List[Tuple[str, str, Dict[str, List[str]], bytes]] = []
-        self.drop_answers = 0
-
-    def request(self, method: str, url: str, headers: Any = None, data: Any = None,
-                **kwargs: Any) -> defer.Deferred:
-        self.requests.append((method, url.split("relay.test", 1)[-1], dict(headers or {}),
-                              data or b""))
-        d = self.http.request(method, url, headers=headers, data=data, **kwargs)
-        if self.drop_answers:
-            self.drop_answers -= 1
-
-            def lose(response: Any) -> Failure:
-                return Failure(ResponseNeverReceived([Failure(ConnectionResetError())]))
-
-            d.addCallback(lose)
-        return d
-
-    def paths(self) -> List[Tuple[str, str]]:
-        return [(method, path) for method, path, _, _ in self.requests]
-
-    def bodies(self, path: str) -> List[Dict[str, Any]]:
-        return [json.loads(raw) for _, p, _, raw in self.requests if p == path and raw]
-
-    def header(self, index: int, name: str) -> Optional[str]:
-        values = self.requests[index][2].get(name)
-        return values[0] if values else None
-
-
-class Net:
-    """An in-memory broker, a recording HTTP client and a Clock."""
-
-    def __init__(self, **broker: Any) -> None:
-        from relay.http import RelayRequest
-        from relay.testing import make_api
-
-        self.api, _, self.clock = make_api(**broker)
-        stub = StubTreq(self.api.resource())
-        stub._agent._serverFactory.requestFactory = RelayRequest
-        self.stub = stub
-        self.http = Recording(stub)
-
-    def client(self, agent: str, **kwargs: Any) -> RelayClient:
-        return RelayClient("http://relay.test", agent, SECRET, clock=self.clock,
-                           http=self.http, **kwargs)
-
-    def settle(self, seconds: float = 0.0) -> None:
-        for _ in range(5):
-            self.stub.flush()
-        if seconds:
-            self.clock.advance(seconds)
-            for _ in range(5):
-                self.stub.flush()
-
-    def start(self, d: Any) -> defer.Deferred:
-        d = defer.ensureDeferred(d)
-        self.settle()
-        return d
-
-    def run(self, d: Any) -> Any:
-        """The result of a call that completes without the clock moving."""
-        return result_of(self.start(d))
-
-
-def result_of(d: defer.Deferred) -> Any:
-    results: List[Any] = []
-    d.addBoth(results.append)
-    assert results, "the call did not complete"
-    if isinstance(results[0], Failure):
-        results[0].raiseException()
-    return results[0]
-
-
-def failure_of(d: defer.Deferred, kind: type = RelayError) -> Any:
-    with pytest.raises(kind) as info:
-        result_of(d)
-    return info.value
+from tests.client_support import (
+    V11_INFO,
+    Net,
+    assert_v11_requests,
+    failure_of,
+    result_of,
+)
 
 
 def pair(net: Net, **kwargs: Any) -> Tuple[RelayClient, RelayClient]:
