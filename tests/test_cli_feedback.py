@@ -212,10 +212,10 @@ async def test_status_and_query_show_the_last_error(shell: Shell) -> None:
     shell.clock.advance(65)
     status = await shell.run("alpha", "status", sent["id"])
     head, row = status.out.splitlines()
-    assert head.split() == ["ID", "STATUS", "ATTEMPTS", "FROM", "TO", "KIND", "SENT", "LAST",
-                            "ERROR"]
-    assert row.split() == [sent["id"], "queued", "1", "alpha", "beta", "request", "1", "min",
-                           "ago", "disk", "full"]
+    assert head.split() == ["ID", "STATUS", "ATTEMPTS", "DELIVERIES", "FROM", "TO", "KIND",
+                            "SENT", "LAST", "ERROR"]
+    assert row.split() == [sent["id"], "queued", "1", "1", "alpha", "beta", "request", "1",
+                           "min", "ago", "disk", "full"]
     query = await shell.run("beta", "query", "--status", "queued")
     assert "attempts 1 | error disk\nfull" not in query.out
     assert "| error disk\\nfull" in query.out
