@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import urlsplit
 
 import pytest
 from treq.testing import StubTreq
@@ -98,8 +99,9 @@ class Recording:
 
     def request(self, method: str, url: str, headers: Any = None, data: Any = None,
                 **kwargs: Any) -> defer.Deferred:
-        self.requests.append((method, url.split("relay.test", 1)[-1], dict(headers or {}),
-                              data or b""))
+        parts = urlsplit(url)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        self.requests.append((method, path, dict(headers or {}), data or b""))
         d = self.http.request(method, url, headers=headers, data=data, **kwargs)
         if self.drop_answers:
             self.drop_answers -= 1
