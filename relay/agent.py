@@ -577,6 +577,14 @@ class AgentService(Service):
     async def _hand_back(self, message_id: str, outcome: HandlerOutcome) -> None:
         """End a request the way the handler's :class:`HandlerOutcome` asks."""
         reason = outcome.reason[:MAX_ERROR_TEXT]
+        # The handler author's words, like an exception's message; never the body.
+        self.log.info(
+            "agent {agent}: handler asked to {outcome} {id}: {reason}",
+            agent=self.client.agent,
+            outcome=type(outcome).__name__.lower(),
+            id=message_id,
+            reason=" ".join(reason.split()),
+        )
         outcomes = ack_outcomes(self.client.info)
         if isinstance(outcome, Reject):
             if "reject" in outcomes:
