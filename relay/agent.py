@@ -482,35 +482,23 @@ class AgentService(Service):
             )
             await self._send_reply(message, receipt)
             return
+        outcome: Optional[HandlerOutcome] = None
+        failure: Optional[Failure] = None
         self._keep_leased(message)
         try:
             result = await defer.maybeDeferred(self.handler, message)
-        except HandlerOutcome as outcome:
+        except HandlerOutcome as raised:
+            outcome = raised
+        except Exception:
+            failure = Failure()
+        finally:
             self._stop_renewing(message_id)
+        if outcome is not None:
             await self._hand_back(message_id, outcome)
             return
-        except Exception:
-            self._stop_renewing(message_id)
-            failure = Failure()
-            # The exception's own words (the handler author's), never the body.
-            self.log.warn(
-                "agent {agent}: handler failed for {id}: {kind}: {reason}; "
-                "asking for a retry",
-                agent=self.client.agent,
-                id=message_id,
-                kind=failure.type.__name__,
-                reason=" ".join(_error_text(failure).split()),
-            )
-            if self.debug:
-                self.log.failure(
-                    "agent {agent}: handler traceback for {id}",
-                    failure,
-                    agent=self.client.agent,
-                    id=message_id,
-                )
-            await self._retry(message_id, _error_text(failure), self.retry_delay)
+        if failure is not None:
+            await self._handler_failed(message_id, failure)
             return
-        self._stop_renewing(message_id)
         if self._lease_lost(message_id):
             return
         if self.client.advertises("replyInAck"):
@@ -525,6 +513,24 @@ class AgentService(Service):
             "rootId": message.get("rootId") or message_id,
         }
         await self._send_reply(message, self.receipts.put(message_id, reply))
+
+    async def _handler_failed(self, message_id: str, failure: Failure) -> None:
+        # The exception's own words (the handler author's), never the body.
+        self.log.warn(
+            "agent {agent}: handler failed for {id}: {kind}: {reason}; asking for a retry",
+            agent=self.client.agent,
+            id=message_id,
+            kind=failure.type.__name__,
+            reason=" ".join(_error_text(failure).split()),
+        )
+        if self.debug:
+            self.log.failure(
+                "agent {agent}: handler traceback for {id}",
+                failure,
+                agent=self.client.agent,
+                id=message_id,
+            )
+        await self._retry(message_id, _error_text(failure), self.retry_delay)
 
     async def _complete_with_reply(self, message: Message, body: Dict[str, Any]) -> None:
         """The reply and the completion in one ack (EXTENSIONS.md §6): no receipt needed."""
