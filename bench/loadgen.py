@@ -15,6 +15,7 @@ Scenarios (each prints one JSON line, then a readable table)::
     python bench/loadgen.py pull-ack    --url URL --secret S [-w 4] [--messages N]
     python bench/loadgen.py poll        --url URL --secret S [-w 2] [--limit 50]
     python bench/loadgen.py e2e-latency --url URL --secret S [--rate 200]
+    python bench/loadgen.py request-reply --url URL --secret S [--askers 1]
     python bench/loadgen.py depth       --url URL --secret S [--levels 0,1000,10000]
     python bench/loadgen.py ceiling     --url URL            (same as send, any server)
 """
@@ -28,8 +29,11 @@ import hmac
 import json
 import multiprocessing
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -41,6 +45,10 @@ from urllib.parse import urlsplit
 DEFAULT_URL = "http://127.0.0.1:19121"
 BODY_BYTES = 200
 SOCKET_TIMEOUT = 60.0
+# request-reply: a round trip without an answer by then counts as unanswered.
+REQUEST_TIMEOUT_SECONDS = 30.0
+# ``python -c TWISTD ...`` is ``twistd ...`` run by that interpreter.
+TWISTD = "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()"
 
 JsonDict = Dict[str, Any]
 
@@ -645,6 +653,125 @@ def _latency_receiver(target: Target, agent: str, wait: int, interval: float,
             "acks": acks, "errors": errors}
 
 
+def _asker(target: Target, agent: str, worker: str, by_parent: bool, wait: int,
+           interval: float, start_at: float, lo: float, hi: float, pad: int) -> JsonDict:
+    """Closed-loop asker: what ``relay ask`` does, one request at a time, until ``hi``.
+
+    Each round trip sends a ``kind: "request"`` and waits for its answer: with
+    long-poll pulls by parent and the ack of the answer (``pullFilter``), or with
+    read-only queries every ``interval`` seconds (a v1.1 broker). Round trips that
+    start in ``[lo, hi]`` are measured, from before the send to the end of the wait,
+    with the requests they took.
+    """
+    conn = Conn(target)
+    conn.connect()
+    lats = array("d")
+    errors: Dict[str, int] = {}
+    rounds = requests = unanswered = 0
+    _sleep_until(start_at)
+    while time.time() < hi:
+        env = make_body(worker, pad)
+        env["kind"] = "request"
+        request_id = env["id"]
+        t0 = time.time()
+        status, _ = conn.request("POST", "/messages",
+                                 json.dumps(env, separators=(",", ":")).encode(), agent)
+        sent = 1  # the requests of this round trip
+        if status not in (200, 201):
+            _count(errors, f"send {status}")
+            continue
+        answered = False
+        deadline = t0 + REQUEST_TIMEOUT_SECONDS
+        while not answered and time.time() < deadline:
+            if by_parent:
+                pull = {"limit": 1, "leaseSeconds": 60, "parentId": request_id}
+                if wait:
+                    pull["waitSeconds"] = wait
+                status, doc = conn.call("POST", "/v1/pull", pull, agent)
+                sent += 1
+                messages = (doc or {}).get("messages") or [] if status == 200 else []
+                for msg in messages:
+                    ack = {"messageId": msg["id"], "leaseId": msg.get("leaseId"),
+                           "outcome": "completed"}
+                    st, _ = conn.call("POST", "/v1/ack", ack, agent)
+                    sent += 1
+                    if st != 200:
+                        _count(errors, f"ack {st}")
+                    answered = True
+            else:
+                query = {"kind": "reply", "from": worker, "limit": 200}
+                status, doc = conn.call("POST", "/v1/messages/query", query, agent)
+                sent += 1
+                messages = (doc or {}).get("messages") or [] if status == 200 else []
+                answered = any(m.get("parentId") == request_id for m in messages)
+            if status != 200:
+                _count(errors, f"wait {status}")
+            if not answered and (not by_parent or not wait):
+                time.sleep(interval)
+        took = time.time() - t0
+        if not answered:
+            unanswered += 1
+        elif lo <= t0 <= hi:
+            lats.append(took)
+            rounds += 1
+            requests += sent
+    conn.close()
+    return {"lats": lats, "rounds": rounds, "requests": requests, "unanswered": unanswered,
+            "errors": errors}
+
+
+class WorkerAgent:
+    """The relay's agent runtime (``twistd relay-agent``) answering as ``agent`` with
+    ``bench/echo_handler.py``, started with ``python`` (an interpreter that has the
+    relay installed)."""
+
+    def __init__(self, target: Target, agent: str, python: str, concurrency: int) -> None:
+        self.home = tempfile.mkdtemp(prefix="relay-bench-agent-")
+        python = os.path.abspath(python) if os.sep in python else python  # runs in bench/
+        self.log_path = os.path.join(self.home, "agent.log")
+        env = dict(os.environ, HOME=self.home, DSH_RELAY_SECRET=target.secret)
+        env.pop("DSH_RELAY_SECRET_FILE", None)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [python, "-c", TWISTD, "-n", "--pidfile=", "relay-agent",
+                 "--agent", agent, "--broker", target.url, "--handler", "echo_handler:echo",
+                 "--concurrency", str(concurrency), "--poll-interval", "0.05",
+                 "--receipts-dir", self.home],
+                cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+
+    def wait_registered(self, target: Target, agent: str, timeout: float = 30.0) -> None:
+        """Until ``GET /peers`` lists ``agent`` online; the agent log on failure."""
+        conn = Conn(target)
+        deadline = time.time() + timeout
+        try:
+            while time.time() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                status, doc = conn.call("GET", "/peers", None, agent)
+                peers = (doc or {}).get("peers") or [] if status == 200 else []
+                if any(p.get("agent") == agent and p.get("online") for p in peers):
+                    return
+                time.sleep(0.1)
+        finally:
+            conn.close()
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            log = fh.read()[-3000:]
+        self.stop()
+        raise HttpError(f"the worker agent did not register:\n{log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------------------
 # Scenarios (run in the parent; each returns one JSON-able dict)
 # --------------------------------------------------------------------------------------
@@ -859,6 +986,56 @@ def scenario_e2e(target: Target, rate: float = 200.0, duration: float = 10.0,
     }
 
 
+def scenario_request_reply(target: Target, askers: int = 1, duration: float = 10.0,
+                           warmup: float = 1.0, worker_python: str = sys.executable,
+                           worker_concurrency: int = 4, poll_interval: float = 0.05,
+                           force_interval: bool = False) -> JsonDict:
+    """``request-reply``: the round trip of ``relay ask`` through the broker.
+
+    A worker agent (the relay's agent runtime with an echo handler, see
+    :class:`WorkerAgent`) serves; ``askers`` closed-loop askers each send a
+    request and wait for its answer as ``RelayClient.request`` does (see
+    :func:`_asker`). Reports the round-trip latency and the round trips per second.
+    """
+    info = handshake(target)
+    caps = info.get("capabilities") if isinstance(info.get("capabilities"), dict) else {}
+    by_parent = bool(caps.get("pullFilter"))
+    wait = 0 if force_interval else min(long_poll_max(info), 20)
+    if not by_parent:
+        wait = 0
+    mode = ("pull-by-parent, long-poll" if wait else "pull-by-parent, interval"
+            ) if by_parent else "query-poll (v1.1)"
+    prefix = run_id()
+    worker = f"rr-w-{prefix}"
+    names = [f"rr-a-{prefix}-{i}" for i in range(askers)]
+    register(target, names)
+    agent = WorkerAgent(target, worker, worker_python, worker_concurrency)
+    try:
+        agent.wait_registered(target, worker)
+        start = _start_time()
+        lo, hi = _window(start, warmup, duration)
+        results = run_workers(
+            _asker,
+            [(target, name, worker, by_parent, wait, poll_interval, start, lo, hi, BODY_BYTES)
+             for name in names],
+            timeout=warmup + duration + REQUEST_TIMEOUT_SECONDS + 60,
+        )
+    finally:
+        agent.stop()
+    lats = [lat for res in results for lat in res["lats"]]
+    rounds = sum(res["rounds"] for res in results)
+    return {
+        "scenario": "request-reply", "url": target.url, "mode": mode, "waitSeconds": wait,
+        "askers": askers, "workerConcurrency": worker_concurrency, "seconds": duration,
+        "roundTrips": rounds, "rate": round(rounds / duration, 1), "unit": "round trips/s",
+        "latencyMs": percentiles(lats),
+        "askerRequestsPerRoundTrip": round(
+            sum(res["requests"] for res in results) / max(rounds, 1), 2),
+        "unanswered": sum(res["unanswered"] for res in results),
+        "errors": _merge_errors(results),
+    }
+
+
 def best_of(docs: Sequence[JsonDict]) -> JsonDict:
     """The result with the highest ``rate``, with every run's rate listed in ``runs``.
 
@@ -984,8 +1161,8 @@ def emit(doc: JsonDict, out: Any = None) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=["send", "pull-ack", "poll", "e2e-latency", "depth",
-                                        "ceiling"])
+    p.add_argument("scenario", choices=["send", "pull-ack", "poll", "e2e-latency",
+                                        "request-reply", "depth", "ceiling"])
     p.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
     p.add_argument("--secret", default=os.environ.get("RELAY_SECRET", ""),
                    help="shared secret (or $RELAY_SECRET)")
@@ -1005,6 +1182,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--levels", default="0,1000,10000,100000",
                    help="depth: comma-separated prefilled message counts")
     p.add_argument("--fill-concurrency", type=int, default=8)
+    p.add_argument("--askers", type=int, default=1, help="request-reply: concurrent askers")
+    p.add_argument("--worker-python", default=sys.executable,
+                   help="request-reply: the interpreter that runs the worker agent")
     return p
 
 
@@ -1027,6 +1207,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.scenario == "e2e-latency":
         doc = scenario_e2e(target, args.rate, args.duration, args.warmup, args.poll_interval,
                            args.no_long_poll)
+    elif args.scenario == "request-reply":
+        doc = scenario_request_reply(target, args.askers, args.duration, args.warmup,
+                                     args.worker_python, force_interval=args.no_long_poll)
     else:
         levels = [int(x) for x in args.levels.split(",") if x.strip()]
         doc = scenario_depth(target, levels, args.concurrency, args.workers, args.duration,

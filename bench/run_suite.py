@@ -35,13 +35,13 @@ PROFILES: Dict[str, JsonDict] = {
     "quick": {
         "duration": 3.0, "warmup": 1.0, "concurrency": 8, "workers": 4,
         "pullMessages": 24000, "pollMessages": 4000, "pollWorkers": 2,
-        "e2eDuration": 5.0, "rate": 200.0,
+        "e2eDuration": 5.0, "rate": 200.0, "askers": 1,
         "depthLevels": [0, 1000, 10000], "depthDuration": 3.0, "depthPullMessages": 8000,
     },
     "full": {
         "duration": 10.0, "warmup": 2.0, "concurrency": 8, "workers": 4,
         "pullMessages": 70000, "pollMessages": 10000, "pollWorkers": 2,
-        "e2eDuration": 15.0, "rate": 200.0,
+        "e2eDuration": 15.0, "rate": 200.0, "askers": 1,
         "depthLevels": [0, 1000, 10000, 100000], "depthDuration": 5.0,
         "depthPullMessages": 15000,
     },
@@ -67,7 +67,8 @@ def say(line: str) -> None:
 
 
 def run_scenarios(prof: JsonDict, scenarios: Sequence[str], fresh: Callable[[str], Any],
-                  label: str, managed: bool, repeat: int = 1) -> JsonDict:
+                  label: str, managed: bool, repeat: int = 1,
+                  python: str = sys.executable) -> JsonDict:
     """Run each scenario against a broker from ``fresh(name)``; collect results and RSS.
 
     ``fresh(name)`` returns a context manager yielding a ``(target, rss_fn)`` pair: a
@@ -77,8 +78,9 @@ def run_scenarios(prof: JsonDict, scenarios: Sequence[str], fresh: Callable[[str
     """
     out: JsonDict = {}
     for name in scenarios:
-        times = 1 if name in ("depth", "e2e-latency") else repeat
-        docs = [run_one(prof, name, fresh, label, managed, repeat) for _ in range(times)]
+        times = 1 if name in ("depth", "e2e-latency", "request-reply") else repeat
+        docs = [run_one(prof, name, fresh, label, managed, repeat, python)
+                for _ in range(times)]
         doc = loadgen.best_of(docs) if times > 1 else docs[0]
         doc["backend"] = label
         loadgen.emit(doc)
@@ -87,8 +89,9 @@ def run_scenarios(prof: JsonDict, scenarios: Sequence[str], fresh: Callable[[str
 
 
 def run_one(prof: JsonDict, name: str, fresh: Callable[[str], Any], label: str,
-            managed: bool, repeat: int) -> JsonDict:
-    """One run of one scenario on a broker from ``fresh(name)`` (see run_scenarios)."""
+            managed: bool, repeat: int, python: str = sys.executable) -> JsonDict:
+    """One run of one scenario on a broker from ``fresh(name)`` (see run_scenarios);
+    ``python`` runs the worker agent of ``request-reply``."""
     say(f"[{label}] {name} ...")
     depth_fresh = (lambda name=name: fresh(name)) if managed else None
     with (contextlib.nullcontext((None, None)) if managed and name == "depth"
@@ -106,6 +109,9 @@ def run_one(prof: JsonDict, name: str, fresh: Callable[[str], Any], label: str,
         elif name == "e2e-latency":
             doc = loadgen.scenario_e2e(tgt, prof["rate"], prof["e2eDuration"],
                                        prof["warmup"])
+        elif name == "request-reply":
+            doc = loadgen.scenario_request_reply(tgt, prof["askers"], prof["e2eDuration"],
+                                                 prof["warmup"], worker_python=python)
         elif name == "depth":
             doc = loadgen.scenario_depth(
                 tgt, prof["depthLevels"], prof["concurrency"], prof["workers"],
@@ -243,6 +249,11 @@ def summary_rows(result: JsonDict) -> List[List[str]]:
         r["e2e-latency"]["requestsPerMessage"], r["e2e-latency"]["requestsPerMessageWithAcks"]))
     add("e2e lost/duplicates", lambda r: "{} / {}".format(
         r["e2e-latency"]["lost"], r["e2e-latency"]["duplicates"]))
+    add("request-reply mode", lambda r: r["request-reply"]["mode"])
+    add("request-reply p50/p99 ms", lambda r: "{} / {}".format(
+        _ms(r["request-reply"]["latencyMs"]["p50"]), _ms(r["request-reply"]["latencyMs"]["p99"])))
+    add("request-reply round trips/s", lambda r: "{} ({} unanswered)".format(
+        r["request-reply"]["rate"], r["request-reply"]["unanswered"]))
     levels: List[int] = []
     for b in backends:
         for row in result["backends"][b].get("depth", {}).get("levels", []):
@@ -292,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="short durations, depth up to 10k")
     p.add_argument("--backends", default="sqlite,memory",
                    help="storage backends to start (comma-separated)")
-    p.add_argument("--scenarios", default="send,pull-ack,poll,e2e-latency,depth")
+    p.add_argument("--scenarios", default="send,pull-ack,poll,e2e-latency,request-reply,depth")
     p.add_argument("--python", default=servers.default_python(),
                    help="interpreter for the broker and the ceilings (e.g. .venv-pypy/bin/python)")
     p.add_argument("--broker-url", help="measure this running broker instead of starting one")
@@ -350,7 +361,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             label = str(info.get("storage") or "external")
             ext = ExternalBroker(target, args.broker_pid)
             result["backends"][label] = run_scenarios(prof, scenarios, lambda _: ext, label,
-                                                      managed=False, repeat=args.repeat)
+                                                      managed=False, repeat=args.repeat,
+                                                      python=python)
             result["brokerInfo"] = {label: info}
             if not args.no_ceiling:
                 result["ceilings"] = measure_ceilings(python, workdir, prof,
@@ -376,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     prof, scenarios,
                     lambda name, s=storage: ManagedBroker(python, s, workdir,
                                                      profile_path(args.profile, s, name)),
-                    storage, managed=True, repeat=args.repeat)
+                    storage, managed=True, repeat=args.repeat, python=python)
             if not args.no_ceiling:
                 result["ceilings"] = measure_ceilings(python, workdir, prof,
                                                       result["ceilings"])

@@ -22,11 +22,10 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from loadgen import Conn, Target
+from loadgen import TWISTD, Conn, Target
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(BENCH_DIR)
-TWISTD = "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()"
 
 
 class StartError(Exception):

@@ -1,11 +1,22 @@
 """The agent runtime: one agent that leases requests, runs a handler, replies and acks.
 
 :class:`AgentService` handshakes once, heartbeats well within the broker's 90 s
-TTL, leases messages with ``POST /v1/pull`` (long-polling when the broker
-advertises it) and, for each request, calls a handler. A completed reply is
-persisted in a per-agent :class:`relay.receipts.ReceiptStore` before it is
-sent, so a request that is delivered again (lost ack, restart) gets the same
-reply re-sent and is never handled twice (spec §5.1, "Receipts").
+TTL (with its peer card, when it has one and the broker takes cards), leases
+messages with ``POST /v1/pull`` (long-polling when the broker advertises it)
+and, for each request, calls a handler.
+
+On a broker with the delivery extensions v1.2 (EXTENSIONS.md) the lease of a
+running handler is renewed every third of its length, so a handler may run for
+hours on a short lease, and the reply is stored by the completing ack itself
+(``replyInAck``): the request is answered exactly once without a receipts file.
+On a v1.1 broker a completed reply is persisted in a per-agent
+:class:`relay.receipts.ReceiptStore` before it is sent, so a request that is
+delivered again (lost ack, restart) gets the same reply re-sent and is never
+handled twice (spec §5.1, "Receipts").
+
+A handler ends its request otherwise than with a reply by raising
+:class:`Retry`, :class:`Release` or :class:`Reject`; any other exception asks
+for a retry after ``retry_delay``.
 
 Only ids and events are logged, never message bodies.
 """
@@ -16,7 +27,7 @@ import contextlib
 import json
 import os
 import uuid
-from typing import Any, Callable, Dict, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.application.service import Service
 from twisted.internet import defer, error, protocol
@@ -25,9 +36,10 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from relay.client import RelayClient
+from relay.client import RelayClient, ack_outcomes
 from relay.errors import RelayError
 from relay.polling import poll
+from relay.protocol import KEEP_CARD
 from relay.receipts import ReceiptStore
 
 HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
@@ -38,9 +50,65 @@ RETRY_DELAY_SECONDS = 5.0
 FATAL_HANDSHAKE_CODES = frozenset({"protocol_mismatch", "tls_error"})
 EXEC_TIMEOUT_SECONDS = 300.0
 MAX_ERROR_TEXT = 500
+# A lease is renewed when a third of it has run (EXTENSIONS.md §1).
+RENEW_FRACTION = 1 / 3
+MIN_RENEW_INTERVAL_SECONDS = 1.0
+# The lease asked for in renewals when the runtime cannot tell how long the
+# broker's lease is (a pulled envelope without leaseUntil).
+FALLBACK_LEASE_SECONDS = 60
+# The answers to a renewal that mean the lease is gone.
+LEASE_GONE = frozenset({404, 409})
 
 Message = Dict[str, Any]
 Handler = Callable[[Message], Any]
+
+
+# -- what a handler may raise ----------------------------------------------------------
+
+
+class HandlerOutcome(Exception):
+    """Raised by a handler to end its request without a reply; see the subclasses."""
+
+    def __init__(self, reason: str, after: Optional[float] = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.after = after
+
+
+class Retry(HandlerOutcome):
+    """Try the request again later: ``retry`` (one attempt more; past the broker's
+    ``maxAttempts`` the request fails), not before ``after`` seconds.
+
+    ``reason`` is the error ``relay status`` shows. Without ``after`` the
+    runtime's ``retry_delay`` applies, as for any other exception.
+    """
+
+    def __init__(self, reason: str = "retry", after: Optional[float] = None) -> None:
+        super().__init__(reason, after)
+
+
+class Release(HandlerOutcome):
+    """Give the request back without using an attempt (``release``): not this
+    worker's job, or not now; not before ``after`` seconds.
+
+    A v1.1 broker has no ``release``: the runtime then leaves the lease to lapse,
+    which hands the request back, at no cost, when the lease ends.
+    """
+
+    def __init__(self, after: Optional[float] = None, reason: str = "released") -> None:
+        super().__init__(reason, after)
+
+
+class Reject(HandlerOutcome):
+    """The request can never succeed (a poison message): it fails at once
+    (``reject``) with ``reason``, and its sender gets a failure notice.
+
+    A v1.1 broker has no ``reject``: the runtime then acks ``retry``, and the
+    request fails once its attempts are used up.
+    """
+
+    def __init__(self, reason: str = "rejected") -> None:
+        super().__init__(reason)
 
 
 # -- the runtime ---------------------------------------------------------------------
@@ -64,21 +132,40 @@ def _error_text(failure: Failure) -> str:
     return text[:MAX_ERROR_TEXT]
 
 
+def card_of(description: Optional[str], skills: Sequence[str]) -> Optional[Dict[str, Any]]:
+    """The peer card (EXTENSIONS.md §8) of a description and skills; None when both
+    are empty."""
+    card: Dict[str, Any] = {}
+    if description:
+        card["description"] = description
+    if skills:
+        card["skills"] = list(skills)
+    return card or None
+
+
 class AgentService(Service):
     """Runs one agent against a broker until stopped.
 
     :param client: the agent's :class:`RelayClient`.
     :param handler: called with each request envelope; returns the reply (a
         dict body, a string for ``{"text": ...}``, or ``None``), a Deferred or a
-        coroutine. Raising (or failing) re-queues the request with ``retry``.
-    :param receipts: where completed replies are remembered.
+        coroutine. Raising :class:`Retry`, :class:`Release` or :class:`Reject`
+        ends the request that way; any other exception re-queues it with
+        ``retry`` after ``retry_delay``.
+    :param receipts: where completed replies are remembered (v1.1 brokers).
     :param concurrency: how many requests may be handled at once.
-    :param retry_delay: seconds a failed request stays leased before it is
-        handed back with ``retry``, so a failing handler does not burn all the
-        broker's attempts at once.
+    :param lease_seconds: the lease asked for in pulls and renewals (default:
+        the broker's).
+    :param retry_delay: seconds before a failed request may be delivered again,
+        so a failing handler does not burn all the broker's attempts at once
+        (``retryAfterSeconds`` where advertised; on a v1.1 broker the lease is
+        held that long before the ``retry``).
+    :param card: this agent's peer card, ``{"description", "skills"}``, sent with
+        every heartbeat when the broker advertises ``peerCards``.
     :param on_receipt: called with each ``type: "ack"`` envelope (v1.0 receipts).
     :param on_reply: called with each ``kind: "reply"`` envelope (answers to
-        this agent's own requests). Neither is run as a request.
+        this agent's own requests, failure notices included). Neither is run as
+        a request.
     :param on_fatal: called with a RelayError the runtime cannot recover from
         (a protocol mismatch, or a TLS failure such as an untrusted broker
         certificate at the first handshake); the runtime stops working first.
@@ -101,6 +188,7 @@ class AgentService(Service):
         heartbeat_interval: float = HEARTBEAT_INTERVAL_SECONDS,
         shutdown_grace: float = SHUTDOWN_GRACE_SECONDS,
         retry_delay: float = RETRY_DELAY_SECONDS,
+        card: Optional[Mapping[str, Any]] = None,
         on_receipt: Optional[Callable[[Message], Any]] = None,
         on_reply: Optional[Callable[[Message], Any]] = None,
         on_fatal: Optional[Callable[[RelayError], Any]] = None,
@@ -117,6 +205,7 @@ class AgentService(Service):
         self.heartbeat_interval = heartbeat_interval
         self.shutdown_grace = shutdown_grace
         self.retry_delay = retry_delay
+        self.card = dict(card) if card is not None else None
         self.on_receipt = on_receipt
         self.on_reply = on_reply
         self.on_fatal = on_fatal
@@ -126,9 +215,16 @@ class AgentService(Service):
         self._waiting: Optional[defer.Deferred] = None
         self._slot: Optional[defer.Deferred] = None
         self._inflight: Set[defer.Deferred] = set()
+        # message id -> the lease to acknowledge it with (the newest one)
         self._leases: Dict[str, str] = {}
+        # message id -> a lease that renewal found gone: never acknowledged
+        self._lost: Dict[str, str] = {}
+        self._renewals: Dict[str, LoopingCall] = {}
+        # held leases waiting out a retry delay (v1.1); a stop cuts them short
+        self._holds: Set[defer.Deferred] = set()
         self._heartbeat: Optional[LoopingCall] = None
         self._main: Optional[defer.Deferred] = None
+        self._card_refused = False
 
     # -- lifecycle --
 
@@ -145,8 +241,12 @@ class AgentService(Service):
     def stopService(self) -> defer.Deferred:
         """Stop leasing; wait up to the grace period for in-flight handlers.
 
-        Requests whose handlers do not finish in time keep their lease, which
-        lapses at the broker and makes them deliverable again.
+        A request whose lease is held for a retry delay is handed back at once.
+
+        The leases of handlers that do not finish in time are released at once
+        where the broker has ``release`` (another worker may take them); on a
+        v1.1 broker they lapse at the broker. Either way the late handlers'
+        results are not acknowledged.
         """
         super().stopService()
         self._stopping = True
@@ -154,6 +254,8 @@ class AgentService(Service):
             self._heartbeat.stop()
         if self._waiting is not None:
             self._waiting.cancel()
+        for hold in list(self._holds):
+            hold.cancel()
         pending = list(self._inflight)
         if not pending:
             return defer.succeed(None)
@@ -163,12 +265,35 @@ class AgentService(Service):
             if not done.called:
                 done.callback(None)
 
+        def grace_over() -> None:
+            if not done.called:
+                defer.ensureDeferred(self._give_up_unfinished()).addBoth(finish)
+
         # The handlers are not cancelled when the grace period ends: the
         # process just stops waiting for them.
-        timer = self._clock.callLater(self.shutdown_grace, finish)
+        timer = self._clock.callLater(self.shutdown_grace, grace_over)
         defer.DeferredList(pending, consumeErrors=True).addBoth(finish)
         done.addBoth(lambda result: timer.cancel() if timer.active() else None)
         return done
+
+    async def _give_up_unfinished(self) -> None:
+        """Stop renewing the leases of unfinished handlers, and release them."""
+        releasable = "release" in ack_outcomes(self.client.info)
+        releases = []
+        for message_id, lease_id in list(self._leases.items()):
+            self._stop_renewing(message_id)
+            self._lost[message_id] = lease_id
+            if releasable and lease_id:
+                d = self.client.release(message_id, lease_id)
+                d.addErrback(lambda failure: None)
+                releases.append(d)
+        if releases:
+            await defer.DeferredList(releases)
+            self.log.info(
+                "agent {agent}: released {count} unfinished requests",
+                agent=self.client.agent,
+                count=len(releases),
+            )
 
     async def _pause(self, d: defer.Deferred) -> Any:
         """Wait for ``d``, letting :meth:`stopService` cancel the wait."""
@@ -217,14 +342,30 @@ class AgentService(Service):
         self._heartbeat = LoopingCall(self._beat)
         self._heartbeat.clock = self._clock
         self._heartbeat.start(self.heartbeat_interval, now=True)
+        extensions = [
+            name
+            for name in ("leaseRenew", "replyInAck", "retryAfter", "peerCards", "signedNonce")
+            if self.client.advertises(name)
+        ]
         self.log.info(
-            "agent {agent} running (long-poll: {wait})",
+            "agent {agent} running (long-poll: {wait}; v1.2: {extensions})",
             agent=self.client.agent,
             wait=self.client.long_poll_seconds,
+            extensions=", ".join(extensions) or "none, receipts in use",
         )
 
     def _beat(self) -> defer.Deferred:
-        d = self.client.register()
+        card: Any = KEEP_CARD
+        if self.card is not None:
+            if self.client.advertises("peerCards"):
+                card = self.card
+            elif not self._card_refused:
+                self._card_refused = True
+                self.log.warn(
+                    "agent {agent}: the broker lacks peerCards; the card is not published",
+                    agent=self.client.agent,
+                )
+        d = self.client.register(card=card)
         d.addErrback(
             lambda failure: self.log.warn(
                 "agent {agent}: heartbeat failed ({code})",
@@ -279,7 +420,7 @@ class AgentService(Service):
         lease_id = message.get("leaseId")
         if message_id in self._leases:
             # Our own lease lapsed and we got the message again while still
-            # handling it: the newer lease is the one to acknowledge.
+            # handling it: the newer lease is the one to acknowledge (and renew).
             if lease_id:
                 self._leases[message_id] = str(lease_id)
             return
@@ -289,7 +430,9 @@ class AgentService(Service):
 
         def finished(result: Any) -> None:
             self._inflight.discard(d)
+            self._stop_renewing(message_id)
             self._leases.pop(message_id, None)
+            self._lost.pop(message_id, None)
             if self._slot is not None and not self._slot.called:
                 slot, self._slot = self._slot, None
                 slot.callback(None)
@@ -330,47 +473,83 @@ class AgentService(Service):
     async def _handle_request(self, message: Message) -> None:
         message_id = str(message.get("id"))
         receipt = self.receipts.get(message_id)
-        if receipt is None:
-            try:
-                result = await defer.maybeDeferred(self.handler, message)
-            except Exception:
-                failure = Failure()
-                # The exception's own words (the handler author's), never the body.
-                self.log.warn(
-                    "agent {agent}: handler failed for {id}: {kind}: {reason}; "
-                    "asking for a retry",
-                    agent=self.client.agent,
-                    id=message_id,
-                    kind=failure.type.__name__,
-                    reason=" ".join(_error_text(failure).split()),
-                )
-                if self.debug:
-                    self.log.failure(
-                        "agent {agent}: handler traceback for {id}",
-                        failure,
-                        agent=self.client.agent,
-                        id=message_id,
-                    )
-                if not self._stopping and self.retry_delay > 0:
-                    await deferLater(self._clock, self.retry_delay)
-                await self._finish(message_id, "retry", _error_text(failure))
-                return
-            reply = {
-                "id": str(uuid.uuid4()),
-                "to": message.get("from"),
-                "body": reply_body(result),
-                "replyTo": message_id,
-                "parentId": message_id,
-                "rootId": message.get("rootId") or message_id,
-            }
-            receipt = self.receipts.put(message_id, reply)
-        else:
+        if receipt is not None:
             self.log.info(
                 "agent {agent}: {id} already answered by {reply}; replaying the reply",
                 agent=self.client.agent,
                 id=message_id,
                 reply=receipt["reply"].get("id"),
             )
+            await self._send_reply(message, receipt)
+            return
+        outcome: Optional[HandlerOutcome] = None
+        failure: Optional[Failure] = None
+        self._keep_leased(message)
+        try:
+            result = await defer.maybeDeferred(self.handler, message)
+        except HandlerOutcome as raised:
+            outcome = raised
+        except Exception:
+            failure = Failure()
+        finally:
+            self._stop_renewing(message_id)
+        if outcome is not None:
+            await self._hand_back(message_id, outcome)
+            return
+        if failure is not None:
+            await self._handler_failed(message_id, failure)
+            return
+        if self._lease_lost(message_id):
+            return
+        if self.client.advertises("replyInAck"):
+            await self._complete_with_reply(message, reply_body(result))
+            return
+        reply = {
+            "id": str(uuid.uuid4()),
+            "to": message.get("from"),
+            "body": reply_body(result),
+            "replyTo": message_id,
+            "parentId": message_id,
+            "rootId": message.get("rootId") or message_id,
+        }
+        await self._send_reply(message, self.receipts.put(message_id, reply))
+
+    async def _handler_failed(self, message_id: str, failure: Failure) -> None:
+        # The exception's own words (the handler author's), never the body.
+        self.log.warn(
+            "agent {agent}: handler failed for {id}: {kind}: {reason}; asking for a retry",
+            agent=self.client.agent,
+            id=message_id,
+            kind=failure.type.__name__,
+            reason=" ".join(_error_text(failure).split()),
+        )
+        if self.debug:
+            self.log.failure(
+                "agent {agent}: handler traceback for {id}",
+                failure,
+                agent=self.client.agent,
+                id=message_id,
+            )
+        await self._retry(message_id, _error_text(failure), self.retry_delay)
+
+    async def _complete_with_reply(self, message: Message, body: Dict[str, Any]) -> None:
+        """The reply and the completion in one ack (EXTENSIONS.md §6): no receipt needed."""
+        message_id = str(message.get("id"))
+        reply = {"id": str(uuid.uuid4()), "body": body}
+        try:
+            answer = await self._ack(message_id, "completed", reply=reply)
+        except RelayError as failure:
+            if failure.status == 409 and failure.code in ("not_leased", "lease_mismatch"):
+                self._ack_refused("completed", message_id, failure)
+                return
+            await self._reply_refused(message_id, reply["id"], failure)
+            return
+        await self._receipt(message, None)
+        self._acked(message_id, "completed", answer)
+
+    async def _send_reply(self, message: Message, receipt: Dict[str, Any]) -> None:
+        """Send the reply of ``receipt``, then complete the request (v1.1)."""
+        message_id = str(message.get("id"))
         reply = receipt["reply"]
         try:
             await self.client.send(
@@ -383,22 +562,164 @@ class AgentService(Service):
                 root_id=reply["rootId"],
             )
         except RelayError as failure:
-            self.log.warn(
-                "agent {agent}: reply {reply} to {id} not accepted ({code}: {message})",
-                agent=self.client.agent,
-                reply=reply["id"],
-                id=message_id,
-                code=failure.code,
-                message=failure.message,
-            )
-            # As for a failed handler: hold the lease a while, so that a requester
-            # that is not registered yet does not see its request fail at once.
-            if not self._stopping and self.retry_delay > 0:
-                await deferLater(self._clock, self.retry_delay)
-            await self._finish(message_id, "retry", f"reply not accepted: {failure.code}")
+            await self._reply_refused(message_id, reply["id"], failure)
             return
         await self._receipt(message, receipt)
         await self._finish(message_id, "completed")
+
+    async def _reply_refused(self, message_id: str, reply_id: str, failure: RelayError) -> None:
+        self.log.warn(
+            "agent {agent}: reply {reply} to {id} not accepted ({code}: {message})",
+            agent=self.client.agent,
+            reply=reply_id,
+            id=message_id,
+            code=failure.code,
+            message=failure.message,
+        )
+        # As for a failed handler: not at once, so that a requester that is
+        # not registered yet does not see its request fail at once.
+        await self._retry(message_id, f"reply not accepted: {failure.code}", self.retry_delay)
+
+    async def _hand_back(self, message_id: str, outcome: HandlerOutcome) -> None:
+        """End a request the way the handler's :class:`HandlerOutcome` asks."""
+        reason = outcome.reason[:MAX_ERROR_TEXT]
+        # The handler author's words, like an exception's message; never the body.
+        self.log.info(
+            "agent {agent}: handler asked to {outcome} {id}: {reason}",
+            agent=self.client.agent,
+            outcome=type(outcome).__name__.lower(),
+            id=message_id,
+            reason=" ".join(reason.split()),
+        )
+        outcomes = ack_outcomes(self.client.info)
+        if isinstance(outcome, Reject):
+            if "reject" in outcomes:
+                await self._finish(message_id, "reject", reason)
+            else:
+                self.log.warn(
+                    "agent {agent}: the broker lacks reject; {id} is retried instead "
+                    "(it fails once its attempts are used up)",
+                    agent=self.client.agent,
+                    id=message_id,
+                )
+                await self._finish(message_id, "retry", reason)
+        elif isinstance(outcome, Release):
+            if "release" in outcomes:
+                await self._finish(
+                    message_id, "release", retry_after=self._retry_after(outcome.after)
+                )
+            else:
+                self.log.warn(
+                    "agent {agent}: the broker lacks release; the lease of {id} is left "
+                    "to lapse",
+                    agent=self.client.agent,
+                    id=message_id,
+                )
+        else:
+            after = self.retry_delay if outcome.after is None else outcome.after
+            await self._retry(message_id, reason, after)
+
+    def _retry_after(self, after: Optional[float]) -> Optional[float]:
+        return after if after and self.client.advertises("retryAfter") else None
+
+    async def _retry(self, message_id: str, error_text: str, after: float) -> None:
+        """``retry``, not before ``after`` seconds: with ``retryAfterSeconds`` where
+        the broker has it, else by holding the lease that long first."""
+        if after > 0 and self.client.advertises("retryAfter"):
+            await self._finish(message_id, "retry", error_text, retry_after=after)
+            return
+        if after > 0 and not self._stopping:
+            await self._hold(after)
+        await self._finish(message_id, "retry", error_text)
+
+    async def _hold(self, seconds: float) -> None:
+        """Wait ``seconds``, or until the runtime stops."""
+        d = deferLater(self._clock, seconds)
+        self._holds.add(d)
+        try:
+            await d
+        except defer.CancelledError:
+            pass
+        finally:
+            self._holds.discard(d)
+
+    # -- leases --
+
+    def _keep_leased(self, message: Message) -> None:
+        """Renew the lease of ``message`` every third of its length while it is handled."""
+        if not self.client.advertises("leaseRenew"):
+            return
+        message_id = str(message.get("id"))
+        length, asked = self._lease_length(message)
+        renewal = LoopingCall(self._renew, message_id, asked)
+        renewal.clock = self._clock
+        self._renewals[message_id] = renewal
+        interval = max(MIN_RENEW_INTERVAL_SECONDS, length * RENEW_FRACTION)
+        renewal.start(interval, now=False).addErrback(
+            lambda failure: self.log.failure(
+                "agent {agent}: renewing {id} failed", failure, agent=self.client.agent,
+                id=message_id,
+            )
+        )
+
+    def _lease_length(self, message: Message) -> Tuple[float, Optional[int]]:
+        """How long a lease of ``message`` lasts, and the ``leaseSeconds`` to renew with.
+
+        The runtime's ``lease_seconds`` when set; otherwise the broker's own
+        lease (renewed with the broker's default), measured from the envelope's
+        ``leaseUntil`` against this clock.
+        """
+        if self.lease_seconds is not None:
+            return float(self.lease_seconds), self.lease_seconds
+        until = message.get("leaseUntil")
+        if isinstance(until, (int, float)) and not isinstance(until, bool):
+            left = until / 1000.0 - self._clock.seconds()
+            if left > 0:
+                return left, None
+        return float(FALLBACK_LEASE_SECONDS), FALLBACK_LEASE_SECONDS
+
+    def _stop_renewing(self, message_id: str) -> None:
+        renewal = self._renewals.pop(message_id, None)
+        if renewal is not None and renewal.running:
+            renewal.stop()
+
+    async def _renew(self, message_id: str, lease_seconds: Optional[int]) -> None:
+        lease_id = self._leases.get(message_id)
+        if not lease_id or self._lost.get(message_id) == lease_id:
+            return
+        try:
+            await self.client.renew(message_id, lease_id, lease_seconds)
+        except RelayError as failure:
+            if failure.status in LEASE_GONE:
+                self._lost[message_id] = lease_id
+                self.log.warn(
+                    "agent {agent}: the lease of {id} is gone ({code}); the handler's "
+                    "result will not be acknowledged",
+                    agent=self.client.agent,
+                    id=message_id,
+                    code=failure.code,
+                )
+            else:
+                self.log.warn(
+                    "agent {agent}: renewing the lease of {id} failed ({code}); "
+                    "trying again later",
+                    agent=self.client.agent,
+                    id=message_id,
+                    code=failure.code,
+                )
+
+    def _lease_lost(self, message_id: str) -> bool:
+        lost = self._lost.get(message_id)
+        if lost is None or lost != self._leases.get(message_id):
+            return False
+        self.log.warn(
+            "agent {agent}: {id} not acknowledged: its lease is gone",
+            agent=self.client.agent,
+            id=message_id,
+        )
+        return True
+
+    # -- acknowledgements --
 
     async def _receipt(self, message: Message, receipt: Optional[Dict[str, Any]]) -> None:
         """The v1.0 receipt for an ``ack: true`` message, sent at most once per receipt."""
@@ -418,27 +739,53 @@ class AgentService(Service):
         if receipt is not None:
             self.receipts.mark(message_id, receiptSent=True)
 
-    async def _finish(
-        self, message_id: str, outcome: str, error_text: Optional[str] = None
-    ) -> None:
+    async def _ack(
+        self,
+        message_id: str,
+        outcome: str,
+        error_text: Optional[str] = None,
+        **extensions: Any,
+    ) -> Dict[str, Any]:
         lease_id = self._leases.get(message_id) or ""
-        try:
-            answer = await self.client.ack_outcome(message_id, lease_id, outcome, error_text)
-        except RelayError as failure:
-            self.log.warn(
-                "agent {agent}: ack {outcome} of {id} refused ({code})",
-                agent=self.client.agent,
-                outcome=outcome,
-                id=message_id,
-                code=failure.code,
-            )
+        answer = await self.client.ack_outcome(
+            message_id, lease_id, outcome, error_text, **extensions
+        )
+        return answer if isinstance(answer, dict) else {}
+
+    async def _finish(
+        self,
+        message_id: str,
+        outcome: str,
+        error_text: Optional[str] = None,
+        *,
+        retry_after: Optional[float] = None,
+    ) -> None:
+        if self._lease_lost(message_id):
             return
+        extensions = {} if retry_after is None else {"retry_after": retry_after}
+        try:
+            answer = await self._ack(message_id, outcome, error_text, **extensions)
+        except RelayError as failure:
+            self._ack_refused(outcome, message_id, failure)
+            return
+        self._acked(message_id, outcome, answer)
+
+    def _ack_refused(self, outcome: str, message_id: str, failure: RelayError) -> None:
+        self.log.warn(
+            "agent {agent}: ack {outcome} of {id} refused ({code})",
+            agent=self.client.agent,
+            outcome=outcome,
+            id=message_id,
+            code=failure.code,
+        )
+
+    def _acked(self, message_id: str, outcome: str, answer: Dict[str, Any]) -> None:
         self.log.info(
             "agent {agent}: {id} acked {outcome} -> {status}",
             agent=self.client.agent,
             id=message_id,
             outcome=outcome,
-            status=answer.get("status") if isinstance(answer, dict) else None,
+            status=answer.get("status"),
         )
 
 

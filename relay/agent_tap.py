@@ -8,9 +8,11 @@ environment, then ``~/.dsh-relay.json``), the https ones included: ``--ca-file``
 ``--client-cert`` and ``--client-key``, whose files are checked before the
 start. A ``--handler`` callable may carry ``on_receipt`` / ``on_reply``
 attributes, which receive v1.0 receipts and replies to this agent's own
-requests. Handler modules are imported from the working directory first, as
-with ``python -m``. Any problem with the options stops the start with one
-line, ``relay-agent: error: ...``, and exit status 78 (EX_CONFIG).
+requests. ``--description`` and ``--skill`` (repeatable) make the agent's peer
+card, published with every heartbeat where the broker takes cards. Handler
+modules are imported from the working directory first, as with ``python -m``.
+Any problem with the options stops the start with one line,
+``relay-agent: error: ...``, and exit status 78 (EX_CONFIG).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from relay.agent import (
     SHUTDOWN_GRACE_SECONDS,
     AgentService,
     ExecHandler,
+    card_of,
 )
 from relay.client import client_tls_policy
 from relay.errors import RelayError
 from relay.pidfile import choose_pidfile
+from relay.protocol import MAX_CARD_DESCRIPTION_CHARS, MAX_CARD_SKILL_CHARS, MAX_CARD_SKILLS
 from relay.receipts import ReceiptStore
 from relay.settings import (
     ENV_AGENT,
@@ -166,6 +170,7 @@ class Options(usage.Options):
             _positive(float),
         ],
         ["receipts-dir", None, None, "Directory of the receipts file (default: home)."],
+        ["description", None, None, "What this agent does, for its peer card (`relay peers`)."],
     ]
     optFlags = [
         [
@@ -177,6 +182,14 @@ class Options(usage.Options):
 
     settings: Settings
     handler: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["skills"] = []
+
+    def opt_skill(self, skill: str) -> None:
+        """A skill for this agent's peer card (repeatable)."""
+        self["skills"].append(skill)
 
     def postOptions(self) -> None:
         """Check everything the agent needs; a problem stops the start with one line."""
@@ -213,6 +226,17 @@ class Options(usage.Options):
             self.handler = load_handler(self["handler"])
         if self["heartbeat"] >= 90:
             raise StartError("--heartbeat must be well under the broker's 90 s TTL")
+        description = self["description"]
+        if description is not None and len(description) > MAX_CARD_DESCRIPTION_CHARS:
+            raise StartError(
+                f"--description: at most {MAX_CARD_DESCRIPTION_CHARS} characters "
+                f"(this one has {len(description)})"
+            )
+        if len(self["skills"]) > MAX_CARD_SKILLS:
+            raise StartError(f"--skill: at most {MAX_CARD_SKILLS} skills")
+        for skill in self["skills"]:
+            if not skill or len(skill) > MAX_CARD_SKILL_CHARS:
+                raise StartError(f"--skill {skill!r}: 1 to {MAX_CARD_SKILL_CHARS} characters")
 
 
 def _exit_failed() -> None:
@@ -265,6 +289,7 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
         poll_interval=options["poll-interval"],
         heartbeat_interval=options["heartbeat"],
         shutdown_grace=options["shutdown-grace"],
+        card=card_of(options["description"], options["skills"]),
         on_receipt=getattr(handler, "on_receipt", None),
         on_reply=getattr(handler, "on_reply", None),
         on_fatal=fatal,

@@ -1,10 +1,18 @@
-"""A Twisted (treq) client for the dsh-agent-relay wire protocol v1.0 / v1.1.
+"""A Twisted (treq) client for the dsh-agent-relay wire protocol v1.0 / v1.1, and
+the delivery extensions v1.2 (EXTENSIONS.md) wherever the broker advertises them.
 
 Every method returns a Deferred that fires with the broker's JSON answer (a dict)
 or fails with :class:`relay.errors.RelayError`. Transient failures (5xx, 408,
 429, connection failures, timeouts) are retried per spec §5 with a 2/4/8 s
 backoff measured on the injected ``clock``; a retried send keeps its message id,
 so the broker's ``duplicate: true`` answer is an ordinary success.
+
+The first signed request makes the ``GET /`` handshake when none has been made,
+and its answer is kept: it says which extensions the broker has. A v1.2 feature
+the broker does not advertise is never sent; the method that needs it fails with
+code ``unsupported`` naming the capability, except :meth:`RelayClient.request`,
+which falls back to what a v1.1 broker offers. A broker that advertises
+``signedNonce`` gets a fresh ``X-Relay-Nonce`` on every request (§9).
 
 https always verifies the broker's certificate, against the system trust store
 or a given CA file, and presents a client certificate when one is configured. A
@@ -17,9 +25,22 @@ Message bodies are never logged: only methods, paths, statuses and attempts.
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
-from typing import Any, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 from urllib.parse import quote, urlsplit
 
 import treq
@@ -40,9 +61,9 @@ from zope.interface import implementer
 
 from relay import pem
 from relay.errors import RelayError
-from relay.protocol import PROTOCOL_VERSION, is_loopback_host
+from relay.protocol import KEEP_CARD, PROTOCOL_VERSION, is_loopback_host
 from relay.settings import ENV_CA_FILE, ENV_CLIENT_CERT
-from relay.signing import auth_headers
+from relay.signing import auth_headers, new_nonce
 
 RETRY_DELAYS_SECONDS: Tuple[float, ...] = (2.0, 4.0, 8.0)
 DEFAULT_TIMEOUT_SECONDS = 15.0
@@ -51,10 +72,74 @@ RETRYABLE_STATUSES = frozenset({408, 429})
 LONG_POLL_GRACE_SECONDS = 10.0
 # The wait of a broker that advertises long polling without a maximum.
 DEFAULT_LONG_POLL_SECONDS = 20.0
+# request(): how long to wait for the answer unless told, how often to look for it
+# when the broker cannot long-poll, and how long the answer's own lease lasts (short:
+# an answer leased by a pull that was cut off comes back soon).
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 60.0
+REPLY_POLL_SECONDS = 2.0
+REPLY_LEASE_SECONDS = 60
+# How long past its timeout request() may take for a last answer to come back.
+REQUEST_GRACE_SECONDS = 2.0
+# The v1.1 fallback of request() reads this many of the newest replies per look.
+FALLBACK_QUERY_LIMIT = 200
+# The outcomes of a broker that lists none (v1.1).
+V11_OUTCOMES = frozenset({"completed", "retry"})
 
 
 class _TimedOut(Exception):
     """No complete answer arrived within the request timeout."""
+
+
+class RequestTimeout(RelayError):
+    """No answer to a request arrived in time (code ``request_timeout``).
+
+    The request stays where it is: a late answer can still be awaited with
+    :meth:`RelayClient.await_reply` and :attr:`request_id`.
+    """
+
+    def __init__(self, request_id: str, to: Optional[str], timeout: float) -> None:
+        who = f" from {to}" if to else ""
+        super().__init__(
+            0, "request_timeout", f"no answer{who} to request {request_id} within {timeout:g} s"
+        )
+        self.request_id = request_id
+        self.to = to
+        self.timeout = timeout
+
+
+class RequestFailed(RelayError):
+    """A request failed or expired without an answer (code ``request_failed``).
+
+    :attr:`event` is ``"failed"`` or ``"expired"`` and :attr:`error` the reason,
+    from the broker's failure notice (EXTENSIONS.md §4, kept in :attr:`notice`)
+    or, without one, from ``/v1/status``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        to: Optional[str],
+        event: str,
+        error: str,
+        notice: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        who = f" to {to}" if to else ""
+        super().__init__(0, "request_failed", f"request {request_id}{who} {event}: {error}")
+        self.request_id = request_id
+        self.to = to
+        self.event = event
+        self.error = error
+        self.notice = notice
+
+
+def unsupported(capability: str, what: str) -> RelayError:
+    """The error for a feature the broker does not advertise (code ``unsupported``)."""
+    return RelayError(
+        0,
+        "unsupported",
+        f"the broker lacks {capability} ({what}, EXTENSIONS.md v1.2); "
+        "`relay handshake` lists what it offers",
+    )
 
 
 _TRANSIENT_FAILURES = (
@@ -126,6 +211,54 @@ def long_poll_limit(info: Optional[Dict[str, Any]]) -> Optional[float]:
         return DEFAULT_LONG_POLL_SECONDS
     return None
 
+
+def capabilities_of(info: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The ``capabilities`` object of a ``GET /`` document (empty when absent)."""
+    capabilities = info.get("capabilities") if isinstance(info, dict) else None
+    return capabilities if isinstance(capabilities, dict) else {}
+
+
+def advertises(info: Optional[Dict[str, Any]], capability: str) -> bool:
+    """Whether ``GET /`` advertised ``capability`` (``true``, an object or a list)."""
+    value = capabilities_of(info).get(capability)
+    return value is True or (isinstance(value, (dict, list)) and value is not False)
+
+
+def ack_outcomes(info: Optional[Dict[str, Any]]) -> FrozenSet[str]:
+    """The ``/v1/ack`` outcomes the broker takes: ``capabilities.ackOutcomes`` or v1.1's."""
+    listed = capabilities_of(info).get("ackOutcomes")
+    if isinstance(listed, list):
+        return frozenset(str(outcome) for outcome in listed) | V11_OUTCOMES
+    return V11_OUTCOMES
+
+
+def failure_notices(info: Optional[Dict[str, Any]]) -> bool:
+    """Whether the broker stores a failure notice for each failed request (§4)."""
+    dead_letters = capabilities_of(info).get("deadLetters")
+    return isinstance(dead_letters, dict) and dead_letters.get("failureNotices") is True
+
+
+def notice_of(message: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """The ``relayNotice`` of a failure notice (EXTENSIONS.md §4), or None."""
+    body = message.get("body")
+    notice = body.get("relayNotice") if isinstance(body, dict) else None
+    return notice if isinstance(notice, dict) else None
+
+
+def _answer_or_failure(
+    message: Dict[str, Any], request_id: str, to: Optional[str]
+) -> Dict[str, Any]:
+    """``message``, the answer to a request, unless it is its failure notice."""
+    notice = notice_of(message)
+    if notice is None:
+        return message
+    event = str(notice.get("event") or "failed")
+    raise RequestFailed(request_id, to, event, str(notice.get("error") or event), notice)
+
+
+def _whole_seconds(seconds: float) -> int:
+    """A wait in whole seconds, rounded up (a retry-after is never shortened)."""
+    return max(0, int(math.ceil(seconds)))
 
 
 # -- TLS ------------------------------------------------------------------------
@@ -411,6 +544,14 @@ class RelayClient:
     :param on_retry: called before each retry as ``on_retry(error, delay,
         retry, retries)``: the failure, the seconds until the next attempt,
         which retry this is (from 1) and how many there may be.
+    :param info: the broker's ``GET /`` document when it is known already (for
+        example from another client's handshake); the first signed request then
+        makes no handshake of its own.
+
+    Every method may be called from the reactor thread only; each returns a
+    Deferred (``await`` it in a coroutine, or hand it to
+    ``twisted.internet.threads.blockingCallFromThread`` from another thread).
+    Cancelling a Deferred stops the call, its retries and its waits.
     """
 
     log = Logger()
@@ -432,6 +573,7 @@ class RelayClient:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         retry_refused_loopback: bool = True,
         on_retry: Optional[Callable[[RelayError, float, int, int], None]] = None,
+        info: Optional[Dict[str, Any]] = None,
     ) -> None:
         parts = urlsplit(broker_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -453,14 +595,47 @@ class RelayClient:
         self.retry_refused_loopback = retry_refused_loopback
         self.on_retry = on_retry
         self._loopback = is_loopback_host(parts.hostname or "")
-        self.info: Optional[Dict[str, Any]] = None
+        self.info: Optional[Dict[str, Any]] = info
+        self._handshaking = defer.DeferredLock()
+        self._registered = False
 
-    # -- transport --------------------------------------------------------
+    # -- what the broker offers -------------------------------------------
 
     @property
     def long_poll_seconds(self) -> Optional[float]:
         """The broker's advertised long-poll maximum, once :meth:`handshake` ran."""
         return long_poll_limit(self.info)
+
+    @property
+    def capabilities(self) -> Dict[str, Any]:
+        """The ``capabilities`` of the last handshake (empty before one)."""
+        return capabilities_of(self.info)
+
+    def advertises(self, capability: str) -> bool:
+        """Whether the last handshake advertised ``capability`` (e.g. ``"leaseRenew"``)."""
+        return advertises(self.info, capability)
+
+    @property
+    def signs_nonce(self) -> bool:
+        """Whether requests carry ``X-Relay-Nonce``: the broker advertises ``signedNonce``."""
+        return self.advertises("signedNonce")
+
+    async def _known(self) -> None:
+        """Make the handshake, unless its answer is known already."""
+        if self.info is None:
+            await self._handshaking.run(self._handshake_unless_known)
+
+    def _handshake_unless_known(self) -> defer.Deferred:
+        if self.info is not None:
+            return defer.succeed(self.info)
+        return self.handshake()
+
+    async def _require(self, capability: str, what: str) -> None:
+        await self._known()
+        if not self.advertises(capability):
+            raise unsupported(capability, what)
+
+    # -- transport --------------------------------------------------------
 
     def _wait_for(self, wait: Optional[float]) -> Optional[int]:
         """The wait to send: only when asked for and advertised, capped by the broker."""
@@ -477,13 +652,23 @@ class RelayClient:
     async def _attempt(
         self, method: str, path: str, raw_body: bytes, signed: bool, timeout: float
     ) -> Tuple[int, bytes]:
-        """One HTTP exchange; raises a transient failure or ``_TimedOut``."""
+        """One HTTP exchange; raises a transient failure or ``_TimedOut``.
+
+        Each attempt is signed afresh: its own timestamp, and its own nonce when
+        the broker advertises ``signedNonce``.
+        """
         headers: Dict[str, List[str]] = {"Accept": ["application/json"]}
         if raw_body:
             headers["Content-Type"] = ["application/json; charset=utf-8"]
         if signed:
             stamped = auth_headers(
-                self._secret, self.agent, method, path, int(self._clock.seconds()), raw_body
+                self._secret,
+                self.agent,
+                method,
+                path,
+                int(self._clock.seconds()),
+                raw_body,
+                nonce=new_nonce() if self.signs_nonce else None,
             )
             for name, value in stamped.items():
                 headers[name] = [value]
@@ -518,6 +703,19 @@ class RelayClient:
             if timer.active():
                 timer.cancel()
 
+    async def _nonce_changed(self) -> bool:
+        """Handshake again; whether the broker's ``signedNonce`` advertisement changed.
+
+        A broker restarted with another configuration (or replaced by one of
+        another version) may now want a nonce, or refuse one.
+        """
+        before = self.signs_nonce
+        try:
+            await self.handshake()
+        except RelayError:
+            return False
+        return self.signs_nonce != before
+
     async def _request(
         self,
         method: str,
@@ -528,8 +726,11 @@ class RelayClient:
         timeout: Optional[float] = None,
     ) -> Any:
         raw_body = b"" if document is None else _encode_json(document)
+        if signed:
+            await self._known()
         delays = list(self.retry_delays)
         attempt = 0
+        handshaken_again = False
         while True:
             attempt += 1
             try:
@@ -560,6 +761,10 @@ class RelayClient:
                 if 200 <= status < 300:
                     return _decode_answer(status, raw)
                 error = _error_from_answer(status, raw)
+                if status == 401 and signed and not handshaken_again:
+                    handshaken_again = True
+                    if await self._nonce_changed():
+                        continue
                 if not _is_retryable_status(status):
                     raise error
             if not delays:
@@ -584,7 +789,8 @@ class RelayClient:
 
         Fails with ``RelayError(0, "protocol_mismatch", ...)`` unless the broker
         speaks protocol 1.0. ``capabilities`` and ``storage`` are optional. The
-        answer is kept in :attr:`info`.
+        answer is kept in :attr:`info`; the first signed request makes this
+        handshake itself when none was made.
         """
 
         async def go() -> Dict[str, Any]:
@@ -602,12 +808,28 @@ class RelayClient:
 
         return self._run(go)
 
-    def register(self) -> defer.Deferred:
-        """POST /register: register this agent, or heartbeat it."""
-        return self._run(self._request, "POST", "/register", {"agent": self.agent})
+    def register(self, card: Any = KEEP_CARD) -> defer.Deferred:
+        """POST /register: register this agent, or heartbeat it.
+
+        :param card: a peer card to publish (v1.2 §8), a mapping with an optional
+            ``description`` (text) and ``skills`` (a list of texts); ``None``
+            removes the published card. By default the stored card is kept. A
+            card needs ``peerCards``.
+        """
+
+        async def go() -> Dict[str, Any]:
+            document: Dict[str, Any] = {"agent": self.agent}
+            if card is not KEEP_CARD:
+                await self._require("peerCards", "peer cards")
+                document["card"] = None if card is None else dict(card)
+            answer = await self._request("POST", "/register", document)
+            self._registered = True
+            return answer
+
+        return self._run(go)
 
     def peers(self) -> defer.Deferred:
-        """GET /peers: ``{"peers": [{"agent", "online", "lastSeen"}, ...]}``."""
+        """GET /peers: ``{"peers": [{"agent", "online", "lastSeen", "card"?}, ...]}``."""
         return self._run(self._request, "GET", "/peers")
 
     def send(
@@ -622,11 +844,18 @@ class RelayClient:
         root_id: Optional[str] = None,
         parent_id: Optional[str] = None,
         ack: bool = False,
+        ttl_seconds: Optional[float] = None,
+        delay_seconds: Optional[float] = None,
     ) -> defer.Deferred:
         """POST /messages: send one envelope; ``{"accepted", "id", "duplicate"}``.
 
         The id (``message_id`` or a fresh UUID) is fixed once, so every retry
         re-sends the same message and a duplicate answer is success.
+
+        :param ttl_seconds: the message expires that long after it is stored
+            (v1.2 §7, needs ``messageTtl``); rounded up to whole seconds.
+        :param delay_seconds: the message is not delivered before that many
+            seconds (needs ``delayedDelivery``); 0 or ``None`` sends no delay.
         """
         envelope: Dict[str, Any] = {
             "id": message_id or str(uuid.uuid4()),
@@ -643,7 +872,17 @@ class RelayClient:
             envelope["rootId"] = root_id
         if parent_id is not None:
             envelope["parentId"] = parent_id
-        return self._run(self._request, "POST", "/messages", envelope)
+
+        async def go() -> Dict[str, Any]:
+            if ttl_seconds is not None:
+                await self._require("messageTtl", "per-message TTL")
+                envelope["ttlSeconds"] = _whole_seconds(ttl_seconds)
+            if delay_seconds:
+                await self._require("delayedDelivery", "delayed delivery")
+                envelope["delaySeconds"] = _whole_seconds(delay_seconds)
+            return await self._request("POST", "/messages", envelope)
+
+        return self._run(go)
 
     def recv(self, limit: Optional[int] = None, wait: Optional[float] = None) -> defer.Deferred:
         """GET /messages after :attr:`cursor`: ``{"messages", "cursor"}``.
@@ -653,6 +892,7 @@ class RelayClient:
         """
 
         async def go() -> Dict[str, Any]:
+            await self._known()
             params: List[Tuple[str, Any]] = []
             if self.cursor:
                 params.append(("since", self.cursor))
@@ -676,45 +916,81 @@ class RelayClient:
     def ack(
         self, message_id: str, status: str = "ok", error: Optional[str] = None
     ) -> defer.Deferred:
-        """POST /messages/<id>/ack: the v1.0 receipt back to the sender."""
+        """POST /messages/<id>/ack: the v1.0 receipt back to the sender.
+
+        (The v1.1 lease acknowledgement is :meth:`ack_outcome`.)
+        """
         document: Dict[str, Any] = {"status": status}
         if status == "error":
             document["error"] = error or "error"
         path = f"/messages/{quote(message_id, safe='')}/ack"
         return self._run(self._request, "POST", path, document)
 
-    # -- v1.1 -------------------------------------------------------------
+    # -- v1.1 and the v1.2 lease operations ----------------------------------
 
     def pull(
         self,
         limit: Optional[int] = None,
         lease_seconds: Optional[int] = None,
         wait: Optional[float] = None,
+        *,
+        parent_id: Optional[str] = None,
     ) -> defer.Deferred:
         """POST /v1/pull: lease queued messages; ``{"messages", "count"}``.
 
         Each returned envelope carries the ``leaseId`` that :meth:`ack_outcome`
         needs. ``wait`` long-polls only if the broker advertised it.
+
+        :param parent_id: lease only the messages whose ``parentId`` or
+            ``replyTo`` is this id, the answers to one request (v1.2 §5,
+            needs ``pullFilter``); other queued messages are left alone.
         """
-        document: Dict[str, Any] = {}
-        if limit is not None:
-            document["limit"] = int(limit)
-        if lease_seconds is not None:
-            document["leaseSeconds"] = int(lease_seconds)
-        waited = self._wait_for(wait)
-        if waited is not None:
-            document["waitSeconds"] = waited
-        return self._run(
-            self._request, "POST", "/v1/pull", document, timeout=self._timeout_for(waited)
-        )
+
+        async def go() -> Dict[str, Any]:
+            await self._known()
+            document: Dict[str, Any] = {}
+            if limit is not None:
+                document["limit"] = int(limit)
+            if lease_seconds is not None:
+                document["leaseSeconds"] = int(lease_seconds)
+            if parent_id is not None:
+                await self._require("pullFilter", "pull by parent")
+                document["parentId"] = parent_id
+            waited = self._wait_for(wait)
+            if waited is not None:
+                document["waitSeconds"] = waited
+            return await self._request(
+                "POST", "/v1/pull", document, timeout=self._timeout_for(waited)
+            )
+
+        return self._run(go)
 
     def ack_outcome(
-        self, message_id: str, lease_id: str, outcome: str, error: Optional[str] = None
+        self,
+        message_id: str,
+        lease_id: str,
+        outcome: str,
+        error: Optional[str] = None,
+        *,
+        retry_after: Optional[float] = None,
+        reply: Optional[Mapping[str, Any]] = None,
     ) -> defer.Deferred:
-        """POST /v1/ack: finish (``completed``) or re-queue (``retry``) a lease.
+        """POST /v1/ack: end a lease with ``outcome``.
 
+        ``completed`` (done) and ``retry`` (queued again, one attempt more) are
+        v1.1; ``release`` (queued again at no cost) and ``reject`` (failed at
+        once) need them listed in ``capabilities.ackOutcomes``. Fires with
         ``{"ok", "status", "attempts"}``; 409 ``not_leased``/``lease_mismatch``
         when this lease is no longer current.
+
+        :param retry_after: with ``retry`` or ``release``: seconds before the
+            message may be delivered again (needs ``retryAfter``; rounded up).
+        :param reply: with ``completed``: the reply stored in the same
+            transaction (v1.2 §6, needs ``replyInAck``), a mapping with
+            ``body`` and optionally ``kind`` (``"reply"``, the default, or
+            ``"message"``), ``ack`` and ``id``. Without an ``id`` one is chosen
+            here, before the first attempt, so that a retried ack is recognised
+            as a duplicate; the answer then adds ``replyId`` and ``duplicate``.
         """
         document: Dict[str, Any] = {
             "messageId": message_id,
@@ -723,10 +999,102 @@ class RelayClient:
         }
         if error is not None:
             document["error"] = error
-        return self._run(self._request, "POST", "/v1/ack", document)
+        fixed_reply: Optional[Dict[str, Any]] = None
+        if reply is not None:
+            fixed_reply = dict(reply)
+            fixed_reply.setdefault("id", str(uuid.uuid4()))
+
+        async def go() -> Dict[str, Any]:
+            await self._known()
+            if outcome not in ack_outcomes(self.info):
+                raise unsupported(f'the "{outcome}" outcome', "ackOutcomes")
+            if retry_after is not None:
+                await self._require("retryAfter", f"{outcome} after a delay")
+                document["retryAfterSeconds"] = _whole_seconds(retry_after)
+            if fixed_reply is not None:
+                await self._require("replyInAck", "the reply in the ack")
+                document["reply"] = fixed_reply
+            return await self._request("POST", "/v1/ack", document)
+
+        return self._run(go)
+
+    def complete(
+        self, message_id: str, lease_id: str, reply: Optional[Mapping[str, Any]] = None
+    ) -> defer.Deferred:
+        """:meth:`ack_outcome` ``completed``, with the atomic ``reply`` when given."""
+        return self.ack_outcome(message_id, lease_id, "completed", reply=reply)
+
+    def retry(
+        self,
+        message_id: str,
+        lease_id: str,
+        error: Optional[str] = None,
+        *,
+        after: Optional[float] = None,
+    ) -> defer.Deferred:
+        """:meth:`ack_outcome` ``retry`` (one attempt more), not before ``after`` seconds."""
+        return self.ack_outcome(message_id, lease_id, "retry", error, retry_after=after)
+
+    def release(
+        self, message_id: str, lease_id: str, *, after: Optional[float] = None
+    ) -> defer.Deferred:
+        """:meth:`ack_outcome` ``release``: give a message back without using an
+        attempt (shutting down, not this worker's job), not before ``after`` seconds."""
+        return self.ack_outcome(message_id, lease_id, "release", retry_after=after)
+
+    def reject(
+        self, message_id: str, lease_id: str, error: Optional[str] = None
+    ) -> defer.Deferred:
+        """:meth:`ack_outcome` ``reject``: a poison message fails at once with ``error``."""
+        return self.ack_outcome(message_id, lease_id, "reject", error)
+
+    def renew(
+        self, message_id: str, lease_id: str, lease_seconds: Optional[float] = None
+    ) -> defer.Deferred:
+        """POST /v1/lease/renew: the lease now ends ``lease_seconds`` from now (the
+        broker's ``leaseSeconds`` by default); ``{"ok", "leaseId", "leaseUntil"}``.
+
+        Needs ``leaseRenew``. 409 ``not_leased`` when the lease has ended (its
+        deadline passed, or the sender cancelled the message), 409
+        ``lease_mismatch`` when another lease is current.
+        """
+
+        async def go() -> Dict[str, Any]:
+            await self._require("leaseRenew", "lease renewal")
+            document: Dict[str, Any] = {"messageId": message_id, "leaseId": lease_id}
+            if lease_seconds is not None:
+                document["leaseSeconds"] = max(1, _whole_seconds(lease_seconds))
+            return await self._request("POST", "/v1/lease/renew", document)
+
+        return self._run(go)
+
+    def requeue(self, message_id: str) -> defer.Deferred:
+        """POST /v1/requeue: put a failed message (a dead letter) back in the queue,
+        with its attempts and deliveries at 0. Needs ``deadLetters``."""
+
+        async def go() -> Dict[str, Any]:
+            await self._require("deadLetters", "requeue")
+            return await self._request("POST", "/v1/requeue", {"messageId": message_id})
+
+        return self._run(go)
+
+    def cancel(self, message_id: str, reason: Optional[str] = None) -> defer.Deferred:
+        """POST /v1/cancel: withdraw a message this agent sent that is not done yet;
+        it fails with ``reason``. Needs ``deadLetters``."""
+
+        async def go() -> Dict[str, Any]:
+            await self._require("deadLetters", "cancel")
+            document: Dict[str, Any] = {"messageId": message_id}
+            if reason is not None:
+                document["reason"] = reason
+            return await self._request("POST", "/v1/cancel", document)
+
+        return self._run(go)
 
     def status(self, message_ids: Sequence[str]) -> defer.Deferred:
-        """POST /v1/status: ``{"messages": [{id, status, attempts, ts, from, to, kind}]}``."""
+        """POST /v1/status: ``{"messages": [{id, status, attempts, ts, from, to, kind}]}``;
+        a v1.2 broker adds ``deliveries`` and, when set, ``error``, ``notBefore``
+        and ``expiresAt`` (epoch milliseconds)."""
         return self._run(self._request, "POST", "/v1/status", {"messageIds": list(message_ids)})
 
     def recent(self, limit: Optional[int] = None) -> defer.Deferred:
@@ -742,18 +1110,246 @@ class RelayClient:
         from_: Optional[str] = None,
         to: Optional[str] = None,
         limit: Optional[int] = None,
+        box: Optional[str] = None,
+        root_id: Optional[str] = None,
+        parent_id: Optional[str] = None,
     ) -> defer.Deferred:
-        """POST /v1/messages/query: a read-only filtered search."""
+        """POST /v1/messages/query: a read-only filtered search, newest first.
+
+        ``box`` (``"inbox"``, the default, ``"sent"`` or ``"all"``), ``root_id``
+        and ``parent_id`` are the conversation filters of v1.2 §5 and need
+        ``threads``.
+        """
         filters = {"kind": kind, "status": status, "from": from_, "to": to}
         document: Dict[str, Any] = {
             key: value for key, value in filters.items() if value is not None
         }
         if limit is not None:
             document["limit"] = int(limit)
-        return self._run(self._request, "POST", "/v1/messages/query", document)
+        conversation = {"box": box, "rootId": root_id, "parentId": parent_id}
+        wanted = {key: value for key, value in conversation.items() if value is not None}
+
+        async def go() -> Dict[str, Any]:
+            if wanted:
+                await self._require("threads", "query by box, root or parent")
+                document.update(wanted)
+            return await self._request("POST", "/v1/messages/query", document)
+
+        return self._run(go)
+
+    def thread(
+        self, root_id: str, since: Optional[str] = None, limit: Optional[int] = None
+    ) -> defer.Deferred:
+        """POST /v1/thread: the messages of one conversation that this agent sent or
+        received, oldest first, after ``since``; ``{"messages", "count", "cursor"}``.
+        Needs ``threads``."""
+
+        async def go() -> Dict[str, Any]:
+            await self._require("threads", "threads")
+            document: Dict[str, Any] = {"rootId": root_id}
+            if since is not None:
+                document["since"] = since
+            if limit is not None:
+                document["limit"] = int(limit)
+            return await self._request("POST", "/v1/thread", document)
+
+        return self._run(go)
 
     def _timeout_for(self, waited: Optional[int]) -> float:
         return self.timeout if waited is None else self.timeout + waited + LONG_POLL_GRACE_SECONDS
+
+    # -- request / reply ------------------------------------------------------------
+
+    def request(
+        self,
+        to: str,
+        body: Optional[Dict[str, Any]] = None,
+        timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS,
+        *,
+        message_id: Optional[str] = None,
+        root_id: Optional[str] = None,
+        ttl_seconds: Optional[float] = None,
+        poll_interval: float = REPLY_POLL_SECONDS,
+    ) -> defer.Deferred:
+        """Send ``body`` to ``to`` as a ``kind: "request"`` and wait for the answer.
+
+        Fires with the answer's envelope, or fails with :class:`RequestFailed`
+        (the request failed or expired: its failure notice, event and error) or
+        :class:`RequestTimeout` (no answer within ``timeout`` seconds, which
+        bounds the whole call, sending included). Other failures are the
+        ``RelayError`` of the step that failed. This agent registers first (a
+        reply can only reach a registered agent), once per client.
+
+        A broker with ``pullFilter`` is asked with long-poll pulls by parent
+        (up to ``capabilities.longPoll.maxWaitSeconds`` each): they lease the
+        answer alone, which is then acknowledged ``completed``; no other
+        message is touched. A v1.1 broker is asked every ``poll_interval``
+        seconds with read-only queries for the reply and ``/v1/status`` for a
+        failure of the request: nothing is leased or acknowledged, so the
+        answer stays queued in this agent's inbox.
+        """
+        request_id = message_id or str(uuid.uuid4())
+
+        async def go() -> Dict[str, Any]:
+            started = self._clock.seconds()
+            if not self._registered:
+                await self.register()
+            await self.send(
+                to,
+                body,
+                message_id=request_id,
+                kind="request",
+                root_id=root_id,
+                ttl_seconds=ttl_seconds,
+            )
+            return await self._await(request_id, to, started, timeout, poll_interval)
+
+        return self._bounded(go, request_id, to, timeout)
+
+    def await_reply(
+        self,
+        request_id: str,
+        timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS,
+        *,
+        to: Optional[str] = None,
+        poll_interval: float = REPLY_POLL_SECONDS,
+    ) -> defer.Deferred:
+        """Wait up to ``timeout`` seconds for the answer to a request sent earlier,
+        as :meth:`request` does (``to``, the agent asked, narrows the v1.1 query)."""
+
+        async def go() -> Dict[str, Any]:
+            started = self._clock.seconds()
+            return await self._await(request_id, to, started, timeout, poll_interval)
+
+        return self._bounded(go, request_id, to, timeout)
+
+    def _bounded(
+        self,
+        coroutine_function: Callable[[], Awaitable[Dict[str, Any]]],
+        request_id: str,
+        to: Optional[str],
+        timeout: float,
+    ) -> defer.Deferred:
+        """Run ``coroutine_function`` for at most ``timeout`` seconds (and a grace for
+        the last answer); past that, cancel it and fail with :class:`RequestTimeout`."""
+
+        async def go() -> Dict[str, Any]:
+            inner = defer.Deferred.fromCoroutine(coroutine_function())
+            expired: List[bool] = []
+
+            def expire() -> None:
+                expired.append(True)
+                inner.cancel()
+
+            timer = self._clock.callLater(timeout + REQUEST_GRACE_SECONDS, expire)
+            try:
+                return await inner
+            except defer.CancelledError:
+                if expired:
+                    raise RequestTimeout(request_id, to, timeout) from None
+                raise
+            finally:
+                if timer.active():
+                    timer.cancel()
+
+        return self._run(go)
+
+    async def _await(
+        self,
+        request_id: str,
+        to: Optional[str],
+        started: float,
+        timeout: float,
+        poll_interval: float,
+    ) -> Dict[str, Any]:
+        await self._known()
+        deadline = started + timeout
+        by_parent = self.advertises("pullFilter")
+        if not by_parent and not self.advertises("filteredQuery"):
+            raise unsupported("pullFilter", "waiting for a reply; nor does it offer filteredQuery")
+        # Without failure notices only /v1/status tells that the request failed.
+        check_status = not (by_parent and failure_notices(self.info))
+        maximum = self.long_poll_seconds if by_parent else None
+        while True:
+            remaining = deadline - self._clock.seconds()
+            # Whole seconds, rounded down: a long poll never outlasts the deadline.
+            wait = int(min(remaining, maximum)) if maximum and remaining >= 1 else 0
+            if by_parent:
+                answer = await self._pull_answer(request_id, to, wait)
+            else:
+                answer = await self._query_answer(request_id, to)
+            if answer is not None:
+                return answer
+            if check_status:
+                await self._check_request(request_id, to)
+            remaining = deadline - self._clock.seconds()
+            if remaining <= 0:
+                raise RequestTimeout(request_id, to, timeout)
+            if not wait:
+                await deferLater(self._clock, min(poll_interval, remaining))
+
+    async def _pull_answer(
+        self, request_id: str, to: Optional[str], wait: int
+    ) -> Optional[Dict[str, Any]]:
+        """One pull by parent (long-polling ``wait`` seconds): the answer, completed."""
+        document: Dict[str, Any] = {
+            "limit": 1,
+            "leaseSeconds": REPLY_LEASE_SECONDS,
+            "parentId": request_id,
+        }
+        if wait:
+            document["waitSeconds"] = wait
+        answer = await self._request(
+            "POST", "/v1/pull", document, timeout=self._timeout_for(wait or None)
+        )
+        for message in _messages(answer):
+            await self._complete_quietly(message)
+            if message.get("type") == "ack":
+                continue  # a v1.0 receipt of the request, not its answer
+            return _answer_or_failure(message, request_id, to)
+        return None
+
+    async def _query_answer(self, request_id: str, to: Optional[str]) -> Optional[Dict[str, Any]]:
+        """One read-only look for the reply among the newest replies (v1.1)."""
+        answer = await self.query(kind="reply", from_=to, limit=FALLBACK_QUERY_LIMIT)
+        for message in _messages(answer):
+            answers = request_id in (message.get("parentId"), message.get("replyTo"))
+            if answers and message.get("type") != "ack":
+                return _answer_or_failure(message, request_id, to)
+        return None
+
+    async def _complete_quietly(self, message: Mapping[str, Any]) -> None:
+        """Acknowledge an answer leased by a pull by parent; a refusal is only logged
+        (the answer was read: the lease lapses and nothing is lost)."""
+        try:
+            await self.complete(str(message.get("id")), str(message.get("leaseId") or ""))
+        except RelayError as error:
+            self.log.warn(
+                "relay: the answer {id} was read but not acknowledged ({code})",
+                id=message.get("id"),
+                code=error.code,
+            )
+
+    async def _check_request(self, request_id: str, to: Optional[str]) -> None:
+        """Raise :class:`RequestFailed` when ``/v1/status`` says the request failed or is gone."""
+        answer = await self.status([request_id])
+        for entry in _messages(answer):
+            if entry.get("id") != request_id:
+                continue
+            state = entry.get("status")
+            if state == "failed":
+                error = entry.get("error") or f"failed after {entry.get('attempts')} attempts"
+                raise RequestFailed(request_id, to, "failed", str(error))
+            if state == "not_found":
+                raise RequestFailed(
+                    request_id, to, "expired", "the broker no longer has the request"
+                )
+
+
+def _messages(answer: Any) -> List[Dict[str, Any]]:
+    """The message objects of an answer's ``messages`` list."""
+    listed = answer.get("messages") if isinstance(answer, dict) else None
+    return [m for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
 
 
 def _decode_answer(status: int, raw: bytes) -> Any:

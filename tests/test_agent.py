@@ -22,6 +22,7 @@ from relay.client import RelayClient
 from relay.errors import RelayError
 from relay.receipts import ReceiptStore, legacy_receipts_path, receipts_path
 from relay.testing import SECRET as TEST_SECRET
+from tests.client_support import SeenAsV11, relay_stub
 
 
 def test_reply_body_shapes() -> None:
@@ -35,23 +36,20 @@ def test_reply_body_shapes() -> None:
 # -- a broker, two clients and a runtime ------------------------------------------
 
 
-def relay_stub(resource: Any) -> StubTreq:
-    """StubTreq serving with the broker's own request class (see test_client)."""
-    from relay.http import RelayRequest
-
-    stub = StubTreq(resource)
-    stub._agent._serverFactory.requestFactory = RelayRequest
-    return stub
-
-
 class World:
-    """An in-memory broker, the requester ``alpha`` and helpers to run ``worker``."""
+    """An in-memory broker, the requester ``alpha`` and helpers to run ``worker``.
 
-    def __init__(self, tmp_path: Path, **broker: Any) -> None:
+    With ``v11`` every client sees a v1.1 broker with long polling
+    (:class:`SeenAsV11`): the runtime then falls back to receipts, held leases and
+    the v1.1 outcomes.
+    """
+
+    def __init__(self, tmp_path: Path, v11: bool = False, **broker: Any) -> None:
         from relay.testing import make_api
 
         self.api, _, self.clock = make_api(**broker)
-        self.stub = relay_stub(self.api.resource())
+        resource = self.api.resource()
+        self.stub = relay_stub(SeenAsV11(resource, long_poll=True) if v11 else resource)
         self.home = tmp_path
         self.alpha = self.client("alpha")
 
@@ -155,7 +153,8 @@ def test_root_id_defaults_to_the_request_id(tmp_path: Path) -> None:
 
 
 def test_handler_failure_retries_then_fails_after_max_attempts(tmp_path: Path) -> None:
-    world = World(tmp_path, maxAttempts=3)
+    """On a v1.1 broker the lease is held for the retry delay, then acked ``retry``."""
+    world = World(tmp_path, v11=True, maxAttempts=3)
     handler = Recorder(fail=True)
     service = world.runtime(handler, retry_delay=5.0)
     start(world, service)
@@ -213,8 +212,8 @@ def test_a_handler_failure_is_logged_with_its_message_not_the_body(
 
 def test_a_refused_reply_holds_the_lease_before_the_retry(tmp_path: Path) -> None:
     """A reply the broker refuses (here the ACL; often a requester that has not
-    registered yet) does not burn the request's attempts at once."""
-    world = World(tmp_path, agents={"worker": {"allowed_targets": ["nobody"]}})
+    registered yet) does not burn the request's attempts at once (v1.1: a held lease)."""
+    world = World(tmp_path, v11=True, agents={"worker": {"allowed_targets": ["nobody"]}})
     service = world.runtime(Recorder(), retry_delay=5.0)
     start(world, service)
     request = world.request("hello")
@@ -223,7 +222,7 @@ def test_a_refused_reply_holds_the_lease_before_the_retry(tmp_path: Path) -> Non
     world.settle(5)
     assert world.status(request) == ("leased", 1)  # retried once, leased again
     stopped = service.stopService()
-    world.settle(5)  # the runtime waits out the delay, hands the request back, stops
+    world.settle()  # the runtime cuts the delay short, hands the request back, stops
     assert stopped.called
     assert world.status(request) == ("queued", 2)
 
@@ -265,16 +264,18 @@ def test_coroutine_handler(tmp_path: Path) -> None:
 class LosesAcks(RelayClient):
     """A client whose completed acks never reach the broker."""
 
-    def ack_outcome(self, message_id: str, lease_id: str, outcome: str, error: Any = None) -> Any:
+    def ack_outcome(self, message_id: str, lease_id: str, outcome: str, error: Any = None,
+                    **extensions: Any) -> Any:
         if outcome == "completed":
             return defer.fail(RelayError(0, "connection_error", "lost"))
-        return super().ack_outcome(message_id, lease_id, outcome, error)
+        return super().ack_outcome(message_id, lease_id, outcome, error, **extensions)
 
 
 def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
     tmp_path: Path,
 ) -> None:
-    world = World(tmp_path)
+    """The receipts of a v1.1 broker (with v1.2 the reply is in the ack itself)."""
+    world = World(tmp_path, v11=True)
     handler = Recorder()
     lossy = LosesAcks("http://127.0.0.1:19121", "worker", TEST_SECRET, clock=world.clock,
                       http=world.stub)
@@ -308,9 +309,13 @@ def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
     stop(world, second)
 
 
-def test_a_receipt_from_the_old_json_file_is_replayed_after_an_upgrade(tmp_path: Path) -> None:
-    """A request answered by an earlier release, whose ack was lost, is not run again."""
-    world = World(tmp_path)
+@pytest.mark.parametrize("v11", [False, True])
+def test_a_receipt_from_the_old_json_file_is_replayed_after_an_upgrade(
+    tmp_path: Path, v11: bool
+) -> None:
+    """A request answered by an earlier release, whose ack was lost, is not run again,
+    whatever the broker offers now."""
+    world = World(tmp_path, v11=v11)
     world.run(world.client("worker").register())
     request = world.request("answered before the upgrade")
     earlier = {
@@ -415,7 +420,8 @@ def test_shutdown_stops_pulling_and_waits_for_in_flight_handlers(tmp_path: Path)
 
 
 def test_shutdown_gives_up_after_the_grace_period(tmp_path: Path) -> None:
-    world = World(tmp_path)
+    """On a v1.1 broker the unfinished request's lease lapses (v1.2: it is released)."""
+    world = World(tmp_path, v11=True)
     service = world.runtime(lambda message: defer.Deferred(), shutdown_grace=30)
     start(world, service)
     request = world.request("stuck")

@@ -212,10 +212,10 @@ async def test_status_and_query_show_the_last_error(shell: Shell) -> None:
     shell.clock.advance(65)
     status = await shell.run("alpha", "status", sent["id"])
     head, row = status.out.splitlines()
-    assert head.split() == ["ID", "STATUS", "ATTEMPTS", "FROM", "TO", "KIND", "SENT", "LAST",
-                            "ERROR"]
-    assert row.split() == [sent["id"], "queued", "1", "alpha", "beta", "request", "1", "min",
-                           "ago", "disk", "full"]
+    assert head.split() == ["ID", "STATUS", "ATTEMPTS", "DELIVERIES", "FROM", "TO", "KIND",
+                            "SENT", "LAST", "ERROR"]
+    assert row.split() == [sent["id"], "queued", "1", "1", "alpha", "beta", "request", "1",
+                           "min", "ago", "disk", "full"]
     query = await shell.run("beta", "query", "--status", "queued")
     assert "attempts 1 | error disk\nfull" not in query.out
     assert "| error disk\\nfull" in query.out
@@ -298,7 +298,7 @@ async def test_recv_reset_does_not_send_receipts_twice(shell: Shell) -> None:
 
 
 class FlakyBroker(Resource):
-    """Answers 503 ``busy`` ``failures`` times, then the peers list."""
+    """Answers the handshake, then 503 ``busy`` ``failures`` times, then the peers list."""
 
     isLeaf = True
 
@@ -308,6 +308,8 @@ class FlakyBroker(Resource):
 
     def render(self, request: Any) -> bytes:
         request.setHeader(b"content-type", b"application/json")
+        if request.path == b"/":
+            return b'{"protocol": "1.0"}'
         if self.failures:
             self.failures -= 1
             request.setResponseCode(503)

@@ -121,12 +121,18 @@ class ScriptedBroker(Resource):
         return json.dumps(document).encode("utf-8")
 
 
+# What a v1.1 broker answers to GET /: the scripted clients start with it known, so
+# that each script holds only the requests under test.
+V11_INFO = {"protocol": "1.0", "capabilities": {"leaseDelivery": True}}
+
+
 def make_client(
     script: List[Tuple[int, Any]], clock: Optional[Clock] = None, **kwargs: Any
 ) -> Tuple[RelayClient, ScriptedBroker, Clock]:
     clock = clock or Clock()
     clock.advance(NOW)
     broker = ScriptedBroker(script)
+    kwargs.setdefault("info", dict(V11_INFO))
     client = RelayClient(
         "http://broker.test:19121/", "alpha", SECRET, clock=clock, http=StubTreq(broker), **kwargs
     )
@@ -178,7 +184,7 @@ def test_handshake_tolerates_missing_capabilities_and_storage() -> None:
 
 @pytest.mark.parametrize("answer", [{"protocol": "2.0"}, {"broker": "x"}, ["1.0"]])
 def test_handshake_refuses_other_protocols(answer: Any) -> None:
-    client, _, _ = make_client([(200, answer)])
+    client, _, _ = make_client([(200, answer)], info=None)
     error = error_of(client.handshake())
     assert error.code == "protocol_mismatch"
     assert "1.0" in error.message
@@ -412,7 +418,8 @@ def test_connection_failures_retry_then_succeed() -> None:
     clock = Clock()
     broker = ScriptedBroker([(200, {"peers": []})])
     http = FailingHTTP(2, StubTreq(broker))
-    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http)
+    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http,
+                          info=V11_INFO)
     d = client.peers()
     clock.pump([2, 4])
     assert result_of(d) == {"peers": []}
@@ -422,7 +429,8 @@ def test_connection_failures_retry_then_succeed() -> None:
 def test_connection_failure_after_retries_is_status_0() -> None:
     clock = Clock()
     http = FailingHTTP(10, None)
-    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http)
+    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http,
+                          info=V11_INFO)
     d = client.peers()
     clock.pump([2, 4, 8])
     error = error_of(d)
@@ -450,7 +458,8 @@ class HangingHTTP:
 def test_a_request_that_never_answers_times_out_and_is_retried() -> None:
     clock = Clock()
     http = HangingHTTP()
-    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http, timeout=5)
+    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http,
+                          info=V11_INFO, timeout=5)
     d = client.register()
     clock.pump([5, 2, 5, 4, 5, 8, 5])
     error = error_of(d)
@@ -461,7 +470,8 @@ def test_a_request_that_never_answers_times_out_and_is_retried() -> None:
 def test_caller_cancellation_is_not_retried() -> None:
     clock = Clock()
     http = HangingHTTP()
-    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http)
+    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http,
+                          info=V11_INFO)
     d = client.pull(limit=1)
     d.cancel()
     with pytest.raises(defer.CancelledError):

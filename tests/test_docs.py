@@ -109,6 +109,46 @@ def test_the_relay_client_example_runs(tmp_path: Path) -> None:
         broker.stop()
 
 
+V12_EXAMPLES = {
+    "request_reply.py": [
+        "answer: you asked: what time is it?",
+        "the request failed: a question needs a text",
+        "no answer within 2 s",
+    ],
+    "long_handler.py": [
+        "done with a long task: delivered 1x, retried 0x",
+        "done with upstream: delivered 2x, retried 1x",
+    ],
+    "dead_letters.py": [
+        "the request failed: unknown item lamp",
+        "among the dead letters: True (unknown item lamp)",
+        "after the requeue: 3 lamps left",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(V12_EXAMPLES))
+def test_the_v12_examples_run(tmp_path: Path, name: str) -> None:
+    broker = BrokerProcess(str(tmp_path)).start()
+    try:
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(tmp_path),
+            "PYTHONPATH": str(REPO),
+            "DSH_RELAY_BROKER_URL": broker.url,
+            "DSH_RELAY_SECRET": broker.secret,
+        }
+        for _ in range(2):  # and again: what a run leaves behind does not trip the next
+            done = subprocess.run(
+                [sys.executable, str(EXAMPLES / name)],
+                capture_output=True, text=True, timeout=RUN_SECONDS, env=env,
+            )
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.splitlines() == V12_EXAMPLES[name]
+    finally:
+        broker.stop()
+
+
 def test_the_example_handler() -> None:
     import importlib.util
 

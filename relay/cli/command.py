@@ -77,6 +77,17 @@ def positive_int(value: str) -> int:
     return number
 
 
+def non_negative_int(value: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0: {value}")
+    return number
+
+
 def port_number(value: str) -> int:
     """An argparse type: a TCP port, 1 to 65535."""
     number = positive_int(value)

@@ -137,6 +137,7 @@ def message_block(message: Mapping[str, Any], now: float) -> List[str]:
         ("kind", "kind"),
         ("status", "status"),
         ("attempts", "attempts"),
+        ("deliveries", "deliveries"),
         ("lease", "leaseId"),
         ("replyTo", "replyTo"),
         ("root", "rootId"),
@@ -146,14 +147,32 @@ def message_block(message: Mapping[str, Any], now: float) -> List[str]:
         value = message.get(key)
         if value not in (None, "", False):
             facts.append(f"{label} {value}")
+    for label, key in (("due", "notBefore"), ("expires", "expiresAt")):
+        if message.get(key):
+            facts.append(f"{label} {age(message.get(key), now) or message.get(key)}")
     if message.get("ack"):
         facts.append("receipt requested")
     lines = [head]
     if facts:
         lines.append("  " + " | ".join(facts))
-    if "body" in message:
+    notice = _notice(message.get("body"))
+    if notice is not None:
+        lines.append("  " + notice)
+    elif "body" in message:
         lines.extend("  " + line for line in _LINE_BREAK.split(body_text(message.get("body"))))
     return lines
+
+
+def _notice(body: Any) -> Optional[str]:
+    """A failure notice of the broker (EXTENSIONS.md §4) in words, or None."""
+    notice = body.get("relayNotice") if isinstance(body, dict) else None
+    if not isinstance(notice, dict):
+        return None
+    return (
+        f"[notice] request {notice.get('messageId')} {notice.get('event')}: "
+        f"{notice.get('error')} (attempts {notice.get('attempts')}, "
+        f"deliveries {notice.get('deliveries')})"
+    )
 
 
 def print_messages(console: Console, messages: Sequence[Mapping[str, Any]], empty: str) -> None:
@@ -194,7 +213,7 @@ def watch_line(message: Mapping[str, Any], now: float) -> str:
                 f"{_one_line(message.get('replyTo'))}")
     kind = message.get("kind")
     tag = f" ({_one_line(kind)})" if kind and kind != "message" else ""
-    text = _one_line(body_text(message.get("body")))
+    text = _one_line(_notice(message.get("body")) or body_text(message.get("body")))
     when = age(message.get("ts"), now) or _one_line(message.get("ts", ""))
     return (
         f"{when} {_one_line(message.get('from'))}{tag} "

@@ -10,7 +10,16 @@ from __future__ import annotations
 from typing import Tuple
 
 from relay.cli.command import Command
-from relay.cli.commands import bootstrap, broker, completion, leases, messages, ops, views
+from relay.cli.commands import (
+    bootstrap,
+    broker,
+    completion,
+    deadletters,
+    leases,
+    messages,
+    ops,
+    views,
+)
 
 COMMANDS: Tuple[Command, ...] = (
     Command(
@@ -20,10 +29,16 @@ COMMANDS: Tuple[Command, ...] = (
         needs_agent=False,
         needs_secret=False,
     ),
-    Command("register", "register this agent (heartbeat)", broker.register),
+    Command(
+        "register",
+        "register this agent (heartbeat), with its peer card",
+        broker.register,
+        broker.register_arguments,
+        description=broker.REGISTER_DESCRIPTION,
+    ),
     Command(
         "peers",
-        "list registered agents and when each was last seen",
+        "list registered agents, when each was last seen, and their cards",
         broker.peers,
         broker.peers_arguments,
     ),
@@ -33,6 +48,13 @@ COMMANDS: Tuple[Command, ...] = (
         messages.send,
         messages.send_arguments,
         description=messages.SEND_DESCRIPTION,
+    ),
+    Command(
+        "ask",
+        "send a request and wait for the answer",
+        messages.ask,
+        messages.ask_arguments,
+        description=messages.ASK_DESCRIPTION,
     ),
     Command(
         "recv",
@@ -57,6 +79,19 @@ COMMANDS: Tuple[Command, ...] = (
     Command(
         "ack", "finish or re-queue a leased message (v1.1)", leases.ack, leases.ack_arguments
     ),
+    Command("renew", "extend a lease (v1.2)", leases.renew, leases.renew_arguments),
+    Command(
+        "release",
+        "give a leased message back without using an attempt (v1.2)",
+        leases.release,
+        leases.release_arguments,
+    ),
+    Command(
+        "reject",
+        "fail a leased message at once: it can never succeed (v1.2)",
+        leases.reject,
+        leases.reject_arguments,
+    ),
     Command("status", "delivery status of messages (v1.1)", views.status, views.status_arguments),
     Command(
         "recent",
@@ -65,6 +100,31 @@ COMMANDS: Tuple[Command, ...] = (
         views.recent_arguments,
     ),
     Command("query", "search messages (v1.1)", views.query, views.query_arguments),
+    Command(
+        "thread",
+        "the messages of one conversation, oldest first (v1.2)",
+        views.thread,
+        views.thread_arguments,
+    ),
+    Command(
+        "dead",
+        "this agent's dead letters, with their errors (v1.2)",
+        deadletters.dead,
+        deadletters.dead_arguments,
+        description=deadletters.DEAD_DESCRIPTION,
+    ),
+    Command(
+        "requeue",
+        "put a failed message back in the queue (v1.2)",
+        deadletters.requeue,
+        deadletters.requeue_arguments,
+    ),
+    Command(
+        "cancel",
+        "withdraw a message this agent sent (v1.2)",
+        deadletters.cancel,
+        deadletters.cancel_arguments,
+    ),
     Command(
         "stats",
         "the broker's figures from its ops listener (what the dashboard shows)",

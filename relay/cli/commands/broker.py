@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Tuple
+from typing import Any, Tuple
 
+from relay.agent import card_of
 from relay.cli.command import Context
 from relay.cli.output import table
+from relay.protocol import KEEP_CARD
+from relay.settings import UsageError
 
 # The throwaway agents of `relay selfcheck`: selfcheck-<8 hex digits>-a and -b.
 SELFCHECK_AGENT = re.compile(r"selfcheck-[0-9a-f]{8}-[ab]\Z")
@@ -44,12 +47,53 @@ async def handshake(ctx: Context) -> int:
     return 0
 
 
-async def register(ctx: Context) -> int:
-    """POST /register: register this agent, or heartbeat it."""
-    answer = await ctx.client.register()
-    ctx.console.emit(
-        answer, lambda: ctx.console.line(f"registered {answer.get('agent', ctx.client.agent)}")
+REGISTER_DESCRIPTION = """\
+Register this agent (a heartbeat: it shows as online in `relay peers` for 90 s).
+--description and --skill publish its peer card (v1.2), which replaces the
+card published before; without them the published card is kept, and
+--remove-card takes it down."""
+
+
+def register_arguments(parser: argparse.ArgumentParser) -> None:
+    """The peer card."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--description", metavar="TEXT", help="what this agent does, for its peer card"
     )
+    parser.add_argument(
+        "--skill",
+        dest="skills",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a skill for its peer card (repeat for more)",
+    )
+    parser.add_argument(
+        "--remove-card", action="store_true", help="take down the published peer card"
+    )
+
+
+async def register(ctx: Context) -> int:
+    """POST /register: register this agent, or heartbeat it; publish its card."""
+    args = ctx.args
+    card: Any = KEEP_CARD
+    if args.remove_card:
+        if args.description is not None or args.skills:
+            raise UsageError("--remove-card takes no --description or --skill")
+        card = None
+    elif args.description is not None or args.skills:
+        card = card_of(args.description, args.skills) or {}
+    answer = await ctx.client.register(card=card)
+
+    def readable() -> None:
+        line = f"registered {answer.get('agent', ctx.client.agent)}"
+        if card is None:
+            line += " (card removed)"
+        elif card is not KEEP_CARD:
+            line += " with its card"
+        ctx.console.line(line)
+
+    ctx.console.emit(answer, readable)
     return 0
 
 
@@ -63,7 +107,8 @@ def peers_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def peers(ctx: Context) -> int:
-    """GET /peers: a table of the registered agents, when each was last seen.
+    """GET /peers: a table of the registered agents, when each was last seen, and the
+    skills and description of their peer cards.
 
     The protocol cannot remove an agent, so the throwaway agents of
     ``selfcheck`` stay registered (offline after 90 s): the readable table
@@ -83,15 +128,24 @@ async def peers(ctx: Context) -> int:
         if not shown:
             console.line("no registered agents")
         else:
-            rows = [
-                (
+            cards = any(isinstance(peer.get("card"), dict) for peer in shown)
+            headers = ["AGENT", "ONLINE", "LAST SEEN"]
+            if cards:
+                headers += ["SKILLS", "DESCRIPTION"]
+            rows = []
+            for peer in shown:
+                row = [
                     peer.get("agent"),
                     "yes" if peer.get("online") else "no",
                     console.age(peer.get("lastSeen")),
-                )
-                for peer in shown
-            ]
-            for line in table(rows, ("AGENT", "ONLINE", "LAST SEEN")):
+                ]
+                if cards:
+                    card = peer.get("card") if isinstance(peer.get("card"), dict) else {}
+                    skills = card.get("skills") if isinstance(card.get("skills"), list) else []
+                    row.append(", ".join(str(skill) for skill in skills))
+                    row.append(" ".join(str(card.get("description") or "").split()))
+                rows.append(row)
+            for line in table(rows, headers):
                 console.line(line)
         if hidden:
             console.line(f"({hidden} selfcheck agents not shown; `relay peers --all` lists them)")

@@ -1,15 +1,17 @@
-"""Commands that send and read messages: ``send``, ``recv``, ``watch``."""
+"""Commands that send and read messages: ``send``, ``ask``, ``recv``, ``watch``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import uuid
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, TextIO
 
-from relay.cli.command import Context, positive_float, positive_int
-from relay.cli.output import print_messages, watch_line
+from relay.cli.command import Context, non_negative_int, positive_float, positive_int
+from relay.cli.output import body_text, print_messages, watch_line
 from relay.cli.state import STATE_FILE, CursorState
+from relay.client import DEFAULT_REQUEST_TIMEOUT_SECONDS
 from relay.errors import RelayError
 from relay.polling import drain, poll
 from relay.settings import UsageError
@@ -24,24 +26,51 @@ WATCH_HEARTBEAT_SECONDS = 60.0
 WATCH_PAGE_LIMIT = 50
 
 
+# `relay send --id KEY` sends the message id UUIDv5(this namespace, sender + "\n" + KEY).
+SEND_ID_NAMESPACE = uuid.UUID("de9918a3-1536-499b-96d8-8533cdb1ea8e")
+
+
+def message_id_for(sender: str, key: str) -> str:
+    """The message id of ``relay send --id KEY``: a UUID derived from the sender and
+    the key, so the same key from the same agent is always the same message, and no
+    agent can choose (or guess from a meaningful key) another agent's ids."""
+    return str(uuid.uuid5(SEND_ID_NAMESPACE, f"{sender}\n{key}"))
+
+
 SEND_DESCRIPTION = """\
 Send one message to TARGET. CONTENT is the text of the body {"text": CONTENT};
 "-" reads it from standard input and "@PATH" from a file (one trailing newline
 is dropped); "@@..." stands for a text that starts with "@". With --json-body,
 CONTENT (or the input or file it names) is the whole body, a JSON object.
-A --kind request registers the sender first, so that the reply can reach it."""
+A --kind request registers the sender first, so that the reply can reach it.
+--id KEY is an idempotency key: the message id is a UUID derived from this
+agent's name and KEY, so sending with the same KEY again is a no-op."""
 
 
-def send_arguments(parser: argparse.ArgumentParser) -> None:
-    """``TARGET CONTENT`` and the envelope's optional fields."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("target", metavar="TARGET", help="the receiving agent")
+def _content_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "content", metavar="CONTENT", help='the text, "-" (standard input) or "@PATH" (a file)'
     )
     parser.add_argument(
         "--json-body", action="store_true", help="CONTENT is the body itself, a JSON object"
     )
+
+
+def _ttl_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--ttl",
+        type=positive_int,
+        metavar="SECONDS",
+        help=f"{what} expires after SECONDS unless handled (v1.2; "
+        "default: the broker's messageTtlDays)",
+    )
+
+
+def send_arguments(parser: argparse.ArgumentParser) -> None:
+    """``TARGET CONTENT`` and the envelope's optional fields."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("target", metavar="TARGET", help="the receiving agent")
+    _content_arguments(parser)
     parser.add_argument("--ack", action="store_true", help="ask the receiver for a receipt")
     parser.add_argument(
         "--kind",
@@ -52,9 +81,17 @@ def send_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root-id", metavar="ID", help="the first message of the conversation")
     parser.add_argument(
         "--id",
-        dest="message_id",
-        metavar="ID",
-        help="the message id (default: a fresh UUID); resending an id is a no-op",
+        dest="key",
+        metavar="KEY",
+        help="an idempotency key: the same KEY from this agent is the same message "
+        "(default: a fresh UUID)",
+    )
+    _ttl_argument(parser, "the message")
+    parser.add_argument(
+        "--delay",
+        type=non_negative_int,
+        metavar="SECONDS",
+        help="deliver the message SECONDS from now, not before (v1.2)",
     )
 
 
@@ -104,12 +141,14 @@ async def send(ctx: Context) -> int:
     answer = await ctx.client.send(
         args.target,
         body,
-        message_id=args.message_id,
+        message_id=None if args.key is None else message_id_for(ctx.client.agent, args.key),
         kind=args.kind,
         reply_to=args.reply_to,
         parent_id=args.reply_to if args.kind == "reply" else None,
         root_id=args.root_id,
         ack=args.ack,
+        ttl_seconds=args.ttl,
+        delay_seconds=args.delay,
     )
 
     def readable() -> None:
@@ -118,6 +157,44 @@ async def send(ctx: Context) -> int:
 
     ctx.console.emit(answer, readable)
     return 0
+
+
+ASK_DESCRIPTION = """\
+Send CONTENT to AGENT as a request and wait for the answer, then print it
+(the reply's text, or its JSON body). CONTENT is read as for `relay send`.
+Exit status 1, with one line saying why, when the request fails (the
+broker's failure notice), when no answer comes within --timeout, or when the
+broker cannot be reached. A v1.1 broker is polled for the answer, which then
+stays queued in this agent's inbox."""
+
+
+def ask_arguments(parser: argparse.ArgumentParser) -> None:
+    """``AGENT CONTENT``, the body options and how long to wait."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("target", metavar="AGENT", help="the agent to ask")
+    _content_arguments(parser)
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=DEFAULT_REQUEST_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help=f"how long to wait for the answer (default {DEFAULT_REQUEST_TIMEOUT_SECONDS:g})",
+    )
+    _ttl_argument(parser, "the request")
+
+
+async def ask(ctx: Context) -> int:
+    """Request and wait: ``RelayClient.request``; prints the answer."""
+    args = ctx.args
+    body = message_body(args.content, args.json_body, ctx.stdin)
+    reply = await ctx.client.request(args.target, body, args.timeout, ttl_seconds=args.ttl)
+    ctx.console.emit(reply, lambda: _print_answer(ctx, reply))
+    return 0
+
+
+def _print_answer(ctx: Context, reply: Mapping[str, Any]) -> None:
+    for line in body_text(reply.get("body")).splitlines() or [""]:
+        ctx.console.line(line)
 
 
 RECV_DESCRIPTION = """\

@@ -1,4 +1,4 @@
-"""Read-only v1.1 views: ``status``, ``recent``, ``query``."""
+"""Read-only views: ``status``, ``recent``, ``query`` (v1.1) and ``thread`` (v1.2)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from relay.cli.commands.messages import KINDS
 from relay.cli.output import print_messages, table
 
 STATUSES = ("queued", "leased", "done", "failed")
+BOXES = ("inbox", "sent", "all")
 
 
 def status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,8 @@ def status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def status(ctx: Context) -> int:
-    """POST /v1/status: a table of the delivery status of messages, with the last error."""
+    """POST /v1/status: a table of the delivery status of messages, with the last error
+    and, from a v1.2 broker, the deliveries and when a message is due or expires."""
     console = ctx.console
     answer = await ctx.client.status(ctx.args.message_ids)
     messages = answer.get("messages") or []
@@ -27,22 +29,37 @@ async def status(ctx: Context) -> int:
         if not messages:
             console.line("no such messages")
             return
-        headers = ["ID", "STATUS", "ATTEMPTS", "FROM", "TO", "KIND", "SENT"]
-        with_error = any(m.get("error") for m in messages)
-        if with_error:
-            headers.append("LAST ERROR")
-        rows = []
-        for m in messages:
-            row = [m.get(key) for key in ("id", "status", "attempts", "from", "to", "kind")]
-            row.append(console.age(m.get("ts")))
-            if with_error:
-                row.append(" ".join(str(m.get("error") or "").split()))
-            rows.append(row)
-        for line in table(rows, headers):
+        columns = [
+            ("ID", lambda m: m.get("id")),
+            ("STATUS", lambda m: m.get("status")),
+            ("ATTEMPTS", lambda m: m.get("attempts")),
+        ]
+        optional = [
+            ("DELIVERIES", "deliveries", lambda m: m.get("deliveries")),
+        ]
+        columns += [(h, f) for h, key, f in optional if any(key in m for m in messages)]
+        columns += [
+            ("FROM", lambda m: m.get("from")),
+            ("TO", lambda m: m.get("to")),
+            ("KIND", lambda m: m.get("kind")),
+            ("SENT", lambda m: console.age(m.get("ts"))),
+        ]
+        timed = [
+            ("DUE", "notBefore", lambda m: _when(console, m.get("notBefore"))),
+            ("EXPIRES", "expiresAt", lambda m: _when(console, m.get("expiresAt"))),
+            ("LAST ERROR", "error", lambda m: " ".join(str(m.get("error") or "").split())),
+        ]
+        columns += [(h, f) for h, key, f in timed if any(m.get(key) for m in messages)]
+        rows = [[show(m) for _, show in columns] for m in messages]
+        for line in table(rows, [header for header, _ in columns]):
             console.line(line)
 
     console.emit(answer, readable)
     return 0
+
+
+def _when(console: Any, value: Any) -> str:
+    return "" if value is None else console.age(value)
 
 
 def recent_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +86,15 @@ def query_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", type=positive_int, metavar="N", help="at most N messages (broker default 50)"
     )
+    parser.add_argument(
+        "--box",
+        choices=BOXES,
+        help="messages received (inbox, the default), sent, or both (v1.2)",
+    )
+    parser.add_argument(
+        "--root", metavar="ID", help="only the conversation that ID started (v1.2)"
+    )
+    parser.add_argument("--parent", metavar="ID", help="only the answers to ID (v1.2)")
 
 
 async def query(ctx: Context) -> int:
@@ -79,7 +105,14 @@ async def query(ctx: Context) -> int:
     """
     args = ctx.args
     answer = await ctx.client.query(
-        kind=args.kind, status=args.status, from_=args.from_, to=args.to, limit=args.limit
+        kind=args.kind,
+        status=args.status,
+        from_=args.from_,
+        to=args.to,
+        limit=args.limit,
+        box=args.box,
+        root_id=args.root,
+        parent_id=args.parent,
     )
     messages = answer.get("messages") or []
     if ctx.console.as_json:
@@ -112,3 +145,29 @@ async def _with_errors(ctx: Context, messages: Sequence[Dict[str, Any]]) -> List
 
 def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def thread_arguments(parser: argparse.ArgumentParser) -> None:
+    """``ROOT``, where to start and how many messages."""
+    parser.add_argument("root_id", metavar="ROOT", help="the first message of the conversation")
+    parser.add_argument(
+        "--since", metavar="ID", help="only the messages after ID (the cursor of a page)"
+    )
+    parser.add_argument(
+        "--limit", type=positive_int, metavar="N", help="at most N messages (broker default 50)"
+    )
+
+
+async def thread(ctx: Context) -> int:
+    """POST /v1/thread: a conversation this agent took part in, oldest first."""
+    args, console = ctx.args, ctx.console
+    answer = await ctx.client.thread(args.root_id, since=args.since, limit=args.limit)
+    messages = answer.get("messages") or []
+
+    def readable() -> None:
+        print_messages(console, messages, "no messages in this conversation")
+        if messages and answer.get("cursor") and len(messages) == (args.limit or 50):
+            console.line(f"(more with --since {answer['cursor']})")
+
+    console.emit(answer, readable)
+    return 0
