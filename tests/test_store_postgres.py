@@ -372,3 +372,38 @@ async def _settle(seconds: float = 0.3) -> None:
     d = Deferred()
     reactor.callLater(seconds, d.callback, None)
     await d
+
+
+@pytest_twisted.ensureDeferred
+async def test_racing_sweeps_leave_one_failure_notice_per_request(tmp_path, dsn):
+    """Both brokers sweep the same lapsed leases and the same expired requests at
+    once, several times over: each request that failed has exactly one notice."""
+    from twisted.internet.defer import gatherResults
+
+    a = open_backend("postgres", tmp_path / "a")
+    b = open_backend("postgres", tmp_path / "b")
+    try:
+        rules = Rules(max_deliveries=1)
+        lapsing = [f"lapse-{i}" for i in range(30)]
+        expiring = [f"expire-{i}" for i in range(30)]
+        for n, mid in enumerate(lapsing + expiring):
+            store = (a, b)[n % 2]
+            ttl = 60 if mid.startswith("expire") else None
+            assert await store.add(new_message("alpha", "beta", START, ttl_seconds=ttl,
+                                               id=mid, kind="request"), rules)
+        leased = await a.pull("beta", 30, 10, START, rules)
+        assert sorted(m.id for m in leased) == sorted(lapsing)
+        later = START + 120
+        sweeps = []
+        for _ in range(4):
+            for store in (a, b):
+                sweeps.append(store.sweep_leases(later, rules))
+                sweeps.append(store.sweep_expired(START - 86400, later, rules))
+        await gatherResults(sweeps, consumeErrors=True)
+        notices = await b.recent("alpha", 500, later, rules)
+        about = sorted(m.reply_to for m in notices)
+        assert about == sorted(lapsing + expiring), "one notice per failed request"
+        assert all(m.kind == "reply" for m in notices)
+    finally:
+        await a.close()
+        await b.close()
