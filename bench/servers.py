@@ -28,6 +28,9 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(BENCH_DIR)
 
 
+REFERENCE_ENTRY = os.path.join("broker", "src", "index.js")
+
+
 class StartError(Exception):
     """A server did not come up; the message carries the end of its log."""
 
@@ -182,7 +185,9 @@ def broker(python: str, storage: str, workdir: str, extra: Optional[Dict[str, An
     data_dir = tempfile.mkdtemp(prefix=f"data-{storage}-", dir=workdir)
     conf: Dict[str, Any] = {"broker": {
         "host": "127.0.0.1", "port": port, "secret": secret, "storage": storage,
-        "dataDir": data_dir, "rateLimitLoopback": 100000000, **(extra or {}),
+        "dataDir": data_dir, "rateLimitLoopback": 100000000,
+        # The prefilled queues hold more than an inbox may by default.
+        "inboxMaxMessages": 0, "inboxMaxBytes": 0, **(extra or {}),
     }}
     run_dir = tempfile.mkdtemp(prefix=f"broker-{storage}-", dir=workdir)
     config = os.path.join(run_dir, "relay.yaml")
@@ -194,6 +199,40 @@ def broker(python: str, storage: str, workdir: str, extra: Optional[Dict[str, An
         argv += ["--profile", profile, "--profiler", "cprofile", "--savestats"]
     argv += ["relay", "--config", config]
     return Server(f"broker-{storage}", argv, f"http://127.0.0.1:{port}", run_dir, secret)
+
+
+def reference_dir_problem(path: str) -> str:
+    """Why ``path`` is not a checkout of the reference broker ("" when it is one)."""
+    if not os.path.isfile(os.path.join(path, REFERENCE_ENTRY)):
+        return f"{path} has no {REFERENCE_ENTRY} (expected a checkout of the reference broker)"
+    return ""
+
+
+def reference_broker(node: str, checkout: str, workdir: str, storage: str = "jsonl") -> Server:
+    """The reference broker (Node.js, same wire protocol) as a ``Server``, not yet started.
+
+    ``node broker/src/index.js --config FILE`` from the checkout ``checkout``, with the
+    settings :func:`broker` gives ours: loopback, a free port, a random secret, a fresh
+    ``dataDir`` and the loopback rate limit out of the way (the reference has no inbox
+    quotas or connection caps). Its config reader takes a YAML subset, not JSON, so the
+    file is written as plain ``key: value`` lines.
+    """
+    port = free_port()
+    secret = secrets.token_hex(32)
+    data_dir = tempfile.mkdtemp(prefix="data-reference-", dir=workdir)
+    run_dir = tempfile.mkdtemp(prefix="broker-reference-", dir=workdir)
+    config = os.path.join(run_dir, "relay.yaml")
+    settings = {"host": "127.0.0.1", "port": port, "secret": secret,
+                "rateLimitLoopback": 100000000, "storage": storage, "persist": True,
+                "dataDir": data_dir}
+    with open(config, "w") as fh:
+        fh.write("broker:\n")
+        for key, value in settings.items():
+            text = (str(value).lower() if isinstance(value, bool)
+                    else str(value) if isinstance(value, int) else f'"{value}"')
+            fh.write(f"  {key}: {text}\n")
+    argv = [node, os.path.join(os.path.abspath(checkout), REFERENCE_ENTRY), "--config", config]
+    return Server("broker-reference", argv, f"http://127.0.0.1:{port}", run_dir, secret)
 
 
 def ceiling(python: str, kind: str, workdir: str) -> Server:
