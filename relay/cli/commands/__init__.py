@@ -16,6 +16,7 @@ from relay.cli.commands import (
     completion,
     deadletters,
     leases,
+    mcp,
     messages,
     ops,
     views,
@@ -124,6 +125,13 @@ COMMANDS: Tuple[Command, ...] = (
         "withdraw a message this agent sent (v1.2)",
         deadletters.cancel,
         deadletters.cancel_arguments,
+    ),
+    Command(
+        "mcp",
+        "serve the relay as MCP tools on stdio, for a coding agent (needs the mcp extra)",
+        mcp.mcp,
+        mcp.mcp_arguments,
+        description=mcp.MCP_DESCRIPTION,
     ),
     Command(
         "stats",

@@ -1,0 +1,312 @@
+"""The MCP server of ``relay mcp``: the relay's tools, their schemas and descriptions.
+
+Built on the official MCP Python SDK (``mcp`` 2.x, the ``mcp`` extra; Python
+3.10 or later). Each tool validates its arguments against its JSON schema (the
+SDK answers a bad argument with a tool error), hands the call to
+:class:`relay.mcp.tools.RelayTools` in the reactor thread through
+:class:`relay.mcp.bridge.ReactorBridge`, and answers compact JSON: the result,
+or ``{"error": {"code", "message"}}`` flagged ``isError``.
+
+The descriptions below are what a model reads to decide what to call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Dict, List, Literal, Optional
+
+from mcp.server.mcpserver import MCPServer
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
+from pydantic import Field
+from twisted.internet import defer
+
+from relay import __version__
+from relay.mcp.bridge import AsyncioThread, ReactorBridge
+from relay.mcp.tools import (
+    MAX_INBOX_LIMIT,
+    MAX_WAIT_SECONDS,
+    RELEASE_SECONDS,
+    RelayTools,
+    ToolFailure,
+    failure_of,
+)
+
+# -- argument types (the JSON schemas the client sees) ------------------------------
+
+AgentName = Annotated[
+    str, Field(min_length=1, max_length=200, description="the agent's name (see relay_peers)")
+]
+MessageId = Annotated[
+    str,
+    Field(min_length=1, max_length=200, description="a message id, as relay_inbox showed it"),
+]
+RequestId = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=200,
+        description="the request_id that relay_request (or relay_send) returned",
+    ),
+]
+Text = Annotated[
+    Optional[str],
+    Field(description='plain text; sent as the body {"text": ...}. Give text or body.'),
+]
+Body = Annotated[
+    Optional[Dict[str, Any]],
+    Field(description="a JSON object sent as the body, for structured content. Give text or body."),
+]
+WaitSeconds = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=MAX_WAIT_SECONDS,
+        description=f"how long to wait, 0 to {MAX_WAIT_SECONDS} seconds",
+    ),
+]
+
+INSTRUCTIONS = """\
+These tools connect you to a message relay shared with other agents. You are \
+the agent {agent}; every tool acts as {agent}, and no tool can act as another \
+agent. To ask another agent something: relay_peers to find it, then \
+relay_request (wait for the answer; if it does not come in time, \
+relay_wait_reply with the request_id). To serve others: relay_inbox, then \
+answer each request with relay_reply (or relay_done, relay_release, \
+relay_reject). Results are compact JSON."""
+
+
+def _result(document: Dict[str, Any], error: bool = False) -> CallToolResult:
+    text = json.dumps(document, separators=(",", ":"), ensure_ascii=False)
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)],
+        structured_content=document,
+        is_error=error,
+    )
+
+
+class RelayToolset:
+    """The tool functions the MCP server lists; each forwards to :class:`RelayTools`."""
+
+    def __init__(self, tools: RelayTools, bridge: ReactorBridge) -> None:
+        self._tools = tools
+        self._bridge = bridge
+
+    async def _run(self, name: str, **arguments: Any) -> CallToolResult:
+        try:
+            document = await self._bridge.call(self._tools.call, name, arguments)
+        except ToolFailure as failure:
+            return _result(failure.document(), error=True)
+        except Exception as error:  # never a traceback for the model
+            return _result(failure_of(error, 0).document(), error=True)
+        return _result(document)
+
+    async def relay_whoami(self) -> CallToolResult:
+        """Who you are on the relay: your agent name, the broker, the messages you hold
+        (taken with relay_inbox, not settled yet) and the requests you still wait for."""
+        return await self._run("relay_whoami")
+
+    async def relay_peers(self) -> CallToolResult:
+        """The agents on the relay: name, online (seen in the last 90 s), last_seen
+        (epoch seconds) and, when they published one, their description and skills.
+        Use it to find who can answer a question."""
+        return await self._run("relay_peers")
+
+    async def relay_send(
+        self,
+        to: AgentName,
+        text: Text = None,
+        body: Body = None,
+        kind: Annotated[
+            Literal["message", "request"],
+            Field(description='"message" (no answer expected) or "request" (asks for one)'),
+        ] = "message",
+    ) -> CallToolResult:
+        """Send a message to another agent and return at once with its id. Give text
+        or body, not both. With kind "request" the other agent answers later: wait for
+        the answer with relay_wait_reply(request_id=<id>). To ask and wait in one call,
+        use relay_request."""
+        return await self._run("relay_send", to=to, text=text, body=body, kind=kind)
+
+    async def relay_request(
+        self,
+        to: AgentName,
+        text: Text = None,
+        body: Body = None,
+        wait_seconds: WaitSeconds = MAX_WAIT_SECONDS,
+    ) -> CallToolResult:
+        """Ask another agent something and wait up to wait_seconds for the answer.
+        Returns {"answered": true, "body": ...} with the answer. If none came in
+        time: {"answered": false, "request_id": ...}; the request stays open, so call
+        relay_wait_reply(request_id) to keep waiting (do not ask again). If the request
+        failed (the agent rejected it, it was never handled, or it expired):
+        {"answered": false, "failed": true, "event": ..., "error": ...}."""
+        return await self._run(
+            "relay_request", to=to, text=text, body=body, wait_seconds=wait_seconds
+        )
+
+    async def relay_wait_reply(
+        self, request_id: RequestId, wait_seconds: WaitSeconds = MAX_WAIT_SECONDS
+    ) -> CallToolResult:
+        """Keep waiting, up to wait_seconds, for the answer to a request you sent
+        (relay_request that was not answered in time, or relay_send with kind
+        "request"). Same results as relay_request; call it again while
+        "answered" is false and "failed" is absent."""
+        return await self._run(
+            "relay_wait_reply", request_id=request_id, wait_seconds=wait_seconds
+        )
+
+    async def relay_inbox(
+        self,
+        wait_seconds: WaitSeconds = MAX_WAIT_SECONDS,
+        limit: Annotated[
+            int,
+            Field(ge=1, le=MAX_INBOX_LIMIT, description="the most messages to take at once"),
+        ] = 10,
+    ) -> CallToolResult:
+        """Take new messages sent to you, waiting up to wait_seconds for the first.
+        Each message is handed out once and stays leased to you until you settle it:
+        relay_reply (answer it: the usual end of a "request"), relay_done (handled, no
+        answer), relay_release (give it back for later or for someone else) or
+        relay_reject (it can never succeed). Answers to your own requests ("reply")
+        and receipts are shown and need nothing. An empty list means nothing arrived
+        in time: call again to keep listening."""
+        return await self._run("relay_inbox", wait_seconds=wait_seconds, limit=limit)
+
+    async def relay_reply(
+        self, message_id: MessageId, text: Text = None, body: Body = None
+    ) -> CallToolResult:
+        """Answer a message you took with relay_inbox (usually a request) and mark it
+        done, in one step. The answer goes to its sender, who receives it from
+        relay_request or relay_wait_reply. Give text or body, not both."""
+        return await self._run("relay_reply", message_id=message_id, text=text, body=body)
+
+    async def relay_done(self, message_id: MessageId) -> CallToolResult:
+        """Mark a message you took with relay_inbox as handled, without an answer."""
+        return await self._run("relay_done", message_id=message_id)
+
+    async def relay_release(
+        self,
+        message_id: MessageId,
+        after_seconds: Annotated[
+            Optional[int],
+            Field(ge=0, le=43200, description="do not deliver it again before this many seconds"),
+        ] = None,
+    ) -> CallToolResult:
+        """Give a message you took with relay_inbox back to the queue, unanswered and
+        without penalty (not your job, or not now); it is delivered again later."""
+        return await self._run("relay_release", message_id=message_id, after_seconds=after_seconds)
+
+    async def relay_reject(
+        self,
+        message_id: MessageId,
+        reason: Annotated[
+            str,
+            Field(min_length=1, max_length=1000, description="why it can never succeed"),
+        ],
+    ) -> CallToolResult:
+        """Fail a message you took with relay_inbox for good, because it can never
+        succeed (malformed, impossible, not allowed). A request's sender learns it at
+        once, with the reason. Use relay_release instead when it may succeed later."""
+        return await self._run("relay_reject", message_id=message_id, reason=reason)
+
+    async def relay_renew(
+        self,
+        message_id: MessageId,
+        lease_seconds: Annotated[
+            Optional[int],
+            Field(ge=1, le=86400, description="the lease now ends this many seconds from now"),
+        ] = None,
+    ) -> CallToolResult:
+        """Extend the lease of a message you hold. Rarely needed: while this session
+        lasts, the messages you hold are renewed for you."""
+        return await self._run("relay_renew", message_id=message_id, lease_seconds=lease_seconds)
+
+    async def relay_status(
+        self,
+        ids: Annotated[
+            List[str],
+            Field(min_length=1, max_length=100, description="message ids (at most 100)"),
+        ],
+    ) -> CallToolResult:
+        """The delivery state of messages you sent or received: queued, leased, done
+        or failed, with attempts, and the error of a failed one."""
+        return await self._run("relay_status", ids=ids)
+
+    async def relay_thread(
+        self,
+        root_id: Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=200,
+                description="the id of the conversation's first message",
+            ),
+        ],
+        since: Annotated[
+            Optional[str], Field(description="only messages after this id (a page's cursor)")
+        ] = None,
+        limit: Annotated[int, Field(ge=1, le=200, description="the most messages to show")] = 50,
+    ) -> CallToolResult:
+        """A whole conversation (a request, its replies and what followed), oldest
+        first, as far as you sent or received it. "cursor" pages on with since."""
+        return await self._run("relay_thread", root_id=root_id, since=since, limit=limit)
+
+
+_READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=True)
+_WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=False, open_world_hint=True)
+_FINAL = ToolAnnotations(read_only_hint=False, destructive_hint=True, open_world_hint=True)
+ANNOTATIONS: Dict[str, ToolAnnotations] = {
+    "relay_whoami": _READ_ONLY,
+    "relay_peers": _READ_ONLY,
+    "relay_status": _READ_ONLY,
+    "relay_thread": _READ_ONLY,
+    "relay_wait_reply": _WRITES,
+    "relay_send": _WRITES,
+    "relay_request": _WRITES,
+    "relay_inbox": _WRITES,
+    "relay_reply": _WRITES,
+    "relay_done": _WRITES,
+    "relay_release": _WRITES,
+    "relay_renew": _WRITES,
+    "relay_reject": _FINAL,
+}
+
+
+def build_server(tools: RelayTools, bridge: ReactorBridge) -> MCPServer:
+    """The MCP server listing every tool of ``tools``, called through ``bridge``."""
+    server: MCPServer = MCPServer(
+        "relay",
+        title="dsh-agent-relay",
+        instructions=INSTRUCTIONS.format(agent=tools.agent),
+        version=__version__,
+        log_level="WARNING",
+    )
+    toolset = RelayToolset(tools, bridge)
+    for name in tools.tool_names:
+        method = getattr(toolset, name)
+        server.add_tool(method, name=name, annotations=ANNOTATIONS[name], structured_output=False)
+    return server
+
+
+async def serve(reactor: Any, tools: RelayTools) -> None:
+    """Serve MCP on standard input and output until the client ends the session
+    (or the reactor stops), then end the relay session: held messages are
+    released. ``tools`` must be started. Runs in the reactor thread."""
+    server = build_server(tools, ReactorBridge(reactor))
+    loop = AsyncioThread(reactor, server.run_stdio_async)
+
+    def shutting_down() -> defer.Deferred:
+        # SIGTERM or SIGINT: end the MCP side, give the leases back before the
+        # reactor stops.
+        loop.stop()
+        released = defer.ensureDeferred(tools.stop())
+        released.addTimeout(RELEASE_SECONDS + 1, reactor)
+        released.addErrback(lambda _: None)
+        return released
+
+    trigger = reactor.addSystemEventTrigger("before", "shutdown", shutting_down)
+    try:
+        await loop.start()
+    finally:
+        reactor.removeSystemEventTrigger(trigger)
+        await tools.stop()

@@ -1,0 +1,326 @@
+"""``relay mcp`` end to end: a real broker, real ``relay mcp`` processes (alice and
+bob), driven by the MCP SDK's own stdio client as a coding agent's client would.
+
+These need the MCP SDK (the ``mcp`` extra, Python 3.10+). Elsewhere (PyPy 3.9)
+they skip with the reason; on CPython 3.10+ with ``CI`` or
+``RELAY_TEST_MCP_REQUIRED`` set (``make test`` sets it) a missing SDK fails them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from contextlib import AsyncExitStack
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+from relay.mcp import unavailable
+from tests.broker_proc import BrokerProcess
+
+REQUIRED_ENV = "RELAY_TEST_MCP_REQUIRED"
+TOOLS = {
+    "relay_whoami", "relay_peers", "relay_send", "relay_request", "relay_wait_reply",
+    "relay_inbox", "relay_reply", "relay_done", "relay_release", "relay_reject",
+    "relay_renew", "relay_status", "relay_thread",
+}
+# A tool call of these tests never takes longer (MCP clients allow about a minute).
+CALL_SECONDS = 45.0
+
+
+@pytest.fixture(autouse=True)
+def sdk() -> None:
+    problem = unavailable()
+    if problem is None:
+        return
+    required = os.environ.get("CI") or os.environ.get(REQUIRED_ENV)
+    if required and sys.version_info >= (3, 10) and platform.python_implementation() == "CPython":
+        pytest.fail(f"{REQUIRED_ENV} or CI is set, but: {problem}", pytrace=False)
+    pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory) -> Iterator[BrokerProcess]:
+    directory = tmp_path_factory.mktemp("mcp-broker")
+    b = BrokerProcess(str(directory)).start()
+    secret = directory / "agent.secret"
+    secret.write_text(b.secret + "\n")
+    secret.chmod(0o600)
+    b.secret_file = str(secret)  # type: ignore[attr-defined]
+    yield b
+    b.kill()
+
+
+def relay_argv(broker: BrokerProcess, agent: str, *extra: str) -> List[str]:
+    return ["-m", "relay.cli", "mcp", "--agent", agent, "--broker", broker.url,
+            "--secret-file", broker.secret_file, *extra]  # type: ignore[attr-defined]
+
+
+class Session:
+    """One ``relay mcp`` process and the SDK's client session to it."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def call(self, tool: str, **arguments: Any) -> Dict[str, Any]:
+        """The tool's JSON result; fails on a tool error."""
+        result = await self.call_raw(tool, **arguments)
+        assert not result.is_error, result.content[0].text
+        return json.loads(result.content[0].text)
+
+    async def error(self, tool: str, **arguments: Any) -> str:
+        """The text of the tool error the call must give."""
+        result = await self.call_raw(tool, **arguments)
+        assert result.is_error, result.content[0].text
+        text = result.content[0].text
+        assert "Traceback" not in text
+        return text
+
+    async def call_raw(self, tool: str, **arguments: Any) -> Any:
+        started = time.monotonic()
+        result = await asyncio.wait_for(self.client.call_tool(tool, arguments), CALL_SECONDS)
+        assert time.monotonic() - started < CALL_SECONDS
+        return result
+
+
+async def open_session(stack: AsyncExitStack, broker: BrokerProcess, agent: str,
+                       *extra: str) -> Session:
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=relay_argv(broker, agent, *extra),
+        env={"HOME": broker.directory},
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    errlog = open(os.path.join(broker.directory, f"{agent}.stderr"), "a")  # noqa: SIM115
+    stack.callback(errlog.close)
+    read, write = await stack.enter_async_context(stdio_client(params, errlog=errlog))
+    client = await stack.enter_async_context(ClientSession(read, write))
+    await asyncio.wait_for(client.initialize(), 60)
+    return Session(client)
+
+
+def stderr_of(broker: BrokerProcess, agent: str) -> str:
+    with open(os.path.join(broker.directory, f"{agent}.stderr")) as f:
+        return f.read()
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+def status_of(broker: BrokerProcess, agent: str, message_id: str) -> Dict[str, Any]:
+    status, answer = broker.request(agent, "POST", "/v1/status", {"messageIds": [message_id]})
+    assert status == 200
+    return answer["messages"][0]
+
+
+# -- the tools and their schemas --------------------------------------------------------
+
+
+def test_the_tools_have_schemas_and_bad_arguments_are_tool_errors(broker) -> None:
+    async def scenario() -> None:
+        async with AsyncExitStack() as stack:
+            carol = await open_session(stack, broker, "carol", "--description",
+                                       "answers questions about dates", "--skill", "dates")
+            listed = {tool.name: tool for tool in (await carol.client.list_tools()).tools}
+            assert set(listed) == TOOLS
+            for tool in listed.values():
+                assert tool.description and len(tool.description) > 40, tool.name
+                schema = tool.input_schema
+                assert schema["type"] == "object"
+                for name in schema.get("properties", {}):
+                    assert name == name.lower() and "-" not in name, (tool.name, name)
+            request = listed["relay_request"].input_schema
+            assert request["required"] == ["to"]
+            assert request["properties"]["wait_seconds"]["maximum"] == 20
+            assert set(request["properties"]) == {"to", "text", "body", "wait_seconds"}
+            assert listed["relay_inbox"].input_schema["properties"]["wait_seconds"]["maximum"] == 20
+            assert listed["relay_reply"].input_schema["required"] == ["message_id"]
+            assert listed["relay_reject"].input_schema["required"] == ["message_id", "reason"]
+            assert listed["relay_wait_reply"].input_schema["required"] == ["request_id"]
+            assert listed["relay_status"].input_schema["required"] == ["ids"]
+            assert listed["relay_thread"].input_schema["required"] == ["root_id"]
+            assert listed["relay_peers"].annotations.read_only_hint is True
+
+            me = await carol.call("relay_whoami")
+            assert me["agent"] == "carol" and me["protocol"] == "1.0"
+            peers = await carol.call("relay_peers")
+            (card,) = [p for p in peers["peers"] if p["agent"] == "carol"]
+            assert card["online"] and card["you"]
+            assert card["description"] == "answers questions about dates"
+            assert card["skills"] == ["dates"]
+
+            # The schema refuses, the tools refuse, the broker refuses: tool errors all.
+            assert "less than or equal to 20" in await carol.error(
+                "relay_request", to="carol", text="x", wait_seconds=99)
+            assert "to" in await carol.error("relay_send", text="no recipient")
+            assert "bad_arguments" in await carol.error("relay_send", to="carol")
+            assert "bad_arguments" in await carol.error(
+                "relay_send", to="carol", text="a", body={"b": 1})
+            assert "no_such_agent" in await carol.error("relay_send", to="nobody", text="x")
+            assert "bad_request" in await carol.error("relay_send", to="carol", text="self")
+            assert "not_held" in await carol.error("relay_reply", message_id="m-1", text="x")
+            assert "not_held" in await carol.error("relay_done", message_id="m-1")
+            assert "no_such_message" in await carol.error(
+                "relay_wait_reply", request_id="unknown-id", wait_seconds=0)
+            assert await carol.error("relay_nonsense")
+            # ...and the server is still there.
+            assert (await carol.call("relay_whoami"))["agent"] == "carol"
+        assert "Traceback" not in stderr_of(broker, "carol")
+
+    run(scenario())
+
+
+# -- asking and answering -----------------------------------------------------------
+
+
+def test_alice_asks_bob_answers_and_a_rejected_request_comes_back_failed(broker) -> None:
+    async def scenario() -> None:
+        async with AsyncExitStack() as stack:
+            alice = await open_session(stack, broker, "alice")
+            bob = await open_session(stack, broker, "bob", "--description", "does sums")
+
+            # Alice asks while bob serves his inbox: she gets the answer.
+            async def serve_one() -> str:
+                inbox = await bob.call("relay_inbox", wait_seconds=15)
+                (message,) = inbox["messages"]
+                assert message["from"] == "alice" and message["kind"] == "request"
+                assert message["body"] == {"text": "what is 2 + 2?"}
+                assert "relay_reply" in inbox["note"]
+                replied = await bob.call("relay_reply", message_id=message["id"],
+                                         body={"answer": 4})
+                assert replied["replied"] and replied["to"] == "alice"
+                return message["id"]
+
+            asked, served = await asyncio.gather(
+                alice.call("relay_request", to="bob", text="what is 2 + 2?", wait_seconds=15),
+                serve_one(),
+            )
+            assert asked["answered"] is True and asked["from"] == "bob"
+            assert asked["body"] == {"answer": 4} and asked["request_id"] == served
+            assert status_of(broker, "alice", served)["status"] == "done"
+
+            # Nobody answers in time: a normal result with the request id, then the
+            # wait goes on with relay_wait_reply.
+            started = time.monotonic()
+            late = await alice.call("relay_request", to="bob", text="later?", wait_seconds=1)
+            assert time.monotonic() - started < 10
+            assert late["answered"] is False and "failed" not in late
+            request_id = late["request_id"]
+            assert request_id in (await alice.call("relay_whoami"))["waiting_for"]
+            waited = await alice.call("relay_wait_reply", request_id=request_id, wait_seconds=0)
+            assert waited == {**late, "next": waited["next"]}
+            (message,) = (await bob.call("relay_inbox", wait_seconds=5))["messages"]
+            assert message["id"] == request_id
+            await bob.call("relay_reply", message_id=request_id, text="now")
+            answer = await alice.call("relay_wait_reply", request_id=request_id, wait_seconds=10)
+            assert answer["answered"] is True and answer["body"] == {"text": "now"}
+            assert "not_held" in await bob.error("relay_reply", message_id=request_id, text="2")
+
+            # Bob rejects: alice's request comes back as a failure, not an error.
+            async def reject_one() -> None:
+                (message,) = (await bob.call("relay_inbox", wait_seconds=15))["messages"]
+                rejected = await bob.call("relay_reject", message_id=message["id"],
+                                          reason="cannot divide by zero")
+                assert rejected["rejected"] and rejected["status"] == "failed"
+
+            failed, _ = await asyncio.gather(
+                alice.call("relay_request", to="bob", text="1 / 0?", wait_seconds=15),
+                reject_one(),
+            )
+            assert failed["answered"] is False and failed["failed"] is True
+            assert failed["event"] == "failed" and failed["error"] == "cannot divide by zero"
+
+            # A message that needs no answer: send, take, done; the thread shows it all.
+            sent = await alice.call("relay_send", to="bob", text="fyi")
+            (fyi,) = (await bob.call("relay_inbox", wait_seconds=5))["messages"]
+            assert fyi["id"] == sent["id"] and fyi["kind"] == "message"
+            assert (await bob.call("relay_done", message_id=fyi["id"]))["done"]
+            states = await alice.call("relay_status", ids=[sent["id"], served])
+            assert [m["status"] for m in states["messages"]] == ["done", "done"]
+            thread = await alice.call("relay_thread", root_id=served)
+            assert [m["kind"] for m in thread["messages"]] == ["request", "reply"]
+            # Nothing handed out twice, nothing left behind.
+            assert (await bob.call("relay_inbox", wait_seconds=0))["messages"] == []
+            assert (await bob.call("relay_whoami"))["held"] == []
+        for agent in ("alice", "bob"):
+            assert "Traceback" not in stderr_of(broker, agent)
+
+    run(scenario())
+
+
+def test_ending_a_session_releases_what_it_held(broker) -> None:
+    async def scenario() -> None:
+        async with AsyncExitStack() as stack:
+            alice = await open_session(stack, broker, "alice")
+            async with AsyncExitStack() as bob_stack:
+                bob = await open_session(bob_stack, broker, "bob")
+                sent = await alice.call("relay_send", to="bob", text="take me",
+                                        kind="request")
+                assert sent["kind"] == "request" and "relay_wait_reply" in sent["next"]
+                (message,) = (await bob.call("relay_inbox", wait_seconds=10))["messages"]
+                assert message["id"] == sent["id"]
+                assert status_of(broker, "alice", sent["id"])["status"] == "leased"
+                renewed = await bob.call("relay_renew", message_id=sent["id"],
+                                         lease_seconds=600)
+                assert renewed["renewed"] and renewed["lease_until"] > time.time() * 1000
+            # Bob's session ended (stdin closed): the request is queued again at once,
+            # without using an attempt, not after its ten-minute lease.
+            entry = status_of(broker, "alice", sent["id"])
+            assert entry["status"] == "queued" and entry["attempts"] == 0
+            assert "released 1 of 1" in stderr_of(broker, "bob")
+            # The next session of bob gets it again.
+            bob = await open_session(stack, broker, "bob")
+            (again,) = (await bob.call("relay_inbox", wait_seconds=10))["messages"]
+            assert again["id"] == sent["id"]
+            await bob.call("relay_reply", message_id=sent["id"], text="done now")
+            answer = await alice.call("relay_wait_reply", request_id=sent["id"], wait_seconds=10)
+            assert answer["answered"] and answer["body"] == {"text": "done now"}
+
+    run(scenario())
+
+
+# -- refusing to start ----------------------------------------------------------------
+
+
+class _OtherProtocol(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = json.dumps({"protocol": "2.0", "broker": "elsewhere"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_broker_of_another_protocol_is_refused_with_one_line(broker, tmp_path) -> None:
+    server = HTTPServer(("127.0.0.1", 0), _OtherProtocol)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "relay.cli", "mcp", "--agent", "alice",
+             "--broker", f"http://127.0.0.1:{server.server_port}",
+             "--secret-file", broker.secret_file],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)},
+            stdin=subprocess.PIPE,
+        )
+    finally:
+        server.shutdown()
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: protocol_mismatch: broker speaks protocol '2.0', this client speaks '1.0': "
+        "upgrade the broker or this client"
+    ]
