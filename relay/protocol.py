@@ -251,7 +251,8 @@ def parse_lease_seconds(body: Dict[str, Any]) -> Optional[int]:
 
 
 def parse_wait_seconds(value: Any, name: str) -> int:
-    """A long-poll wait: an integer 0..20 (a JSON number or a decimal string)."""
+    """The ``wait`` of ``GET /messages``: an integer 0..20 written in decimal digits.
+    (The body field ``waitSeconds`` is a JSON integer: :func:`strict_int`.)"""
     if value is None:
         return 0
     if isinstance(value, str) and re.fullmatch(r"[0-9]{1,3}", value):

@@ -120,6 +120,10 @@ def authenticated(route: Callable) -> Callable:
             # "/messages/<id>%2Fack" is not "/messages/<id>/ack", and "//peers" is
             # not "/peers" (Klein would drop the empty first segment).
             raise _no_route(request)
+        if request.method == b"HEAD":
+            # werkzeug answers HEAD with the GET route; here a HEAD would poll
+            # (spending a once-delivery) and throw the page away.
+            raise _no_route(request)
         return route(self, request, agent, *args, **kwargs)
 
     return wrapper
@@ -279,7 +283,7 @@ class RelayAPI:
         protocol.check_body_agent(body, agent)
         limit = protocol.clamp_limit(body.get("limit"))
         lease_seconds = protocol.parse_lease_seconds(body)
-        wait = protocol.parse_wait_seconds(body.get("waitSeconds"), "waitSeconds")
+        wait = protocol.strict_int(body, "waitSeconds", 0, protocol.MAX_WAIT_SECONDS) or 0
         parent_id = protocol.optional_id(body, "parentId")
         d = self.broker.pull(agent, limit, lease_seconds, wait, parent_id)
         d.addCallback(self._listed, request)

@@ -704,6 +704,23 @@ async def test_head_on_root_is_not_an_error():
     assert reply.code == 200
 
 
+@pytest_twisted.ensureDeferred
+async def test_head_on_a_signed_get_route_is_no_route():
+    """A HEAD would run the poll and drop its page: no route, and the once-delivery
+    of an expired lease (spec §5.1) is still there for the GET."""
+    b = Broker()
+    await b.register("alpha", "beta")
+    sent = await b.message("alpha", "beta")
+    _, cursor = await b.poll("beta")
+    await b.pull("beta", leaseSeconds=1)
+    b.advance(2)
+    for path in (f"/messages?since={cursor}", "/peers"):
+        reply = await b.request("beta", "HEAD", path)
+        assert reply.code == 404 and not reply.raw, (path, reply)
+    messages, _ = await b.poll("beta", f"?since={cursor}")
+    assert [m["id"] for m in messages] == [sent]
+
+
 # -- the API under a plain twisted.web Site (relay.testing's StubTreq client) ---------
 
 

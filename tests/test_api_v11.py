@@ -510,11 +510,19 @@ async def test_request_reply_walkthrough():
 # -- long poll -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("wait", [-1, 21, 1.5, "x", True, [5]])
+@pytest.mark.parametrize("wait", [-1, 21, 1.5, 1.0, "1", "x", True, [5]])
 @pytest_twisted.ensureDeferred
 async def test_pull_wait_seconds_out_of_range_is_400(wait):
     b = await two_agents()
     assert_error(await b.post("beta", "/v1/pull", {"waitSeconds": wait}), 400, "bad_request")
+
+
+@pytest.mark.parametrize("raw", [b'{"waitSeconds": 1e0}', b'{"waitSeconds": 2.0}'])
+@pytest_twisted.ensureDeferred
+async def test_pull_wait_seconds_written_as_a_float_is_400(raw):
+    """EXTENSIONS.md §10: waitSeconds is a JSON integer; 2.0 and 1e0 are not."""
+    b = await two_agents()
+    assert_error(await b.post("beta", "/v1/pull", raw=raw), 400, "bad_request")
 
 
 @pytest.mark.parametrize("wait", ["-1", "21", "x", "1.5"])
