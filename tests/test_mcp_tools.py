@@ -5,7 +5,10 @@ needed, so these run on PyPy too."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any, List, Tuple
 
 import pytest
@@ -270,3 +273,19 @@ def test_stopping_the_asyncio_thread_cancels_its_main_task() -> None:
         threading.Event().wait(0.01)
     thread.stop()
     assert ended.wait(10) and cancelled == [True]
+
+
+def test_without_the_sdk_relay_mcp_says_so_in_one_line(tmp_path: Path) -> None:
+    # sys.modules["mcp"] = None makes every import of the SDK fail, as when it is
+    # not installed (on Python 3.9 the version is the reason given).
+    program = (
+        "import sys; sys.modules['mcp'] = None; from relay.cli import main; "
+        "main(['mcp', '--agent', 'alice', '--secret', 'a-secret-of-16-bytes'])"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                          cwd=str(Path(__file__).parent.parent))
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: relay mcp needs ")
+    assert line.endswith("pip install 'dsh-agent-relay[mcp]'")
