@@ -96,8 +96,10 @@ def failure_of(error: BaseException, deadline: float) -> ToolFailure:
         return error
     if isinstance(error, RelayError):
         return ToolFailure(error.code, error.message)
-    if isinstance(error, (defer.TimeoutError, defer.CancelledError)):
+    if isinstance(error, defer.TimeoutError):
         return ToolFailure("timeout", f"the broker did not answer within {deadline:g} s")
+    if isinstance(error, defer.CancelledError):
+        return ToolFailure("stopped", "the call was cancelled: the relay session is ending")
     return ToolFailure("internal_error", f"the tool failed ({error.__class__.__name__})")
 
 
