@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import pytest
@@ -233,6 +234,62 @@ async def test_metrics_report_the_traffic():
     f = families((await ops.get("/metrics"))[1])
     assert value(f["relay_lease_expirations"]) == 1
     assert value(f["relay_queue_messages"], agent="gamma", state="queued") == 1
+
+
+# Every series the operations guide documents, with its labels (a histogram's
+# ``le`` aside): the names dashboards and alert rules are written against.
+DOCUMENTED_SERIES = {
+    "relay_queue_messages": {"agent", "state"},
+    "relay_queue_oldest_message_age_seconds": {"agent"},
+    "relay_messages_sent": set(),
+    "relay_messages_delivered": set(),
+    "relay_messages_acked": {"outcome"},
+    "relay_messages_dead_lettered": {"reason"},
+    "relay_messages_expired": set(),
+    "relay_lease_expirations": set(),
+    "relay_pull_waiting": set(),
+    "relay_agents_online": set(),
+    "relay_http_requests": {"route", "code"},
+    "relay_http_request_duration_seconds": {"route"},
+    "relay_auth_failures": {"reason"},
+    "relay_lockouts": set(),
+    "relay_store_commit_seconds": set(),
+    "relay_build_info": {"version", "storage"},
+}
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_documented_series_is_scraped_with_its_labels():
+    ops = Ops(maxAttempts=0)
+    await ops.traffic()
+    ops.broker.counters.http_answered("send", 201, 0.01)
+    ops.broker.counters.commit_seconds.observe(0.001)
+    f = families((await ops.get("/metrics"))[1])
+    for name, labels in DOCUMENTED_SERIES.items():
+        assert name in f, name
+        seen = {key for sample in f[name].samples for key in sample.labels} - {"le"}
+        assert seen == labels, (name, seen)
+    assert "relay_messages_sent_total" in {s.name for s in f["relay_messages_sent"].samples}
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "OPERATIONS.md").read_text(
+        encoding="utf-8")
+    assert [name for name in DOCUMENTED_SERIES if name not in guide] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_expired_messages_are_counted():
+    ops = Ops()
+    c = ops.client
+    assert (await c.post("beta", "/register", {}))[0] == 200
+    assert (await c.post("alpha", "/messages", {"to": "beta", "ttlSeconds": 5}))[0] == 201
+    assert (await c.post("alpha", "/messages", {"to": "beta"}))[0] == 201
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_messages_expired"]) == 0
+    ops.clock.advance(6)
+    assert await ops.broker.sweep_expired() == 1
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_messages_expired"]) == 1
+    assert value(f["relay_queue_messages"], agent="beta", state="queued") == 1
+    assert (await ops.get("/api/overview"))[1]["totals"]["expired"] == 1
 
 
 @pytest_twisted.ensureDeferred
