@@ -15,7 +15,9 @@ Scenarios (each prints one JSON line, then a readable table)::
     python bench/loadgen.py pull-ack    --url URL --secret S [-w 4] [--messages N]
     python bench/loadgen.py poll        --url URL --secret S [-w 2] [--limit 50]
     python bench/loadgen.py e2e-latency --url URL --secret S [--rate 200]
+    python bench/loadgen.py lifecycle   --url URL --secret S [--senders 4] [-w 4]
     python bench/loadgen.py request-reply --url URL --secret S [--askers 1]
+    python bench/loadgen.py many-agents --url URL --secret S [--agents 1000] [--holders 500]
     python bench/loadgen.py depth       --url URL --secret S [--levels 0,1000,10000]
     python bench/loadgen.py ceiling     --url URL            (same as send, any server)
 """
@@ -23,12 +25,14 @@ Scenarios (each prints one JSON line, then a readable table)::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hashlib
 import hmac
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -60,6 +64,52 @@ JsonDict = Dict[str, Any]
 
 class HttpError(Exception):
     """The server closed the connection or answered something that is not HTTP/1.x."""
+
+
+def sign(key: bytes, method: str, path: str, ts: str, body: bytes) -> str:
+    """Hex HMAC-SHA256 of ``method\\npath\\nts\\nbody`` with the shared secret ``key``."""
+    msg = f"{method}\n{path}\n{ts}\n".encode() + body
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def request_bytes(method: str, path: str, body: bytes, agent: Optional[str], key: bytes,
+                  host_header: bytes) -> bytes:
+    """One HTTP/1.1 request, signed per spec section 3 when ``agent`` is given."""
+    head = [f"{method} {path} HTTP/1.1\r\nHost: ".encode(), host_header, b"\r\n"]
+    if body or method in ("POST", "PUT"):
+        head.append(
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n".encode()
+        )
+    if agent is not None:
+        ts = str(int(time.time()))
+        sig = sign(key, method, path, ts, body)
+        head.append(
+            f"X-Relay-Agent: {agent}\r\nX-Relay-Timestamp: {ts}\r\n"
+            f"X-Relay-Signature: {sig}\r\n".encode()
+        )
+    head.append(b"\r\n")
+    return b"".join(head) + body
+
+
+def parse_head(raw: bytes) -> Tuple[int, int, bool, bool]:
+    """``(status, content length or -1, chunked, close)`` of a response head (no CRLFCRLF)."""
+    lines = raw.decode("latin-1").split("\r\n")
+    if not lines[0].startswith("HTTP/1."):
+        raise HttpError(f"not an HTTP response: {lines[0][:40]!r}")
+    status = int(lines[0][9:12])
+    length = -1
+    chunked = False
+    close = lines[0].startswith("HTTP/1.0")
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        name = name.strip().lower()
+        if name == "content-length":
+            length = int(value)
+        elif name == "transfer-encoding":
+            chunked = "chunked" in value.lower()
+        elif name == "connection":
+            close = value.strip().lower() == "close"
+    return status, length, chunked, close
 
 
 class Target:
@@ -110,8 +160,7 @@ class Conn:
 
     def sign(self, method: str, path: str, ts: str, body: bytes) -> str:
         """Hex HMAC-SHA256 of ``method\\npath\\nts\\nbody`` with the shared secret."""
-        msg = f"{method}\n{path}\n{ts}\n".encode() + body
-        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()
+        return sign(self.key, method, path, ts, body)
 
     def request(
         self,
@@ -125,20 +174,7 @@ class Conn:
         A request that fails because the server had closed an idle keep-alive connection
         is retried once on a fresh connection (message ids make sends idempotent).
         """
-        head = [f"{method} {path} HTTP/1.1\r\nHost: ".encode(), self.host_header, b"\r\n"]
-        if body or method in ("POST", "PUT"):
-            head.append(
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n".encode()
-            )
-        if agent is not None:
-            ts = str(int(time.time()))
-            sig = self.sign(method, path, ts, body)
-            head.append(
-                f"X-Relay-Agent: {agent}\r\nX-Relay-Timestamp: {ts}\r\n"
-                f"X-Relay-Signature: {sig}\r\n".encode()
-            )
-        head.append(b"\r\n")
-        data = b"".join(head) + body
+        data = request_bytes(method, path, body, agent, self.key, self.host_header)
         for attempt in (0, 1):
             if self.sock is None:
                 self.connect()
@@ -170,24 +206,8 @@ class Conn:
             if end >= 0:
                 break
             self._fill()
-        head = self.buf[:end].decode("latin-1")
+        status, length, chunked, close = parse_head(self.buf[:end])
         self.buf = self.buf[end + 4 :]
-        lines = head.split("\r\n")
-        if not lines[0].startswith("HTTP/1."):
-            raise HttpError(f"not an HTTP response: {lines[0][:40]!r}")
-        status = int(lines[0][9:12])
-        length = -1
-        chunked = False
-        close = lines[0].startswith("HTTP/1.0")
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            if name == "content-length":
-                length = int(value)
-            elif name == "transfer-encoding":
-                chunked = "chunked" in value.lower()
-            elif name == "connection":
-                close = value.strip().lower() == "close"
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             return status, b"", close
         if chunked:
@@ -242,6 +262,78 @@ class Conn:
         except ValueError:
             decoded = None
         return status, decoded
+
+
+class AsyncConn:
+    """:class:`Conn` on asyncio streams: one keep-alive connection among many in a process.
+
+    Used where one process holds hundreds of connections (``many-agents``); the
+    request bytes and the response parsing are the same as :class:`Conn`'s.
+    """
+
+    def __init__(self, target: Target, timeout: float = SOCKET_TIMEOUT) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.key = target.secret.encode("utf-8")
+        self.host_header = f"{target.host}:{target.port}".encode("ascii")
+        self.reader: Optional[asyncio.StreamReader] = None
+        self.writer: Optional[asyncio.StreamWriter] = None
+
+    async def connect(self) -> None:
+        """Open (or reopen) the connection (asyncio sets TCP_NODELAY on TCP sockets)."""
+        self.close()
+        self.reader, self.writer = await asyncio.wait_for(
+            asyncio.open_connection(self.target.host, self.target.port), self.timeout)
+
+    def close(self) -> None:
+        """Close the connection if open."""
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def request(self, method: str, path: str, body: bytes = b"",
+                      agent: Optional[str] = None) -> Tuple[int, bytes]:
+        """Send one request and return (status, body); retried once on a closed
+        keep-alive connection, like :meth:`Conn.request`."""
+        data = request_bytes(method, path, body, agent, self.key, self.host_header)
+        for attempt in (0, 1):
+            if self.writer is None:
+                await self.connect()
+            assert self.writer is not None
+            try:
+                self.writer.write(data)
+                status, payload, close = await asyncio.wait_for(self._read(method),
+                                                                self.timeout)
+            except (ConnectionError, asyncio.IncompleteReadError, HttpError):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            if close:
+                self.close()
+            return status, payload
+        raise HttpError("unreachable")
+
+    async def _read(self, method: str) -> Tuple[int, bytes, bool]:
+        assert self.reader is not None
+        reader = self.reader
+        head = await reader.readuntil(b"\r\n\r\n")
+        status, length, chunked, close = parse_head(head[:-4])
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            return status, b"", close
+        if chunked:
+            parts: List[bytes] = []
+            while True:
+                line = await reader.readuntil(b"\r\n")
+                size = int(line[:-2].split(b";")[0], 16)
+                if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":
+                        pass
+                    return status, b"".join(parts), close
+                parts.append((await reader.readexactly(size + 2))[:-2])
+        if length >= 0:
+            return status, await reader.readexactly(length), close
+        return status, await reader.read(), True
 
 
 # --------------------------------------------------------------------------------------
@@ -415,6 +507,23 @@ class WindowProbe:
     def _take(self, probe: Callable[[], float], key: str) -> None:
         self.values[key] = probe()
         self.values[key + "At"] = time.time()
+
+    def delta(self) -> Optional[float]:
+        """Counter increase over the window (None without both samples)."""
+        for timer in self.timers:
+            timer.join(timeout=5)
+        v = self.values
+        if "lo" not in v or "hi" not in v:
+            return None
+        return v["hi"] - v["lo"]
+
+    def us_per(self, count: int) -> Optional[float]:
+        """Counter increase over the window per operation, in millionths (CPU seconds
+        per request -> CPU microseconds per request); None without samples or ops."""
+        d = self.delta()
+        if d is None or count <= 0:
+            return None
+        return round(d / count * 1e6, 1)
 
     def busy(self) -> Optional[float]:
         """Counter increase per second of the window (None without both samples)."""
@@ -838,6 +947,7 @@ def scenario_send(target: Target, concurrency: int = 8, duration: float = 10.0,
         "loadgenCpuUsPerRequest": round(
             sum(r["cpu"] for r in results) / max(sum(r["sent"] for r in results), 1) * 1e6, 1),
         "serverCpuBusy": probe.busy(),
+        "serverCpuUsPerRequest": probe.us_per(count),
     }
 
 
@@ -868,6 +978,8 @@ def scenario_pull_ack(target: Target, workers: int = 4, duration: float = 10.0,
         hi = min(hi, min(empties))
     span = max(hi - lo, 1e-9)
     count = sum(1 for r in results for t in r["acked"] if lo <= t <= hi)
+    # The probe's window is the full one: after a drain the broker idles (no CPU).
+    cpu_us = probe.us_per(sum(1 for r in results for t in r["acked"] if lo <= t <= probe.hi))
     total_acked = sum(len(r["acked"]) for r in results)
     pulls = sum(r["pulls"] for r in results)
     return {
@@ -876,6 +988,7 @@ def scenario_pull_ack(target: Target, workers: int = 4, duration: float = 10.0,
         "unit": "msg/s", "drained": drained, "prefill": fill,
         "requestsPerMessage": round((pulls + total_acked) / max(total_acked, 1), 3),
         "serverCpuBusy": None if drained else probe.busy(),
+        "serverCpuUsPerMessage": cpu_us,
         "errors": _merge_errors(results),
         "note": "window cut short: prefill more (--messages)" if span < 1.0 else "",
     }
@@ -1036,6 +1149,407 @@ def scenario_request_reply(target: Target, askers: int = 1, duration: float = 10
     }
 
 
+def _roles(role: str, *args: Any) -> JsonDict:
+    """Run the worker function named ``role`` (lets one :func:`run_workers` mix roles)."""
+    return _ROLES[role](*args)
+
+
+# ---- lifecycle: send -> pull -> ack ------------------------------------------------
+
+
+def _life_sender(target: Target, agent: str, to: str, start_at: float, end_at: float,
+                 pad: int) -> JsonDict:
+    """Closed-loop sender whose bodies carry their send time (``sentAt``)."""
+    conn = Conn(target)
+    conn.connect()
+    done = array("d")
+    errors: Dict[str, int] = {}
+    text = make_body(to, pad)["body"]["text"]
+    n = ok = 0
+    _sleep_until(start_at)
+    while time.time() < end_at:
+        t0 = time.time()
+        env = {"id": str(uuid.uuid4()), "to": to, "body": {"sentAt": t0, "text": text}}
+        status, _ = conn.request("POST", "/messages",
+                                 json.dumps(env, separators=(",", ":")).encode(), agent)
+        n += 1
+        if status in (200, 201):
+            ok += 1
+            done.append(time.time())
+        else:
+            _count(errors, f"send {status}")
+    conn.close()
+    return {"sent": n, "ok": ok, "done": done, "errors": errors}
+
+
+def _life_worker(target: Target, agent: str, start_at: float, end_at: float, limit: int,
+                 wait: int) -> JsonDict:
+    """Pull batches as ``agent`` (a short long-poll where advertised) and ack each one;
+    records each ack's completion time and the message's whole cycle."""
+    conn = Conn(target)
+    conn.connect()
+    acked = array("d")
+    cycles = array("d")
+    errors: Dict[str, int] = {}
+    pulls = empty = 0
+    doc: JsonDict = {"limit": limit}
+    if wait:
+        doc["waitSeconds"] = wait
+    pull_body = json.dumps(doc).encode()
+    _sleep_until(start_at)
+    while time.time() < end_at:
+        status, payload = conn.request("POST", "/v1/pull", pull_body, agent)
+        pulls += 1
+        if status != 200:
+            _count(errors, f"pull {status}")
+            if status == 404:
+                break
+            time.sleep(0.01)
+            continue
+        messages = json.loads(payload).get("messages") or []
+        if not messages:
+            empty += 1
+            if not wait:
+                time.sleep(0.005)
+            continue
+        for msg in messages:
+            ack = {"messageId": msg["id"], "leaseId": msg.get("leaseId"),
+                   "outcome": "completed"}
+            st, _ = conn.request("POST", "/v1/ack",
+                                 json.dumps(ack, separators=(",", ":")).encode(), agent)
+            now = time.time()
+            if st == 200:
+                acked.append(now)
+                sent_at = (msg.get("body") or {}).get("sentAt")
+                cycles.append(now - float(sent_at) if isinstance(sent_at, (int, float))
+                              else -1.0)
+            else:
+                _count(errors, f"ack {st}")
+    conn.close()
+    return {"acked": acked, "cycles": cycles, "pulls": pulls, "empty": empty,
+            "errors": errors}
+
+
+def scenario_lifecycle(target: Target, senders: int = 4, workers: int = 4,
+                       duration: float = 10.0, warmup: float = 1.0, limit: int = 10,
+                       cpu: Optional[Callable[[], float]] = None) -> JsonDict:
+    """``lifecycle``: messages per second through send -> pull -> ack.
+
+    ``senders`` closed-loop senders send to one agent whose queue starts empty while
+    ``workers`` workers of that agent pull batches of ``limit`` (long-polling 1 s
+    where ``GET /`` advertises it) and ack each message. Only messages acknowledged
+    inside the window count: each completed its whole cycle in this run.
+    """
+    info = handshake(target)
+    wait = min(long_poll_max(info), 1)
+    prefix = run_id()
+    names = [f"life-s-{prefix}-{i}" for i in range(senders)]
+    agent = f"life-r-{prefix}"
+    register(target, [agent, *names])
+    start = _start_time()
+    lo, hi = _window(start, warmup, duration)
+    probe = WindowProbe(cpu, lo, hi)
+    results = run_workers(
+        _roles,
+        [("life-sender", target, n, agent, start, hi, BODY_BYTES) for n in names]
+        + [("life-worker", target, agent, start, hi, limit, wait) for _ in range(workers)],
+        timeout=warmup + duration + 60,
+    )
+    sends, works = results[:senders], results[senders:]
+    count = 0
+    cycles: List[float] = []
+    for res in works:
+        for t, c in zip(res["acked"], res["cycles"]):
+            if lo <= t <= hi:
+                count += 1
+                if c >= 0:
+                    cycles.append(c)
+    sent_in = sum(1 for r in sends for t in r["done"] if lo <= t <= hi)
+    total_sent = sum(r["ok"] for r in sends)
+    total_acked = sum(len(r["acked"]) for r in works)
+    requests = sum(r["sent"] for r in sends) + sum(r["pulls"] + len(r["acked"]) for r in works)
+    return {
+        "scenario": "lifecycle", "url": target.url, "senders": senders, "workers": workers,
+        "batch": limit, "waitSeconds": wait, "seconds": duration, "messages": count,
+        "rate": round(count / duration, 1), "unit": "msg/s (sent, pulled and acked)",
+        "sendRate": round(sent_in / duration, 1),
+        "backlogAtEnd": total_sent - total_acked,
+        "cycleLatencyMs": percentiles(cycles),
+        "requestsPerMessage": round(requests / max(total_acked, 1), 3),
+        "emptyPulls": sum(r["empty"] for r in works),
+        "serverCpuBusy": probe.busy(), "serverCpuUsPerMessage": probe.us_per(count),
+        "errors": _merge_errors(results),
+    }
+
+
+# ---- many-agents: a thousand agents, hundreds of held long-polls ------------------
+
+
+async def _sleep_until_async(t: float) -> None:
+    delay = t - time.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def _connect_all(conns: Sequence[AsyncConn], parallel: int = 32) -> int:
+    """Open every connection, ``parallel`` at a time; returns how many opened."""
+    gate = asyncio.Semaphore(parallel)
+    opened = 0
+
+    async def one(conn: AsyncConn) -> None:
+        nonlocal opened
+        async with gate:
+            try:
+                await conn.connect()
+                opened += 1
+            except (OSError, asyncio.TimeoutError):
+                pass
+
+    await asyncio.gather(*(one(c) for c in conns))
+    return opened
+
+
+async def _many_receivers_async(target: Target, agents: Sequence[str], wait: int,
+                                interval: float, start_at: float, lo: float, hi: float,
+                                stop_at: float, limit: int) -> JsonDict:
+    conns = [AsyncConn(target, timeout=max(SOCKET_TIMEOUT, wait + 30.0)) for _ in agents]
+    opened = await _connect_all(conns)
+    cpu0 = time.process_time()
+    lats = array("d")
+    seen: set = set()
+    stats = {"pulls": 0, "empty": 0, "acks": 0, "duplicates": 0, "delivered": 0}
+    errors: Dict[str, int] = {}
+    doc: JsonDict = {"limit": limit}
+    if wait:
+        doc["waitSeconds"] = wait
+    pull_body = json.dumps(doc).encode()
+
+    async def receive(conn: AsyncConn, agent: str, phase: float) -> None:
+        await _sleep_until_async(start_at + phase)
+        while time.time() < stop_at:
+            began = time.time()
+            try:
+                status, payload = await conn.request("POST", "/v1/pull", pull_body, agent)
+            except (OSError, HttpError, asyncio.IncompleteReadError, asyncio.TimeoutError,
+                    asyncio.LimitOverrunError) as exc:
+                _count(errors, f"pull {type(exc).__name__}")
+                await asyncio.sleep(0.5)
+                continue
+            now = time.time()
+            stats["pulls"] += 1
+            if status != 200:
+                _count(errors, f"pull {status}")
+                await asyncio.sleep(0.5)
+                continue
+            messages = json.loads(payload).get("messages") or []
+            if not messages:
+                stats["empty"] += 1
+            for msg in messages:
+                if msg["id"] in seen:
+                    stats["duplicates"] += 1
+                    continue
+                seen.add(msg["id"])
+                sent_at = (msg.get("body") or {}).get("sentAt")
+                if isinstance(sent_at, (int, float)) and lo <= sent_at <= hi:
+                    stats["delivered"] += 1
+                    lats.append(now - sent_at)
+            for msg in messages:
+                ack = {"messageId": msg["id"], "leaseId": msg.get("leaseId"),
+                       "outcome": "completed"}
+                try:
+                    st, _ = await conn.request(
+                        "POST", "/v1/ack", json.dumps(ack, separators=(",", ":")).encode(),
+                        agent)
+                except (OSError, HttpError, asyncio.IncompleteReadError,
+                        asyncio.TimeoutError) as exc:
+                    _count(errors, f"ack {type(exc).__name__}")
+                    continue
+                stats["acks"] += 1
+                if st != 200:
+                    _count(errors, f"ack {st}")
+            if not wait:
+                await asyncio.sleep(max(0.0, interval - (time.time() - began)))
+
+    rng = random.Random()
+    spread = interval if not wait else 0.5
+    tasks = [asyncio.ensure_future(receive(c, a, rng.random() * spread))
+             for c, a in zip(conns, agents)]
+    await _sleep_until_async(stop_at)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for conn in conns:
+        conn.close()
+    return {"lats": lats, "connected": opened, "errors": errors,
+            "cpu": time.process_time() - cpu0, **stats}
+
+
+async def _many_senders_async(target: Target, agents: Sequence[str],
+                              recipients: Sequence[str], rate_each: float, start_at: float,
+                              lo: float, hi: float, pad: int) -> JsonDict:
+    conns = [AsyncConn(target) for _ in agents]
+    opened = await _connect_all(conns)
+    cpu0 = time.process_time()
+    text = make_body(recipients[0], pad)["body"]["text"]
+    stats = {"sent": 0, "sentInWindow": 0, "late": 0}
+    errors: Dict[str, int] = {}
+    lats = array("d")
+    interval = 1.0 / rate_each
+
+    async def send(conn: AsyncConn, agent: str, rng: random.Random) -> None:
+        due = start_at + rng.random() * interval
+        while due < hi:
+            await _sleep_until_async(due)
+            t0 = time.time()
+            if t0 - due > interval:
+                stats["late"] += 1
+            env = {"id": str(uuid.uuid4()), "to": rng.choice(recipients),
+                   "body": {"sentAt": t0, "text": text}}
+            try:
+                status, _ = await conn.request(
+                    "POST", "/messages", json.dumps(env, separators=(",", ":")).encode(),
+                    agent)
+            except (OSError, HttpError, asyncio.IncompleteReadError,
+                    asyncio.TimeoutError) as exc:
+                _count(errors, f"send {type(exc).__name__}")
+                status = 0
+            stats["sent"] += 1
+            if status in (200, 201):
+                if lo <= t0 <= hi:
+                    stats["sentInWindow"] += 1
+                    lats.append(time.time() - t0)
+            elif status:
+                _count(errors, f"send {status}")
+            due += interval
+
+    await asyncio.gather(*(send(c, a, random.Random(i))
+                           for i, (c, a) in enumerate(zip(conns, agents))))
+    for conn in conns:
+        conn.close()
+    return {"lats": lats, "connected": opened, "errors": errors,
+            "cpu": time.process_time() - cpu0, **stats}
+
+
+def _many_receivers(*args: Any) -> JsonDict:
+    """The receivers of ``many-agents``: one process, one connection per agent."""
+    return asyncio.run(_many_receivers_async(*args))
+
+
+def _many_senders(*args: Any) -> JsonDict:
+    """The senders of ``many-agents``: one process, one connection per sender."""
+    return asyncio.run(_many_senders_async(*args))
+
+
+class RssSampler:
+    """Samples a server's RSS (``rss()["rssMB"]``) every ``every`` seconds on a thread."""
+
+    def __init__(self, rss: Optional[Callable[[], JsonDict]], every: float) -> None:
+        self.samples: List[Tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        if rss is not None:
+            self._thread = threading.Thread(target=self._run, args=(rss, every), daemon=True)
+            self._thread.start()
+
+    def _run(self, rss: Callable[[], JsonDict], every: float) -> None:
+        while True:
+            value = rss().get("rssMB")
+            if value:
+                self.samples.append((time.time(), float(value)))
+            if self._stop.wait(every):
+                return
+
+    def stop(self) -> None:
+        """Stop sampling (one last sample is taken on the way out)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def summary(self, lo: float, hi: float, points: int = 60) -> Optional[JsonDict]:
+        """RSS at the window's start and end, its largest value, and up to ``points``
+        samples as ``[seconds since the window's start, MB]``."""
+        inside = [(t, v) for t, v in self.samples if lo - 1.0 <= t <= hi + 1.0]
+        if not inside:
+            return None
+        step = max(1, len(inside) // points)
+        return {
+            "startMB": inside[0][1], "endMB": inside[-1][1],
+            "maxMB": max(v for _, v in inside),
+            "growthMB": round(inside[-1][1] - inside[0][1], 1),
+            "samples": [[round(t - lo, 1), v] for t, v in inside[::step]],
+        }
+
+
+def scenario_many_agents(target: Target, agents: int = 1000, holders: int = 500,
+                         senders: int = 50, rate: float = 200.0, duration: float = 20.0,
+                         warmup: float = 2.0, poll_interval: float = 1.0, limit: int = 10,
+                         rss: Optional[Callable[[], JsonDict]] = None,
+                         cpu: Optional[Callable[[], float]] = None,
+                         sample_seconds: float = 1.0) -> JsonDict:
+    """``many-agents``: ``agents`` registered, ``holders`` of them waiting for messages,
+    ``senders`` others sending at ``rate`` msg/s in all to random holders.
+
+    Holders long-poll ``POST /v1/pull`` with ``waitSeconds`` where ``GET /``
+    advertises ``capabilities.longPoll`` (the longest wait up to 20 s), otherwise pull
+    every ``poll_interval`` seconds; each acks what it receives. Reports delivery
+    latency, messages sent in the window but not delivered, and with ``rss`` /
+    ``cpu`` the broker's RSS over time and its CPU per delivered message.
+    """
+    if senders + holders > agents:
+        raise ValueError("senders + holders must not exceed agents")
+    info = handshake(target)
+    wait = min(long_poll_max(info), 20)
+    mode = f"long-poll {wait}s" if wait else f"interval-pull {poll_interval:g}s"
+    prefix = run_id()
+    names = [f"many-{prefix}-{i}" for i in range(agents)]
+    t0 = time.time()
+    register(target, names)
+    register_seconds = time.time() - t0
+    holding, sending = names[:holders], names[holders:holders + senders]
+    start = _start_time(3.0)  # time to open every connection first
+    lo, hi = _window(start, warmup, duration)
+    stop_at = hi + (0 if wait else poll_interval) + 2.0
+    probe = WindowProbe(cpu, lo, hi)
+    sampler = RssSampler(rss, sample_seconds)
+    try:
+        results = run_workers(
+            _roles,
+            [("many-receivers", target, holding, wait, poll_interval, start, lo, hi,
+              stop_at, limit),
+             ("many-senders", target, sending, holding, rate / senders, start, lo, hi,
+              BODY_BYTES)],
+            timeout=stop_at - time.time() + 120,
+        )
+    finally:
+        sampler.stop()
+    recv, sent = results
+    undelivered = sent["sentInWindow"] - recv["delivered"]
+    return {
+        "scenario": "many-agents", "url": target.url, "mode": mode, "waitSeconds": wait,
+        "agents": agents, "holders": holders, "senders": senders, "targetRate": rate,
+        "seconds": duration, "registerSeconds": round(register_seconds, 2),
+        "connected": {"holders": recv["connected"], "senders": sent["connected"]},
+        "sent": sent["sentInWindow"], "delivered": recv["delivered"],
+        "undelivered": undelivered, "duplicates": recv["duplicates"],
+        "rate": round(recv["delivered"] / duration, 1), "unit": "msg/s delivered",
+        "latencyMs": percentiles(list(recv["lats"])),
+        "sendLatencyMs": percentiles(list(sent["lats"])),
+        "senderLate": sent["late"], "pulls": recv["pulls"], "emptyPulls": recv["empty"],
+        # Both load-generator processes, from their first request to their last.
+        "loadgenCpuBusy": round((recv["cpu"] + sent["cpu"]) / max(stop_at - start, 1e-9), 2),
+        "serverCpuBusy": probe.busy(),
+        "serverCpuUsPerMessage": probe.us_per(recv["delivered"]),
+        "rssOverTime": sampler.summary(lo, hi),
+        "errors": _merge_errors(results),
+    }
+
+
+_ROLES: Dict[str, Callable[..., JsonDict]] = {
+    "life-sender": _life_sender, "life-worker": _life_worker,
+    "many-receivers": _many_receivers, "many-senders": _many_senders,
+}
+
+
 def best_of(docs: Sequence[JsonDict]) -> JsonDict:
     """The result with the highest ``rate``, with every run's rate listed in ``runs``.
 
@@ -1086,11 +1600,13 @@ def scenario_depth(target: Optional[Target], levels: Sequence[int], concurrency:
                     f"({fill['rate']} msg/s)")
             row: JsonDict = {"depth": level, "prefill": fill,
                              "storedBefore": filled + stored_by_runs}
+            cpu = _cpu_probe(level_rss)
             pulls = [scenario_pull_ack(tgt, workers, duration, 0.5, pull_messages, 10,
-                                       fill_concurrency) for _ in range(repeat)]
+                                       fill_concurrency, cpu=cpu) for _ in range(repeat)]
             stored_by_runs += sum(p["prefill"]["count"] for p in pulls)
             row["pullAck"] = best_of(pulls)
-            sends = [scenario_send(tgt, concurrency, duration, 1.0) for _ in range(repeat)]
+            sends = [scenario_send(tgt, concurrency, duration, 1.0, cpu=cpu)
+                     for _ in range(repeat)]
             stored_by_runs += sum(x["stored"] for x in sends)
             row["send"] = best_of(sends)
             if include_e2e:
@@ -1104,6 +1620,13 @@ def scenario_depth(target: Optional[Target], levels: Sequence[int], concurrency:
         rows.append(row)
     return {"scenario": "depth", "url": target.url if target else "fresh broker per level",
             "freshPerLevel": fresh is not None, "levels": rows}
+
+
+def _cpu_probe(rss: Optional[Callable[[], JsonDict]]) -> Optional[Callable[[], float]]:
+    """The server's CPU seconds from an ``rss()`` reader that reports ``cpuSeconds``."""
+    if rss is None or "cpuSeconds" not in rss():
+        return None
+    return lambda: float(rss()["cpuSeconds"])
 
 
 def _depth_line(row: JsonDict) -> str:
@@ -1162,7 +1685,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenario", choices=["send", "pull-ack", "poll", "e2e-latency",
-                                        "request-reply", "depth", "ceiling"])
+                                        "lifecycle", "request-reply", "many-agents",
+                                        "depth", "ceiling"])
     p.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
     p.add_argument("--secret", default=os.environ.get("RELAY_SECRET", ""),
                    help="shared secret (or $RELAY_SECRET)")
@@ -1175,14 +1699,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0,
                    help="batch: pull limit (default 10) or poll limit (default 50)")
     p.add_argument("--rate", type=float, default=200.0, help="e2e-latency send rate")
-    p.add_argument("--poll-interval", type=float, default=0.1,
-                   help="receiver interval when the broker has no long-poll")
+    p.add_argument("--poll-interval", type=float, default=None,
+                   help="receiver interval when the broker has no long-poll "
+                        "(default 0.1 s; 1 s in many-agents)")
     p.add_argument("--no-long-poll", action="store_true",
                    help="e2e-latency: poll on an interval even if long-poll is advertised")
     p.add_argument("--levels", default="0,1000,10000,100000",
                    help="depth: comma-separated prefilled message counts")
     p.add_argument("--fill-concurrency", type=int, default=8)
     p.add_argument("--askers", type=int, default=1, help="request-reply: concurrent askers")
+    p.add_argument("--senders", type=int, default=0,
+                   help="lifecycle (default 4) / many-agents (default 50): senders")
+    p.add_argument("--agents", type=int, default=1000, help="many-agents: registered agents")
+    p.add_argument("--holders", type=int, default=500,
+                   help="many-agents: agents waiting for messages (long-poll)")
     p.add_argument("--worker-python", default=sys.executable,
                    help="request-reply: the interpreter that runs the worker agent")
     return p
@@ -1205,8 +1735,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         doc = scenario_poll(target, args.workers, args.duration, args.warmup,
                             min(args.messages, 10000), args.limit or 50, args.fill_concurrency)
     elif args.scenario == "e2e-latency":
-        doc = scenario_e2e(target, args.rate, args.duration, args.warmup, args.poll_interval,
-                           args.no_long_poll)
+        doc = scenario_e2e(target, args.rate, args.duration, args.warmup,
+                           args.poll_interval or 0.1, args.no_long_poll)
+    elif args.scenario == "lifecycle":
+        doc = scenario_lifecycle(target, args.senders or 4, args.workers, args.duration,
+                                 args.warmup, args.limit or 10)
+    elif args.scenario == "many-agents":
+        doc = scenario_many_agents(target, args.agents, args.holders, args.senders or 50,
+                                   args.rate, args.duration, args.warmup,
+                                   args.poll_interval or 1.0)
     elif args.scenario == "request-reply":
         doc = scenario_request_reply(target, args.askers, args.duration, args.warmup,
                                      args.worker_python, force_interval=args.no_long_poll)
