@@ -37,6 +37,7 @@ async def test_stats_prints_the_overview(tmp_path):
     assert "queued 2" in lines[1] and "sent 2" in lines[2]
     beta = next(line for line in lines if line.startswith("beta "))
     assert beta.split()[:4] == ["beta", "yes", "2", "0"]
+    assert beta.endswith(" 0 s") and lines[0].endswith("up 0 s"), "ages read as elsewhere"
     assert any(line.split()[:3] == ["alpha", "beta", "2"] for line in lines)
 
 

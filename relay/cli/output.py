@@ -51,7 +51,8 @@ def _parse_time(value: Any) -> Optional[float]:
     return None
 
 
-def _span(seconds: float) -> str:
+def span(seconds: float) -> str:
+    """A duration as a person reads it: ``12 s``, ``3 min``, ``2 h``, ``5 d``."""
     whole = int(seconds)
     if whole < 60:
         return f"{whole} s"
@@ -74,7 +75,7 @@ def age(value: Any, now: float) -> Optional[str]:
     delta = now - when
     if -1 < delta < 1:
         return "just now"
-    return f"{_span(delta)} ago" if delta > 0 else f"in {_span(-delta)}"
+    return f"{span(delta)} ago" if delta > 0 else f"in {span(-delta)}"
 
 
 class Console:

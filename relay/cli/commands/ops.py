@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import yaml
 
 from relay.cli.command import Context
-from relay.cli.output import table
+from relay.cli.output import span, table
 from relay.config import listen_interface, split_endpoint, unescape_endpoint_value
 from relay.errors import RelayError
 from relay.settings import UsageError
@@ -102,14 +102,8 @@ def ops_target(args: argparse.Namespace, env: Mapping[str, str]) -> Tuple[str, O
 
 
 def _age(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    if s < 90:
-        return f"{s}s"
-    if s < 5400:
-        return f"{s // 60}m"
-    return f"{s / 3600:.1f}h"
+    """An age in the words of every readable output (``12 s``, ``3 min``)."""
+    return "-" if seconds is None else span(seconds)
 
 
 def _pairs(counts: Dict[str, int]) -> str:
