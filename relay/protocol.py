@@ -7,6 +7,7 @@ normalised data or raises :class:`relay.errors.RelayError`.
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import json
 import re
@@ -64,6 +65,7 @@ def is_valid_agent_name(name: str) -> bool:
     return bool(AGENT_NAME.match(name))
 
 
+@functools.lru_cache(maxsize=4096)
 def is_loopback_host(host: str) -> bool:
     """True for ``localhost``, 127.0.0.0/8, ``::1`` and IPv4-mapped loopback addresses
     (a zone id such as ``%lo`` is ignored): the hosts spec §3 calls loopback."""
@@ -79,6 +81,7 @@ def is_loopback_host(host: str) -> bool:
     return mapped is not None and mapped.is_loopback
 
 
+@functools.lru_cache(maxsize=4096)
 def address_group(host: str) -> str:
     """The key a client address is counted under (rate limits, connection caps): the
     address itself, an IPv4-mapped address as its IPv4 address, and any other IPv6

@@ -1,0 +1,74 @@
+"""Routing: a request naming a route without parameters exactly goes straight to it;
+every other path takes Klein's matching, with the same answers as before."""
+
+from __future__ import annotations
+
+import pytest_twisted
+from twisted.logger import capturedLogs, formatEvent
+
+from tests.http_support import Broker, assert_error
+
+
+def test_the_table_holds_every_route_without_a_parameter_and_no_other() -> None:
+    table = Broker().api.fixed_routes()
+    assert table == {
+        (b"GET", b"/"): "root",
+        (b"POST", b"/register"): "register",
+        (b"GET", b"/peers"): "peers",
+        (b"POST", b"/messages"): "send",
+        (b"GET", b"/messages"): "poll",
+        (b"POST", b"/v1/pull"): "pull",
+        (b"POST", b"/v1/ack"): "ack",
+        (b"POST", b"/v1/status"): "status",
+        (b"POST", b"/v1/recent"): "recent",
+        (b"POST", b"/v1/messages/query"): "query",
+        (b"POST", b"/v1/lease/renew"): "renew",
+        (b"POST", b"/v1/requeue"): "requeue",
+        (b"POST", b"/v1/cancel"): "cancel",
+        (b"POST", b"/v1/thread"): "thread",
+    }
+
+
+@pytest_twisted.ensureDeferred
+async def test_paths_near_a_fixed_route_are_no_route() -> None:
+    b = Broker()
+    await b.register("alpha", "beta")
+    for method, path in [("GET", "/peers/"), ("HEAD", "/peers"), ("GET", "/%70eers"),
+                         ("GET", "//peers"), ("PUT", "/peers"), ("POST", "/v1/pull/")]:
+        reply = await b.request("alpha", method, path)
+        assert reply.code == 404, (method, path)
+        if method != "HEAD":
+            assert_error(reply, 404, "not_found")
+    assert (await b.get("alpha", "/peers?x=1")).code == 200, "the query is not the path"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_long_poll_whose_client_went_away_is_no_incident() -> None:
+    b = Broker()
+    await b.register("alpha", "beta")
+    with capturedLogs() as events:
+        d = b.post("beta", "/v1/pull", {"waitSeconds": 20})
+        b.advance(1)
+        assert b.broker.waiters.count("beta") == 1
+        for pump in list(b.agent._pumps):
+            pump.clientIO.loseConnection()
+        b.flush()
+        d.addErrback(lambda failure: None)
+        b.advance(30)
+    assert b.broker.waiters.count("beta") == 0
+    assert not [formatEvent(e) for e in events if "incident" in formatEvent(e)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_answer_that_comes_later_is_written_once() -> None:
+    b = Broker()
+    await b.register("alpha", "beta")
+    d = b.post("beta", "/v1/pull", {"waitSeconds": 20})
+    b.advance(1)
+    assert not d.called
+    msg_id = await b.message("alpha", "beta")
+    b.flush()
+    reply = d.result
+    assert reply.code == 200
+    assert [m["id"] for m in reply.json["messages"]] == [msg_id]
+    assert reply.header("content-type") == "application/json; charset=utf-8"
