@@ -100,6 +100,9 @@ class Config:
     lock_after_failures: int = 5
     lock_minutes: float = 5
     require_nonce: bool = False
+    # Seconds of self-exercise before listening (None: the interpreter's default,
+    # relay.warmup.default_seconds).
+    warmup_seconds: Optional[float] = None
     agents: Mapping[str, AgentConfig] = field(default_factory=dict)
     ignored_keys: Tuple[str, ...] = ()
     warnings: Tuple[str, ...] = ()
@@ -166,6 +169,7 @@ _BROKER_KEYS = frozenset(
         "opsListen",
         "opsToken",
         "opsTokenFile",
+        "warmupSeconds",
     }
 )
 _SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes", "requireNonce"})
@@ -604,6 +608,8 @@ def parse_config(
         lock_after_failures=read_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
         lock_minutes=read_number(security, "lockMinutes", "security", 5, 0.01, 525600),
         require_nonce=read_bool(security, "requireNonce", "security", False),
+        warmup_seconds=(read_number(broker, "warmupSeconds", "broker", 0, 0, 60)
+                        if broker.get("warmupSeconds") is not None else None),
         agents=agents,
         ignored_keys=tuple(skipped + skipped_agents),
         warnings=tuple(warnings),

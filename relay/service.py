@@ -22,6 +22,7 @@ from relay.ops.counters import SAMPLE_SECONDS, Counters
 from relay.ops.web import OpsAPI
 from relay.store.interface import ISharedLockouts
 from relay.tls import server_endpoints
+from relay.warmup import warm_up
 from relay.web import RelayAPI
 
 log = Logger(namespace="relay.service")
@@ -284,6 +285,8 @@ class RelayService(MultiService):
         The connection cap stays below the open-files limit, so an accept never fails
         for want of a descriptor (and Twisted never logs that, once per attempt).
         """
+        # Before listening: no client waits on a request path a JIT has not compiled.
+        warm_up(self.config, self.config.warmup_seconds)
         soft = raise_open_files_limit(self.reactor)
         if soft is not None and soft - FILES_IN_RESERVE < self.site.max_connections:
             self.site.max_connections = max(1, soft - FILES_IN_RESERVE)

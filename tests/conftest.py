@@ -12,6 +12,11 @@ from twisted.internet.task import Clock
 from relay.store.plugins import store_factories
 from relay.testing import START, make_config
 
+# Brokers started by the tests (in-process and as real processes, which inherit the
+# environment) skip the start-up warm-up: a test wants the broker at once. The
+# warm-up has tests of its own that ask for it.
+os.environ.setdefault("RELAY_WARMUP_SECONDS", "0")
+
 # Every registered backend plugin runs the store contract.
 BACKENDS = tuple(sorted(store_factories()))
 
