@@ -143,6 +143,7 @@ class RelayAPI:
         self.rate_limiter = rate_limiter
         self.allowed_hosts = frozenset(allowed_hosts)
         self.info = encode_json(broker.info())
+        self._bound_app = self.app  # Klein binds its app to this instance anew per access
 
     def resource(self):
         """The resource serving this API: Klein's, behind the checks of the URL's
@@ -168,7 +169,7 @@ class RelayAPI:
         waiter is dropped). An answer ready at once is returned for twisted.web to
         write; otherwise ``NOT_DONE_YET``."""
         try:
-            result = self.app.execute_endpoint(endpoint, request)
+            result = self._bound_app.execute_endpoint(endpoint, request)
         except Exception:
             return self._answer(Failure(), request)
         if not isinstance(result, Deferred):
