@@ -407,3 +407,34 @@ async def test_racing_sweeps_leave_one_failure_notice_per_request(tmp_path, dsn)
     finally:
         await a.close()
         await b.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_after_a_reconnect_the_deadlines_set_meanwhile_are_learnt(tmp_path, dsn):
+    """B was not listening when A leased a message and stored a delayed one: once
+    its LISTEN connection is back, B learns both deadlines, not only who has work."""
+    a = open_backend("postgres", tmp_path / "a")
+    b = None
+    try:
+        now = time.time()
+        assert await a.add(new_message("alpha", "beta", now, id="held"), RULES)
+        assert await a.add(new_message("alpha", "gamma", now, id="later", delay_seconds=60),
+                           RULES)
+        (leased,) = await a.pull("beta", 1, 30, now, RULES)
+        b = open_backend("postgres", tmp_path / "b")
+        heard = Recorder()
+        b.subscribe(heard)
+        b._listening(False)  # as after a reconnect
+        deadline = time.monotonic() + 5
+        due = set()
+        while time.monotonic() < deadline and len(due) < 2:
+            await _settle(0.05)
+            due |= heard.take()[1]
+        assert {agent for _, agent in due} == {"beta", "gamma"}
+        when = dict((agent, at) for at, agent in due)
+        assert when["beta"] == pytest.approx(leased.lease_until / 1000.0)
+        assert when["gamma"] == pytest.approx(now + 60, abs=1)
+    finally:
+        await a.close()
+        if b is not None:
+            await b.close()

@@ -30,7 +30,8 @@ brokers is done in SQL:
   autocommit connection per broker listens, reconnecting by itself.
   Notifications are lost only while it is down: then a fallback look every
   ``FALLBACK_SECONDS``, and one after it is back, wake every agent with a
-  queued message or a lapsed lease.
+  queued message or a lapsed lease; after it is back, the next lease deadline
+  and delay end of every agent are read again too.
 
 Connections: ``poolSize`` worker threads, each with its own connection, opened
 when first needed and again after it broke. A request that meets a broken
@@ -262,6 +263,14 @@ STATEMENTS = {
     "lapsed_agents": (
         "SELECT DISTINCT recipient FROM relay_messages WHERE status = 'leased' "
         "AND lease_until <= %s"
+    ),
+    # The next deadline of each agent (a lease running out, a delay ending): what the
+    # notifications missed while the LISTEN connection was down would have said.
+    "upcoming": (
+        "SELECT recipient, min(lease_until) / 1000.0 FROM relay_messages "
+        "WHERE status = 'leased' AND lease_until > %(now_ms)s GROUP BY recipient "
+        "UNION ALL SELECT recipient, min(not_before) FROM relay_messages "
+        "WHERE status = 'queued' AND not_before > %(now)s GROUP BY recipient"
     ),
     # Every agent with a queued message, one index probe per agent (a loose index scan).
     "queued_agents": (
@@ -548,6 +557,12 @@ def pull(records: PostgresRecords, agent: str, limit: int, lease_seconds: float,
 
 def is_registered(records: PostgresRecords, agent: str) -> bool:
     return records.is_registered(agent)
+
+
+def upcoming_deadlines(records: PostgresRecords, now: float) -> Set[Tuple[float, str]]:
+    """``(when, agent)`` of each agent's next lease deadline and next delay's end."""
+    records.cursor.execute(STATEMENTS["upcoming"], {"now": now, "now_ms": delivery.now_ms(now)})
+    return {(float(when), agent) for agent, when in records.cursor.fetchall()}
 
 
 def every_waiting_agent(records: PostgresRecords, now: float) -> Set[str]:
@@ -926,9 +941,19 @@ class PostgresStore:
 
     def _listening(self, first: bool) -> None:
         """The LISTEN connection is up; after a reconnect, notifications may have been
-        missed while it was down."""
+        missed while it was down: the agents with work now, and the deadlines other
+        brokers set meanwhile (without them, a waiter here would sleep through a
+        lease running out or a delay ending until its own time is up)."""
         if not first and not self.closed:
             self._wake_everyone()
+            d = self._run(upcoming_deadlines, self.clock.seconds())
+            d.addCallbacks(self._due, _ignore_unavailable)
+
+    def _due(self, deadlines: Iterable[Tuple[float, str]]) -> None:
+        changes = Changes()
+        changes.due.update(deadlines)
+        if changes:
+            self._report(changes)
 
     def _look(self) -> None:
         """The fallback (every FALLBACK_SECONDS): while the LISTEN connection is down,
