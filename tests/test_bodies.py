@@ -76,6 +76,38 @@ async def test_non_ascii_is_stored_and_served_as_utf8(tmp_path):
     assert stored == json.dumps({"text": text}, ensure_ascii=False, separators=(",", ":"))
 
 
+def _stored_body_bytes(backend: str, data_dir) -> bytes:
+    """The bytes the backend keeps for the body of message ``u``."""
+    if backend == "jsonl":
+        with open(os.path.join(data_dir, "messages.jsonl"), "rb") as f:
+            return f.read()
+    import psycopg
+
+    from tests.conftest import postgres_dsn
+
+    with psycopg.connect(postgres_dsn()) as conn:
+        (body,) = conn.execute("SELECT body FROM relay_messages WHERE id = 'u'").fetchone()
+    return body.encode("utf-8")
+
+
+@pytest.mark.parametrize("backend", ["jsonl", "postgres"])
+@pytest_twisted.ensureDeferred
+async def test_non_ascii_is_stored_as_utf8_by_every_backend(backend, tmp_path):
+    from tests.conftest import reset_postgres
+
+    if backend == "postgres":
+        reset_postgres()
+    text = "☃ é 日本語 🦜" * 1000
+    store = open_backend(backend, tmp_path)
+    try:
+        await store.add(new_message("alpha", "beta", START, id="u", body={"text": text}), RULES)
+    finally:
+        await store.close()
+    stored = _stored_body_bytes(backend, tmp_path)
+    assert text.encode("utf-8") in stored, "UTF-8, not \\u escapes"
+    assert b"\\u" not in stored
+
+
 @pytest.mark.parametrize("shape", ["empty objects", "numbers", "nested lists"])
 @pytest_twisted.ensureDeferred
 async def test_a_body_of_too_many_values_is_400(shape):
