@@ -14,6 +14,8 @@ new deliverable messages, later for a lease deadline.
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
@@ -91,6 +93,11 @@ class Broker:
         self.waiters = waiters if waiters is not None else Waiters(clock)
         # What the operations completed add up to (/metrics, the dashboard).
         self.counters = counters if counters is not None else Counters()
+        # When requests sent with a TTL expire (epoch seconds, on a half-second
+        # grid): the expiry sweep then stores their failure notices on time.
+        self._expiries: List[float] = []
+        self._expiry_call: Any = None
+        self._stopped = False
         store.subscribe(self.changed)
 
     # -- wake-ups -------------------------------------------------------------------
@@ -108,6 +115,39 @@ class Broker:
             counters.message_dead_lettered(reason)
         if changes.lapsed:
             counters.leases_lapsed(changes.lapsed)
+        for when in changes.expiring:
+            self._sweep_at(when)
+
+    def _sweep_at(self, when: float) -> None:
+        """Run the expiry sweep at ``when`` (rounded up to the next half second, so a
+        burst of requests shares one sweep)."""
+        when = math.ceil(when * 2) / 2
+        if self._stopped or when in self._expiries:
+            return
+        heapq.heappush(self._expiries, when)
+        self._schedule_expiry()
+
+    def _schedule_expiry(self) -> None:
+        if not self._expiries or self._stopped:
+            return
+        first = self._expiries[0]
+        call = self._expiry_call
+        if call is not None and call.active():
+            if call.getTime() <= first:
+                return
+            call.cancel()
+        self._expiry_call = self.clock.callLater(max(0.0, first - self.clock.seconds()),
+                                                 self._expiry_due)
+
+    def _expiry_due(self) -> None:
+        self._expiry_call = None
+        now = self.clock.seconds()
+        while self._expiries and self._expiries[0] <= now:
+            heapq.heappop(self._expiries)
+        d = self.sweep_expired()
+        d.addErrback(lambda failure: log.error("expiry sweep failed: {kind}",
+                                               kind=failure.type.__name__))
+        d.addBoth(lambda _: self._schedule_expiry())
 
     # -- v1.0 --------------------------------------------------------------------------
 
@@ -444,6 +484,10 @@ class Broker:
 
     def stop(self) -> None:
         """Answer every waiting request and accept no new waits."""
+        self._stopped = True
+        if self._expiry_call is not None and self._expiry_call.active():
+            self._expiry_call.cancel()
+        self._expiries.clear()
         self.waiters.stop()
 
 

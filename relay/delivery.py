@@ -399,9 +399,13 @@ class Changes:
     holds ``(sender, recipient)`` of every new message (sends, receipts, notices,
     replies), ``dead`` the reason of every message that became failed, and
     ``lapsed`` counts the leases released because their deadline passed.
+
+    ``expiring`` holds the ``expiresAt`` times (epoch seconds) of new requests sent
+    with a TTL: the broker sweeps then, so the sender's failure notice is stored
+    when the request expires, not at the next periodic sweep.
     """
 
-    __slots__ = ("ready", "due", "stored", "dead", "lapsed")
+    __slots__ = ("ready", "due", "stored", "dead", "lapsed", "expiring")
 
     def __init__(self) -> None:
         self.ready: Set[str] = set()
@@ -409,9 +413,11 @@ class Changes:
         self.stored: List[Tuple[str, str]] = []
         self.dead: List[str] = []
         self.lapsed = 0
+        self.expiring: Set[float] = set()
 
     def __bool__(self) -> bool:
-        return bool(self.ready or self.due or self.stored or self.dead or self.lapsed)
+        return bool(self.ready or self.due or self.stored or self.dead or self.lapsed
+                    or self.expiring)
 
     def update(self, other: Changes) -> None:
         self.ready |= other.ready
@@ -419,6 +425,7 @@ class Changes:
         self.stored += other.stored
         self.dead += other.dead
         self.lapsed += other.lapsed
+        self.expiring |= other.expiring
 
     def __repr__(self) -> str:
         return f"<Changes ready={sorted(self.ready)} due={sorted(self.due)}>"
@@ -434,6 +441,8 @@ def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -
     was = before[0] if before is not None else None
     if before is None:
         changes.stored.append((after.sender, after.to))
+        if after.expires_at is not None and after.kind == "request":
+            changes.expiring.add(after.expires_at)
     elif after.status == FAILED and was != FAILED:
         changes.dead.append(after.dead_reason or ATTEMPTS)
     if after.status == QUEUED:

@@ -288,6 +288,24 @@ async def test_a_long_pull_by_parent_ends_with_the_failure_notice():
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_long_pull_by_parent_ends_with_the_expiry_notice_when_the_ttl_runs_out():
+    """§4, §7: the notice of a request that expired unprocessed is stored when it
+    expires, not at the next periodic sweep (a minute away, beyond any wait)."""
+    b = await two_agents()
+    reply = await b.post("alpha", "/messages", {"to": "beta", "kind": "request",
+                                                "ttlSeconds": 3})
+    request_id = reply.json["id"]
+    waiting = b.post("alpha", "/v1/pull", {"parentId": request_id, "waitSeconds": 20})
+    b.advance(2.9)
+    assert not waiting.called
+    b.advance(0.6)
+    (notice,) = (await waiting).json["messages"]
+    assert notice["body"]["relayNotice"] == {
+        "event": "expired", "messageId": request_id, "attempts": 0, "deliveries": 0,
+        "error": "expired unprocessed"}
+
+
+@pytest_twisted.ensureDeferred
 async def test_thread_paging():
     b = await two_agents()
     await b.message("alpha", "beta", id="root", kind="request")
