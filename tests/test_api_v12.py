@@ -100,6 +100,23 @@ async def test_renew():
     assert (entry["attempts"], entry["deliveries"]) == (0, 1)
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_waiting_pull_wakes_at_the_renewed_deadline_not_the_old_one():
+    b = await two_agents()
+    await b.message("alpha", "beta", id="m")
+    (leased,) = await b.pull("beta", leaseSeconds=5)
+    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 20})
+    reply = await b.post("beta", "/v1/lease/renew", {"messageId": "m",
+                                                     "leaseId": leased["leaseId"],
+                                                     "leaseSeconds": 15})
+    assert reply.code == 200
+    b.advance(5.5)
+    assert not waiting.called, "the old deadline is no deadline any more"
+    b.advance(10)
+    (again,) = (await waiting).json["messages"]
+    assert again["id"] == "m" and again["leaseId"] != leased["leaseId"]
+
+
 @pytest.mark.parametrize("seconds", [0, 86401, 30.0, 3e1, 30.5, "30", True, [], {}])
 @pytest_twisted.ensureDeferred
 async def test_renew_lease_seconds_must_be_an_integer_in_range(seconds):
