@@ -438,3 +438,41 @@ async def test_after_a_reconnect_the_deadlines_set_meanwhile_are_learnt(tmp_path
         await a.close()
         if b is not None:
             await b.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_lock_decided_on_one_brokers_own_count_holds_on_the_others(tmp_path, dsn):
+    """A success through B reset the shared count while A's failures were on their
+    way to the database (its notice not yet heard by A); A still locks on its own
+    count, and that lock reaches B."""
+    a = open_backend("postgres", tmp_path / "a")
+    b = open_backend("postgres", tmp_path / "b")
+    try:
+        lockout_a = Lockout(reactor, after=3, seconds=300)
+        lockout_b = Lockout(reactor, after=3, seconds=300)
+        lockout_a.share(a.share_lockouts(lockout_a))
+        lockout_b.share(b.share_lockouts(lockout_b))
+        await _settle()
+        lockout_a.failed("x")
+        lockout_a.failed("x")
+        await _settle()
+        import psycopg
+
+        with psycopg.connect(dsn, autocommit=True) as conn:  # B's reset, before A hears it
+            conn.execute("DELETE FROM relay_lockouts WHERE agent = 'x'")
+        assert lockout_a.failed("x") is True, "A's own third failure locks it"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not lockout_b.is_locked("x"):
+            await _settle(0.02)
+        assert lockout_b.is_locked("x")
+        lockout_c = Lockout(reactor, after=3, seconds=300)
+        c = open_backend("postgres", tmp_path / "c")
+        try:
+            lockout_c.share(c.share_lockouts(lockout_c))
+            await _settle()
+            assert lockout_c.is_locked("x"), "a broker started later loads the lock"
+        finally:
+            await c.close()
+    finally:
+        await a.close()
+        await b.close()

@@ -289,6 +289,13 @@ STATEMENTS = {
     "lockout_lock": (
         "UPDATE relay_lockouts SET failures = 0, locked_until = %s, updated = %s WHERE agent = %s"
     ),
+    # A lock this broker decided on its own count: it holds on every broker.
+    "lockout_impose": (
+        "INSERT INTO relay_lockouts AS l (agent, failures, locked_until, updated) "
+        "VALUES (%s, 0, %s, %s) ON CONFLICT (agent) DO UPDATE SET failures = 0, "
+        "locked_until = greatest(l.locked_until, excluded.locked_until), "
+        "updated = excluded.updated"
+    ),
     "lockout_reset": "DELETE FROM relay_lockouts WHERE agent = %s AND locked_until IS NULL",
     "lockout_clear": "UPDATE relay_lockouts SET failures = 0 WHERE agent = %s",
     "lockout_load": "SELECT agent, failures, locked_until FROM relay_lockouts",
@@ -1127,6 +1134,12 @@ def lockout_failed(records: PostgresRecords, agent: str, now: float, after: int,
     return until
 
 
+def lockout_impose(records: PostgresRecords, agent: str, until: float, now: float) -> None:
+    """Lock ``agent`` until ``until`` on every broker."""
+    records.cursor.execute(STATEMENTS["lockout_impose"], (agent, until, now))
+    records.notice["lock"] = [agent, until]
+
+
 def lockout_succeeded(records: PostgresRecords, agent: str) -> None:
     records.cursor.execute(STATEMENTS["lockout_reset"], (agent,))
     records.cursor.execute(STATEMENTS["lockout_clear"], (agent,))
@@ -1152,7 +1165,9 @@ class PostgresLockouts:
     ``lockAfterFailures`` sets the lock there and notifies the others, which
     apply it to their own ``Lockout``: N brokers give an attacker the attempts
     of one, give or take the requests in flight during one notification.
-    A success resets the shared count when some broker counted failures.
+    A success resets the shared count when some broker counted failures; a
+    broker whose own count locks an agent (the shared one was reset meanwhile)
+    sets that lock for every broker too.
     """
 
     def __init__(self, store: PostgresStore, lockout: Any) -> None:
@@ -1201,6 +1216,13 @@ class PostgresLockouts:
                 self.lockout.lock(agent, until)
                 log.warn("agent {agent} is locked after repeated authentication failures "
                          "(counted on every broker)", agent=agent)
+            elif self.lockout.is_locked(agent):
+                # Locked here on this broker's own count while the shared one was
+                # reset meanwhile (a success on another broker between the failures):
+                # the lock holds on every broker all the same.
+                self.failing.pop(agent, None)
+                ends = self.store.clock.seconds() + self.lockout.seconds_left(agent)
+                self.store._run(lockout_impose, agent, ends, now).addErrback(self._warn)
 
         d.addCallbacks(counted, self._warn)
 
