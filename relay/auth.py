@@ -12,8 +12,9 @@ import heapq
 import hmac
 import math
 from collections import OrderedDict
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
 from relay import errors
@@ -190,19 +191,35 @@ class Lockout:
 MAX_NONCES = 200_000
 
 
+class SharedNonces(Protocol):
+    """Where a :class:`NonceTable` also claims its nonces, when several brokers share
+    them (see :class:`relay.store.interface.ISharedNonces`)."""
+
+    def claim_nonce(self, agent: str, nonce: str, timestamp: int) -> Deferred:
+        """Fires with True when no broker used ``nonce`` of ``agent`` within the skew
+        window, False when one did; errbacks (``503 busy``) when it cannot tell."""
+
+
 class NonceTable:
     """The nonces seen within the skew window (EXTENSIONS.md §9), each accepted once.
 
     An entry lives as long as a request carrying it could still pass the timestamp
     check. The table is bounded: when it is full of live entries, a nonce request
-    is refused (``503 busy``) rather than an entry forgotten early.
+    is refused (``503 busy``) rather than an entry forgotten early. With ``shared``
+    (brokers sharing one store), a nonce new to this table must also be claimed
+    there before its request is accepted.
     """
 
     def __init__(self, clock: IReactorTime, max_entries: int = MAX_NONCES) -> None:
         self.clock = clock
         self.max_entries = max_entries
+        self.shared: Optional[SharedNonces] = None
         self._seen: Dict[Tuple[str, str], int] = {}
         self._expiry: List[Tuple[int, Tuple[str, str]]] = []
+
+    def share(self, shared: SharedNonces) -> None:
+        """Claim every nonce new to this table from ``shared`` too, from now on."""
+        self.shared = shared
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -328,13 +345,17 @@ class Authenticator:
         signature_header: Optional[bytes],
         raw_body: bytes,
         nonce_header: Optional[bytes] = None,
-    ) -> str:
+    ) -> Union[str, Deferred]:
         """The authenticated agent name, or a RelayError (401, 403 ``locked``, or 503
         when the nonce table is full).
 
         With ``X-Relay-Nonce`` the signing string covers the agent and the nonce,
         and each nonce is accepted once; a replay is refused without counting
         toward the lockout. ``require_nonce`` refuses requests without one.
+        When the nonces are shared with other brokers (:meth:`NonceTable.share`),
+        a nonce new to this broker gives a Deferred instead, firing with the agent
+        name once the shared table accepted it (or failing with the 401 of a
+        replay, or 503 when the shared table cannot tell).
         """
         if not agent_header or not timestamp_header or not signature_header:
             raise self._refused("missing_headers",
@@ -385,10 +406,23 @@ class Authenticator:
             raise self._failed(agent, "bad_signature", errors.unauthenticated(
                 "invalid signature; check the secret and the clock"))
         if nonce is not None:
+            nonces = self.nonces
             try:
-                self.nonces.use(agent, nonce, int(timestamp_header))
+                nonces.use(agent, nonce, int(timestamp_header))
             except errors.RelayError as error:
                 raise (self._refused("replayed", error) if error.status == 401 else error) from None
+            if nonces.shared is not None:
+                d = nonces.shared.claim_nonce(agent, nonce, int(timestamp_header))
+                d.addCallback(self._claimed, agent)
+                return d
+        self.lockout.succeeded(agent)
+        return agent
+
+    def _claimed(self, first: bool, agent: str) -> str:
+        """The end of :meth:`authenticate` once the shared table answered a claim."""
+        if not first:
+            raise self._refused("replayed", errors.unauthenticated(
+                "replayed request (this nonce was used)"))
         self.lockout.succeeded(agent)
         return agent
 

@@ -20,7 +20,7 @@ from relay.errors import ConfigError
 from relay.http import RelaySite
 from relay.ops.counters import SAMPLE_SECONDS, Counters
 from relay.ops.web import OpsAPI
-from relay.store.interface import ISharedLockouts
+from relay.store.interface import ISharedLockouts, ISharedNonces
 from relay.tls import server_endpoints
 from relay.warmup import warm_up
 from relay.web import RelayAPI
@@ -130,6 +130,8 @@ def make_api(config: Config, store, clock: IReactorTime,
     auth = make_authenticator(config, clock, counters)
     if ISharedLockouts.providedBy(store):  # several brokers count failures together
         auth.lockout.share(store.share_lockouts(auth.lockout))
+    if ISharedNonces.providedBy(store):  # several brokers accept each signed nonce once
+        auth.nonces.share(store)
     limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote)
     return RelayAPI(broker, auth, limiter, config.allowed_hosts)
 

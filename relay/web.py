@@ -107,7 +107,11 @@ def _query_arg(request, name: bytes) -> Optional[str]:
 
 
 def authenticated(route: Callable) -> Callable:
-    """Route decorator: rate-limit, verify the §3 headers, pass the agent name."""
+    """Route decorator: rate-limit, verify the §3 headers, pass the agent name.
+
+    Behind brokers sharing their seen nonces, a request whose nonce is new to this
+    broker runs once the shared table accepted the nonce (a replay is 401 first).
+    """
     endpoint = route.__name__
 
     @functools.wraps(route)
@@ -120,14 +124,35 @@ def authenticated(route: Callable) -> Callable:
             # Paths match as sent (spec §1): "/v1/%70ull" is not "/v1/pull",
             # "/messages/<id>%2Fack" is not "/messages/<id>/ack", and "//peers" is
             # not "/peers" (Klein would drop the empty first segment).
-            raise _no_route(request)
+            return _no_route_for(agent, request)
         if request.method == b"HEAD":
             # werkzeug answers HEAD with the GET route; here a HEAD would poll
             # (spending a once-delivery) and throw the page away.
-            raise _no_route(request)
-        return route(self, request, agent, *args, **kwargs)
+            return _no_route_for(agent, request)
+        if agent.__class__ is str:
+            return route(self, request, agent, *args, **kwargs)
+        # A Deferred: a nonce new to this broker, claimed from the store it shares.
+        return agent.addCallback(_route_claimed, route, self, request, args, kwargs)
 
     return wrapper
+
+
+def _route_claimed(agent: str, route: Callable, api: RelayAPI, request, args: Tuple[Any, ...],
+                   kwargs: Dict[str, Any]) -> Any:
+    """Run ``route`` once the shared nonce table accepted the request's nonce."""
+    return route(api, request, agent, *args, **kwargs)
+
+
+def _no_route_for(agent: Union[str, Deferred], request) -> Deferred:
+    """404 for an authenticated request; after a pending shared nonce claim, whose
+    refusal of a replay (401) comes first."""
+    if agent.__class__ is str:
+        raise _no_route(request)
+
+    def unroutable(_: str) -> None:
+        raise _no_route(request)
+
+    return agent.addCallback(unroutable)
 
 
 class RelayAPI:
@@ -203,9 +228,11 @@ class RelayAPI:
 
     # -- plumbing ------------------------------------------------------------
 
-    def authenticate(self, request) -> str:
+    def authenticate(self, request) -> Union[str, Deferred]:
         """The agent that signed ``request``; RelayError on any §3 failure. Every
-        request counts toward its address's rate limit, a refused one included."""
+        request counts toward its address's rate limit, a refused one included.
+        A Deferred firing with the agent (or failing) while a nonce new to this
+        broker is claimed from the store it shares with other brokers."""
         self.rate_limiter.hit(_peer_host(request))
         check_body_size(request)
         headers = request.requestHeaders
@@ -240,10 +267,19 @@ class RelayAPI:
         """401 for an unsigned request, else 404; a redirect werkzeug would answer (a
         ``//`` in the path) is no route either: the signature covers the path as sent."""
         try:
-            self.authenticate(request)
+            agent = self.authenticate(request)
         except RelayError as error:
             return write_json(request, error.status, error.to_body())
+        if agent.__class__ is not str:  # a shared nonce claim: a replay is 401 first
+            return _no_route_for(agent, request).addErrback(self._refusal, request)
         return write_json(request, 404, _no_route(request).to_body())
+
+    def _refusal(self, failure: Failure, request) -> bytes:
+        """The §6 body of a RelayError from an error handler's own Deferred (which
+        Klein would hand to the next handler, not to :meth:`relay_error`)."""
+        if failure.check(RelayError):
+            return self.relay_error(request, failure)
+        return self.unexpected(request, failure)
 
     @app.handle_errors(Exception)
     def unexpected(self, request, failure: Failure) -> bytes:

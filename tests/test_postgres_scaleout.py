@@ -6,16 +6,20 @@ server (it restarts the whole cluster, so it runs only where asked to).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from typing import Any, Dict, List, Tuple
 
 import pytest
 
+from relay.signing import auth_headers, new_nonce
 from tests.broker_proc import BrokerProcess
 from tests.conftest import reset_postgres, skip_postgres
 from tests.test_concurrency import Client, Ledger, check, sender, worker
@@ -211,6 +215,38 @@ def _bad_signature(broker: BrokerProcess, agent: str) -> Tuple[int, Any]:
         return broker.request(agent, "GET", "/peers")
     finally:
         broker.secret = good
+
+
+def _send_as_captured(broker: BrokerProcess, method: str, path: str, raw: bytes,
+                      headers: Dict[str, str]) -> Tuple[int, Any]:
+    """Send a request with the headers given, byte for byte (a capture replayed)."""
+    request = urllib.request.Request(broker.url + path, data=raw or None, method=method,
+                                     headers=dict(headers, **{"Content-Type": "application/json"}))
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def test_a_request_with_a_nonce_accepted_by_a_is_refused_when_replayed_to_b(tmp_path):
+    a, b = start_pair(tmp_path)
+    try:
+        register(a, "beta")
+        raw = json.dumps({"to": "beta", "body": {"n": 1}}).encode()
+        captured = auth_headers(a.secret, "alpha", "POST", "/messages", int(time.time()), raw,
+                                new_nonce())
+        assert _send_as_captured(a, "POST", "/messages", raw, captured)[0] == 201
+        for broker in (b, b, a):
+            status, body = _send_as_captured(broker, "POST", "/messages", raw, captured)
+            assert (status, body["error"]["code"]) == (401, "unauthenticated"), body
+            assert "replayed" in body["error"]["message"]
+        status, pulled = b.request("beta", "POST", "/v1/pull", {"limit": 5})
+        assert [m["body"] for m in pulled["messages"]] == [{"n": 1}], "stored once"
+        assert b.request("alpha", "GET", "/peers")[0] == 200, "replays lock nobody"
+    finally:
+        a.kill()
+        b.kill()
 
 
 def test_sigkill_of_a_under_load_loses_nothing(tmp_path):

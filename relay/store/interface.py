@@ -181,6 +181,20 @@ class ISharedLockouts(Interface):
         ``lockout`` reports to (:class:`relay.auth.SharedLockouts`)."""
 
 
+class ISharedNonces(Interface):
+    """A store shared by several brokers that keeps the signed nonces they accepted
+    too (EXTENSIONS.md §9), so the fleet accepts each ``(agent, nonce)`` once within
+    the skew window, as one broker does, rather than once per broker."""
+
+    def claim_nonce(agent, nonce, timestamp):
+        """Record that ``agent`` used ``nonce`` in a request signed at ``timestamp``
+        (epoch seconds, an int); fires with True when no broker sharing the store
+        used it within the skew window, False when one did. Errbacks 503 ``busy``
+        when the store cannot tell (a request is never accepted unchecked). Seen
+        nonces are forgotten once the window is over, by :meth:`IMessageStore.sweep_expired`
+        at the latest: the table stays bounded."""
+
+
 class IStoreFactory(Interface):
     """A plugin that opens one kind of store."""
 

@@ -22,6 +22,10 @@ brokers is done in SQL:
   mark) is optimistic: each row has a ``version``; a save that finds another
   version lost a race with another broker, and the whole operation is run
   again on fresh rows.
+- **Signed nonces** (EXTENSIONS.md §9) are claimed in ``relay_nonces`` by one
+  ``INSERT … ON CONFLICT`` on ``(agent, nonce)`` (a row whose window is over
+  counts as absent), so the brokers accept each nonce once between them; the
+  expiry sweep deletes the rows whose window is over.
 - **Wake-ups** cross brokers by ``LISTEN/NOTIFY``: a transaction that changes
   what waiters wait for sends one notification (the agents concerned, and lease
   deadlines) that commits with it; every other broker turns it into the same
@@ -70,14 +74,14 @@ from relay import delivery, errors
 from relay.config import Config, check_keys, read_int, read_str
 from relay.delivery import Changes, Message, Rules, Transition
 from relay.errors import ConfigError, RelayError
-from relay.protocol import KEEP_CARD, QUEUED
+from relay.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED
 from relay.store import records as ops
-from relay.store.interface import IMessageStore, ISharedLockouts, QueueDepth
+from relay.store.interface import IMessageStore, ISharedLockouts, ISharedNonces, QueueDepth
 from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 CHANNEL = "relay_changes"
 INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
 
@@ -303,6 +307,17 @@ STATEMENTS = {
         "DELETE FROM relay_lockouts WHERE updated < %s "
         "AND (locked_until IS NULL OR locked_until < %s)"
     ),
+    # The first use of a nonce inserts its row, a use after the window replaces the
+    # dead row (not swept yet), a replay returns nothing. The claim commits without
+    # waiting for its WAL flush: the operation of a request that writes commits
+    # after it, which flushes it too.
+    "nonce_claim": (
+        "WITH quick AS (SELECT set_config('synchronous_commit', 'off', true)) "
+        "INSERT INTO relay_nonces AS n (agent, nonce, expires) SELECT %s, %s, %s FROM quick "
+        "ON CONFLICT (agent, nonce) DO UPDATE SET expires = excluded.expires "
+        "WHERE n.expires < %s RETURNING 1"
+    ),
+    "nonce_forget": "DELETE FROM relay_nonces WHERE expires < %s",
 }
 
 
@@ -850,10 +865,10 @@ def migrate(conn: Any, target: int = SCHEMA_VERSION,
 # -- the store --------------------------------------------------------------------------
 
 
-@implementer(IMessageStore, ISharedLockouts)
+@implementer(IMessageStore, ISharedLockouts, ISharedNonces)
 class PostgresStore:
-    """Messages, peers and lockout counters in one PostgreSQL database, shared by
-    every broker that opens it."""
+    """Messages, peers, lockout counters and seen nonces in one PostgreSQL database,
+    shared by every broker that opens it."""
 
     name = "postgres"
 
@@ -1063,13 +1078,16 @@ class PostgresStore:
     @inlineCallbacks
     def sweep_expired(self, cutoff: float, now: float, rules: Rules):
         """Removes in batches of EXPIRE_BATCH, one transaction each (with the failure
-        notices of the requests it removed unprocessed)."""
+        notices of the requests it removed unprocessed); then forgets the seen
+        nonces whose window is over."""
         total = 0
         while True:
             removed = yield self._run(ops.expire, cutoff, now, rules, EXPIRE_BATCH)
             total += removed
             if removed < EXPIRE_BATCH:
-                return total
+                break
+        yield self._run(nonce_forget, int(now))
+        return total
 
     def queue_depths(self, now: float) -> Deferred:
         return self._run(ops.depths, now)
@@ -1105,6 +1123,14 @@ class PostgresStore:
         self.lockouts = PostgresLockouts(self, lockout)
         self.lockouts.start()
         return self.lockouts
+
+    # -- ISharedNonces --------------------------------------------------------------------
+
+    def claim_nonce(self, agent: str, nonce: str, timestamp: int) -> Deferred:
+        """True when no broker on this database used ``nonce`` of ``agent`` within the
+        skew window, False when one did; 503 ``busy`` when the database cannot tell."""
+        return self._run(nonce_claim, agent, nonce, timestamp + MAX_CLOCK_SKEW_SECONDS,
+                         int(self.clock.seconds()))
 
 
 def _failed(error: BaseException) -> Deferred:
@@ -1153,6 +1179,23 @@ def lockout_load(records: PostgresRecords) -> List[Tuple[str, int, Optional[floa
 
 def lockout_forget(records: PostgresRecords, now: float) -> int:
     records.cursor.execute(STATEMENTS["lockout_forget"], (now - LOCKOUT_FORGET_SECONDS, now))
+    return records.cursor.rowcount
+
+
+# -- shared nonces -----------------------------------------------------------------------
+
+
+def nonce_claim(records: PostgresRecords, agent: str, nonce: str, expires: int,
+                now: int) -> bool:
+    """Claim ``nonce`` of ``agent`` until ``expires``; True when it was not in use at
+    ``now`` (epoch seconds)."""
+    records.cursor.execute(STATEMENTS["nonce_claim"], (agent, nonce, expires, now))
+    return records.cursor.fetchone() is not None
+
+
+def nonce_forget(records: PostgresRecords, now: int) -> int:
+    """Delete the nonces whose window ended before ``now``; returns how many."""
+    records.cursor.execute(STATEMENTS["nonce_forget"], (now,))
     return records.cursor.rowcount
 
 
