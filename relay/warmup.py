@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
@@ -35,7 +35,12 @@ log = Logger(namespace="relay.warmup")
 
 # Backends whose scratch copy can live in a temporary directory of this process.
 LOCAL_BACKENDS = frozenset({"memory", "sqlite", "jsonl"})
-PYPY_DEFAULT_SECONDS = 4.0
+PYPY_DEFAULT_SECONDS = 6.0
+# PyPy compiles a loop after 1039 iterations and a function after 1619 calls by
+# default; a request runs hundreds of distinct functions, so a fresh broker served
+# ~600 req/s after 4 s of warm-up where a warm one serves ~3,600. With lower
+# thresholds the same warm-up reaches the warm rate in about 6 s (bench/README.md).
+PYPY_JIT_PARAMS = "threshold=100,function_threshold=150,trace_eagerness=20"
 _PEER = IPv4Address("TCP", "127.0.0.1", 40000)
 _HOST = IPv4Address("TCP", "127.0.0.1", 19121)
 
@@ -67,48 +72,76 @@ class _Scratch:
         self.store = open_configured_store(config, clock)
         api = make_api(config, self.store, clock, Counters())
         self.site = RelaySite(api.resource(), reactor=clock, counters=Counters())
-        self.channel = self.site.buildProtocol(_PEER)
-        self.transport = StringTransport(peerAddress=_PEER, hostAddress=_HOST)
-        self.channel.makeConnection(self.transport)
+        # Two connections: a long poll waits on one while a send on the other wakes it.
+        self.connections = [self._connect(), self._connect()]
 
-    def request(self, method: str, path: str, agent: str, value: Any = None) -> Any:
-        """Send one signed request; the decoded JSON answer (None when it had none)."""
+    def _connect(self) -> Tuple[Any, StringTransport]:
+        channel = self.site.buildProtocol(_PEER)
+        transport = StringTransport(peerAddress=_PEER, hostAddress=_HOST)
+        channel.makeConnection(transport)
+        return channel, transport
+
+    def start(self, method: str, path: str, agent: str, value: Any = None,
+              connection: int = 0) -> None:
+        """Send one signed request on connection ``connection``."""
         body = b"" if value is None else json.dumps(value).encode("utf-8")
         now = int(self.clock.seconds())
         signature = sign(self.config.secret, method, path, now, body)
-        self.channel.dataReceived(
+        self.connections[connection][0].dataReceived(
             b"%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"X-Relay-Agent: %s\r\nX-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\n"
             b"Content-Length: %d\r\n\r\n%s"
             % (method.encode(), path.encode(), agent.encode(), now, signature.encode(),
                len(body), body))
         self.clock.advance(0)
-        raw = self.transport.value()
-        self.transport.clear()
+
+    def answer(self, connection: int = 0) -> Any:
+        """The decoded JSON answer waiting on ``connection`` (None when empty)."""
+        transport = self.connections[connection][1]
+        raw = transport.value()
+        transport.clear()
         head, _, payload = raw.partition(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 2"):
             raise RuntimeError("warm-up request refused: " + head.split(b"\r\n", 1)[0].decode(
                 "latin-1"))
         return json.loads(payload) if payload else None
 
-    def round(self) -> int:
-        """One round of what agents do most: send, poll, pull and ack, register."""
-        for _ in range(10):
-            self.request("POST", "/messages", "alpha",
-                         {"id": str(uuid.uuid4()), "to": "beta", "kind": "request",
-                          "body": {"text": "warm-up " + "x" * 100}})
-        self.request("GET", "/messages?limit=5", "beta")
-        pulled = self.request("POST", "/v1/pull", "beta", {"agent": "beta", "limit": 10})
-        for message in pulled["messages"]:
+    def request(self, method: str, path: str, agent: str, value: Any = None) -> Any:
+        """Send one signed request; the decoded JSON answer (None when it had none)."""
+        self.start(method, path, agent, value)
+        return self.answer()
+
+    def send(self) -> None:
+        self.request("POST", "/messages", "alpha",
+                     {"id": str(uuid.uuid4()), "to": "beta", "kind": "request",
+                      "body": {"text": "warm-up " + "x" * 100}})
+
+    def ack(self, messages: List[Dict[str, Any]]) -> None:
+        for message in messages:
             self.request("POST", "/v1/ack", "beta",
                          {"messageId": message["id"], "leaseId": message["leaseId"],
                           "outcome": "completed"})
+
+    def round(self) -> int:
+        """One round of what agents do most: send, poll, pull and ack, a long poll
+        woken by a send, register, list peers."""
+        for _ in range(10):
+            self.send()
+        self.request("GET", "/messages?limit=5", "beta")
+        pulled = self.request("POST", "/v1/pull", "beta", {"agent": "beta", "limit": 10})
+        self.ack(pulled["messages"])
+        self.start("POST", "/v1/pull", "beta", {"agent": "beta", "limit": 10, "waitSeconds": 5},
+                   connection=1)
+        self.send()
+        woken = self.answer(connection=1)
+        self.ack(woken["messages"])
         self.request("POST", "/register", "beta", {"agent": "beta"})
         self.request("GET", "/peers", "alpha")
-        return 14 + len(pulled["messages"])
+        return 16 + len(pulled["messages"]) + len(woken["messages"])
 
     def close(self) -> None:
-        self.channel.connectionLost(None)
+        for channel, _ in self.connections:
+            channel.connectionLost(None)
         self.store.close()
 
 
@@ -149,10 +182,21 @@ def exercise(config: Config, seconds: float,
     return served
 
 
+def tune_jit() -> bool:
+    """Under PyPy, compile hot code sooner (:data:`PYPY_JIT_PARAMS`); True when set."""
+    try:
+        import pypyjit  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    pypyjit.set_param(PYPY_JIT_PARAMS)
+    return True
+
+
 def warm_up(config: Config, seconds: Optional[float]) -> int:
     """Exercise the request path before listening (``seconds`` None: the default of
     this interpreter); logs how long it took. A failure is logged and ignored: the
     broker serves, only less warm. Returns how many requests were served."""
+    tune_jit()
     wanted = default_seconds() if seconds is None else seconds
     if wanted <= 0:
         return 0

@@ -32,8 +32,9 @@ def test_exercise_serves_the_request_path_and_leaves_the_data_directory_alone(
         tmp_path: Path, storage: str) -> None:
     cfg = config(tmp_path, storage=storage)
     served = warmup.exercise(cfg, 1.0, timer=ticking(0.3))
-    # Three rounds of ten sends, a poll, a pull, ten acks, a register and a peers list.
-    assert served == 3 * 24
+    # Three rounds of ten sends, a poll, a pull, ten acks, a long poll woken by an
+    # eleventh send and its ack, a register and a peers list.
+    assert served == 3 * 27
     assert not (tmp_path / "data").exists()
 
 
@@ -41,7 +42,7 @@ def test_a_backend_outside_this_process_is_exercised_on_memory(tmp_path: Path) -
     # No server listens at this address: the scratch broker never connects to it.
     cfg = config(tmp_path, storage="postgres",
                  postgres={"dsn": "postgresql://nobody@127.0.0.1:9/none"})
-    assert warmup.exercise(cfg, 1.0, timer=ticking(0.6)) == 24
+    assert warmup.exercise(cfg, 1.0, timer=ticking(0.6)) == 27
 
 
 def test_no_seconds_no_warm_up(tmp_path: Path) -> None:
