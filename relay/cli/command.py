@@ -19,6 +19,20 @@ def _no_arguments(parser: argparse.ArgumentParser) -> None:
     """A command that takes only the global flags."""
 
 
+def card_arguments(parser: argparse.ArgumentParser, description_help: str) -> None:
+    """``--description`` and ``--skill``: the peer card a command registers with."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--description", metavar="TEXT", help=description_help)
+    parser.add_argument(
+        "--skill",
+        dest="skills",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a skill for its peer card (repeat for more)",
+    )
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand: an entry of :data:`relay.cli.commands.COMMANDS`.

@@ -8,7 +8,7 @@ import re
 from typing import Any, Tuple
 
 from relay.agent import card_of
-from relay.cli.command import Context
+from relay.cli.command import Context, card_arguments
 from relay.cli.output import table
 from relay.protocol import KEEP_CARD
 from relay.settings import UsageError
@@ -56,18 +56,7 @@ card published before; without them the published card is kept, and
 
 def register_arguments(parser: argparse.ArgumentParser) -> None:
     """The peer card."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--description", metavar="TEXT", help="what this agent does, for its peer card"
-    )
-    parser.add_argument(
-        "--skill",
-        dest="skills",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a skill for its peer card (repeat for more)",
-    )
+    card_arguments(parser, "what this agent does, for its peer card")
     parser.add_argument(
         "--remove-card", action="store_true", help="take down the published peer card"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from relay.agent import card_of
-from relay.cli.command import Context
+from relay.cli.command import Context, card_arguments
 from relay.mcp import unavailable
 from relay.mcp.tools import RelayTools
 
@@ -23,20 +23,8 @@ pip install 'dsh-agent-relay[mcp]' (Python 3.10 or later)."""
 
 def mcp_arguments(parser: argparse.ArgumentParser) -> None:
     """The peer card."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--description",
-        metavar="TEXT",
-        help="what this agent does, published in its peer card (relay_peers shows it)",
-    )
-    parser.add_argument(
-        "--skill",
-        dest="skills",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a skill for its peer card (repeat for more)",
-    )
+    card_arguments(
+        parser, "what this agent does, published in its peer card (relay_peers shows it)")
 
 
 async def mcp(ctx: Context) -> int:
