@@ -9,17 +9,24 @@ whatever ``Content-Length`` or chunked upload a client sends. A request must
 arrive whole within ``REQUEST_READ_SECONDS`` of its first byte, so a client
 trickling headers or a body cannot hold a connection; idle keep-alive
 connections close after ``IDLE_SECONDS``.
+
+Most requests arrive whole in one read: those are parsed in one pass and their
+answer goes out in one write, straight to the socket when nothing is queued
+before it (see :class:`RelayChannel`). Every other request takes twisted.web's
+own parser and writer, and both ways answer byte for byte alike.
 """
 
 from __future__ import annotations
 
 from io import BytesIO
-from typing import Collection, Dict, Optional, Set
+from typing import Collection, Dict, List, Optional, Set, Tuple
 
+from twisted.internet import tcp
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.web import http, server
+from twisted.web.http_headers import Headers
 
 from relay.protocol import MAX_BODY_BYTES, address_group, is_loopback_host
 
@@ -63,6 +70,76 @@ TLS_ON_PLAIN_PORT_RESPONSE = closing_response(
 )
 # A TLS connection starts with a handshake record: content type 22, version 3.x.
 _TLS_HANDSHAKE = b"\x16\x03"
+
+
+# The parts of twisted.web's own parsing the one-read path shares, so both ways
+# accept and canonicalise exactly alike. A Twisted without them (or one keeping
+# request headers differently) leaves every request to twisted.web's parser.
+try:
+    from twisted.web.http import _parseRequestLine
+    from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
+except ImportError:  # pragma: no cover - depends on the installed Twisted
+    _parseRequestLine = None
+
+
+def _headers_keep_canonical_names() -> bool:
+    if _parseRequestLine is None:
+        return False
+    probe = Headers()
+    probe.addRawHeader(b"x-relay-probe", b"1")
+    return getattr(probe, "_rawHeaders", None) == {b"X-Relay-Probe": [b"1"]}
+
+
+ONE_READ_PARSING = _headers_keep_canonical_names()
+
+# A request the one-read path leaves to twisted.web: these need its machinery
+# (a chunked body, a 100-continue answer) or its refusal (two lengths).
+_HANDED_OVER = frozenset((b"Transfer-Encoding", b"Expect"))
+
+WholeRequest = Tuple[bytes, bytes, bytes, List[Tuple[bytes, bytes]], int, int]
+
+
+def parse_whole_request(data: bytes, max_headers: int, max_size: int) -> Optional[WholeRequest]:
+    """``(method, uri, version, headers, length, body_start)`` when ``data`` is exactly
+    one whole, plain HTTP/1.1 request: a valid request line, valid headers (names
+    canonicalised as twisted.web does), no more than ``max_headers`` of them and
+    ``max_size`` bytes of head, at most one ``Content-Length`` and then all of the
+    body, nothing after it. ``None`` for anything else (a malformed request included):
+    twisted.web's own parser then reads it and answers as it always does."""
+    end = data.find(b"\r\n\r\n", 0, max_size + 4)
+    if end < 0 or end > max_size:
+        return None
+    lines = data[:end].split(b"\r\n")
+    if len(lines) - 1 > max_headers:
+        return None
+    try:
+        method, uri, version = _parseRequestLine(lines[0])
+    except ValueError:
+        return None
+    if version != b"HTTP/1.1":
+        return None
+    headers = []
+    length = -1
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not line or line[0] in b" \t":
+            return None  # not a header, or a folded one
+        try:
+            name = _nameEncoder.encode(name)
+        except InvalidHeaderName:
+            return None
+        value = value.strip(b" \t")
+        if b"\x00" in value or b"\n" in value or b"\r" in value or name in _HANDED_OVER:
+            return None
+        if name == b"Content-Length":
+            if length >= 0 or not value.isdigit():
+                return None
+            length = int(value)
+        headers.append((name, value))
+    start = end + 4
+    if len(data) - start != max(length, 0):
+        return None  # the body is still coming, or another request follows
+    return method, uri, version, headers, max(length, 0), start
 
 
 def host_name(header: bytes) -> str:
@@ -125,6 +202,27 @@ class RelayRequest(server.Request):
         """The request body as received (empty when it was too large)."""
         return b"" if self.body_too_large else self.content.getvalue()
 
+    def write(self, data: bytes) -> None:
+        """Write a response; a whole one (its length and type set, nothing special
+        about it) leaves as one piece: status line, headers and body together."""
+        if (self.startedWriting or not ONE_READ_PARSING or self._encoder or self._inFakeHead
+                or self.method == b"HEAD" or self.code in http.NO_BODY_CODES
+                or self.lastModified is not None or self.etag is not None or self.cookies
+                or self.finished or self._disconnected):
+            return super().write(data)
+        raw = self.responseHeaders._rawHeaders
+        if b"Content-Length" not in raw or b"Content-Type" not in raw:
+            return super().write(data)
+        self.startedWriting = 1
+        head = [b"%s %d %s\r\n" % (self.clientproto, self.code, self.code_message)]
+        for name, values in raw.items():
+            for value in values:
+                head.append(b"%s: %s\r\n" % (name, value))
+        head.append(b"\r\n")
+        head.append(data)
+        self.sentLength += len(data)
+        self.channel.write(b"".join(head))
+
 
 class RelayChannel(http.HTTPChannel):
     """An HTTP channel that gives each request a deadline to arrive whole.
@@ -137,6 +235,8 @@ class RelayChannel(http.HTTPChannel):
     request_read_seconds = REQUEST_READ_SECONDS
     reading_since: Optional[float] = None
     _first_bytes = True
+    _host = None
+    _peer = None
 
     def dataReceived(self, data: bytes) -> None:
         if self._first_bytes:
@@ -148,9 +248,79 @@ class RelayChannel(http.HTTPChannel):
                 self.transport.write(TLS_ON_PLAIN_PORT_RESPONSE)
                 self.transport.loseConnection()
                 return
+        if (ONE_READ_PARSING and self.line_mode and not self._handlingRequest
+                and not self._buffer and not self._busyReceiving and not self.requests
+                and self.persistent and self._HTTPChannel__first_line == 1):
+            whole = parse_whole_request(data, self.maxHeaders, self.totalHeadersSize)
+            if whole is not None:
+                self._serve_whole(data, *whole)
+                return
         if self.reading_since is None and not self._handlingRequest:
             self.reading_since = self.site.reactor.seconds()
         super().dataReceived(data)
+
+    def _serve_whole(self, data: bytes, method: bytes, uri: bytes, version: bytes,
+                     headers: List[Tuple[bytes, bytes]], length: int, start: int) -> None:
+        """Serve a request that arrived whole in one read, leaving the channel as
+        twisted.web's parser would have left it (see HTTPChannel.lineReceived,
+        headerReceived, allHeadersReceived and allContentReceived)."""
+        request = self.requestFactory(self, len(self.requests))
+        self.requests.append(request)
+        raw = request.requestHeaders._rawHeaders
+        for name, value in headers:
+            values = raw.get(name)
+            if values is None:
+                raw[name] = [value]
+            else:
+                values.append(value)
+        if b"Cookie" in raw:
+            request.parseCookies()
+        self.persistent = self.checkPersistence(request, version)
+        request.gotLength(length)
+        if length:
+            request.handleContentChunk(data[start:] if start else data)
+        if self.timeOut:
+            self._savedTimeOut = self.setTimeout(None)
+        self._handlingRequest = True
+        self.setRawMode()  # what arrives meanwhile waits for requestDone
+        self.reading_since = None
+        request.requestReceived(method, uri, version)
+
+    def getHost(self):
+        """The local address, asked of the socket once per connection."""
+        if self._host is None:
+            self._host = self.transport.getHost()
+        return self._host
+
+    def getPeer(self):
+        """The remote address, built once per connection."""
+        if self._peer is None:
+            self._peer = self.transport.getPeer()
+        return self._peer
+
+    def write(self, data: bytes) -> None:
+        """Send ``data`` now when nothing is queued before it, else queue it.
+
+        Twisted queues every write for the reactor's next turn, which registers
+        the socket for writing and unregisters it once sent: two system calls per
+        answer that a socket with room spares. Whatever the socket does not take
+        at once (or a TLS connection's data) goes through the transport as usual.
+        """
+        transport = self.transport
+        if (transport.__class__ is not tcp.Server or transport.TLS or transport.dataBuffer
+                or transport._tempDataBuffer or transport.disconnecting
+                or not transport.connected or transport._writeDisconnected):
+            transport.write(data)
+            return
+        try:
+            sent = transport.socket.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            transport.write(data)  # the transport finds and reports the failure
+            return
+        if sent < len(data):
+            transport.write(data[sent:])
 
     def allContentReceived(self) -> None:
         self.reading_since = None

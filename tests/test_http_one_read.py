@@ -1,0 +1,220 @@
+"""A request that arrives whole in one read is parsed in one pass and answered in one
+write (relay/http.py); every answer must equal twisted.web's own, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from typing import List, Optional, Tuple
+
+import pytest
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from relay import http as relay_http
+from relay.http import RelaySite, parse_whole_request
+from relay.signing import sign
+from relay.testing import SECRET, START, make_api
+from tests.broker_proc import BrokerProcess
+
+PEER = IPv4Address("TCP", "127.0.0.1", 40000)
+HOST = IPv4Address("TCP", "127.0.0.1", 19121)
+
+
+def signed(method: str, path: str, body: Optional[dict] = None, agent: str = "alpha",
+           extra: bytes = b"") -> bytes:
+    raw = b"" if body is None else json.dumps(body).encode()
+    signature = sign(SECRET, method, path, int(START), raw).encode()
+    length = b"Content-Length: %d\r\n" % len(raw) if body is not None else b""
+    return (b"%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: %s\r\n"
+            b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\n%s%s\r\n%s"
+            % (method.encode(), path.encode(), agent.encode(), int(START), signature,
+               length, extra, raw))
+
+
+# -- parse_whole_request: pure -----------------------------------------------
+
+PLAIN = b"POST /v1/pull HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nx-relay-agent: a\r\n\r\n{}"
+
+
+def parse(data: bytes):
+    return parse_whole_request(data, max_headers=500, max_size=16384)
+
+
+def test_a_whole_request_is_read_in_one_pass_with_canonical_header_names() -> None:
+    method, uri, version, headers, length, start = parse(PLAIN)
+    assert (method, uri, version, length) == (b"POST", b"/v1/pull", b"HTTP/1.1", 2)
+    assert headers == [(b"Host", b"x"), (b"Content-Length", b"2"), (b"X-Relay-Agent", b"a")]
+    assert PLAIN[start:] == b"{}"
+
+
+def test_a_request_without_a_body_is_whole_at_its_blank_line() -> None:
+    whole = parse(b"GET /peers?x=1 HTTP/1.1\r\nHost: x\r\nX-A:  spaced \t\r\n\r\n")
+    assert whole is not None and whole[3][-1] == (b"X-A", b"spaced") and whole[4] == 0
+
+
+@pytest.mark.parametrize("data", [
+    PLAIN[:-1],                                                   # body still coming
+    PLAIN + b"G",                                                 # another request follows
+    PLAIN[:40],                                                   # head still coming
+    PLAIN.replace(b"HTTP/1.1", b"HTTP/1.0"),                      # not persistent
+    PLAIN.replace(b"POST /v1/pull", b"POST  /v1/pull"),           # malformed request line
+    PLAIN.replace(b"POST", b"PO(ST"),                             # method not a token
+    b"\r\n" + PLAIN,                                              # a stray blank line first
+    PLAIN.replace(b"host: x", b"host: x\r\n folded"),             # a folded header
+    PLAIN.replace(b"host: x", b"host x"),                         # no colon
+    PLAIN.replace(b"host:", b"ho st:"),                           # name not a token
+    PLAIN.replace(b"host: x", b"host: x\x00y"),                   # NUL in a value
+    PLAIN.replace(b"host: x", b"host: x\ny"),                     # bare LF in a value
+    PLAIN.replace(b"content-length: 2", b"content-length: +2"),   # not digits
+    PLAIN.replace(b"host: x", b"content-length: 2"),              # two lengths
+    PLAIN.replace(b"host: x", b"transfer-encoding: chunked"),     # framing left to Twisted
+    PLAIN.replace(b"host: x", b"expect: 100-continue"),           # an interim answer
+])
+def test_anything_else_is_left_to_twisted_web(data: bytes) -> None:
+    assert parse(data) is None
+
+
+def test_the_limits_of_the_head_are_kept() -> None:
+    many = PLAIN.replace(b"host: x", b"\r\n".join([b"x-h: 1"] * 3))
+    assert parse_whole_request(many, max_headers=5, max_size=16384) is not None
+    assert parse_whole_request(many, max_headers=4, max_size=16384) is None
+    assert parse_whole_request(PLAIN, max_headers=500, max_size=len(PLAIN) - 7) is None
+
+
+# -- the same answers either way ---------------------------------------------
+
+def relay_site() -> Tuple[RelaySite, Clock]:
+    clock = Clock()
+    clock.advance(START)
+    api, _, _ = make_api(clock, rateLimitLoopback=10**9)
+    api.broker.store.register("beta", START)
+    clock.advance(0)
+    return RelaySite(api.resource(), reactor=clock), clock
+
+
+def exchange(requests: List[bytes], split: bool) -> Tuple[List[bytes], int]:
+    """Every request on one fresh keep-alive connection, each whole in one read or
+    (``split``) in two: the answers with their Date and lease ids masked, and how many requests
+    took the one-read path."""
+    site, clock = relay_site()
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    taken = []
+    serve = channel._serve_whole
+    channel._serve_whole = lambda *a: (taken.append(1), serve(*a))
+    answers = []
+    for raw in requests:
+        if split:
+            channel.dataReceived(raw[:17])
+            channel.dataReceived(raw[17:])
+        else:
+            channel.dataReceived(raw)
+        clock.advance(0)
+        answer = re.sub(rb"Date: [^\r]+", b"Date: -", transport.value())
+        answers.append(re.sub(rb'"leaseId":"[^"]+"', b'"leaseId":"-"', answer))
+        transport.clear()
+    return answers, len(taken)
+
+
+EXCHANGES = [
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"HEAD / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    signed("POST", "/register", {"agent": "alpha"}),
+    signed("POST", "/messages", {"id": "m-1", "to": "beta", "body": {"text": "hi"}}),
+    signed("POST", "/messages", {"id": "m-1", "to": "beta", "body": {"text": "hi"}}),
+    signed("POST", "/messages", {"id": "m-2", "to": "beta", "body": {"t": "\u00e9"}},
+           extra=b"cookie: a=b\r\ncontent-type: application/json\r\n"),
+    signed("GET", "/peers"),
+    signed("GET", "/messages?limit=1", agent="beta"),
+    signed("POST", "/v1/pull", {"agent": "beta", "limit": 1}, agent="beta"),
+    signed("POST", "/v1/ack", {"messageId": "m-1", "leaseId": "nope", "outcome": "completed"},
+           agent="beta"),
+    signed("POST", "/messages", {"id": "m-3", "to": "beta"}, agent="nobody"),
+    b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 3\r\n\r\n{x}",
+    b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /peers HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+    b"GET /%ff HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    signed("DELETE", "/messages"),
+    signed("GET", "/peers", extra=b"X-Relay-Agent: beta\r\n"),
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+]
+
+
+def test_every_answer_equals_twisted_webs_own() -> None:
+    whole, taken = exchange(EXCHANGES, split=False)
+    split, none = exchange(EXCHANGES, split=True)
+    assert none == 0 and taken == len(EXCHANGES)
+    for request, mine, theirs in zip(EXCHANGES, whole, split):
+        assert mine == theirs, request
+    assert whole[3].startswith(b"HTTP/1.1 201 Created\r\n")
+    assert whole[-1].endswith(b"\r\n\r\n" + whole[0].split(b"\r\n\r\n", 1)[1])
+    assert b"Connection: close" in whole[-1]
+
+
+def test_pipelined_and_trickled_requests_are_answered_in_order() -> None:
+    first = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    second = signed("GET", "/peers")
+    site, clock = relay_site()
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    channel.dataReceived(first + second + first[:5])
+    channel.dataReceived(first[5:])
+    clock.advance(0)
+    channel.dataReceived(second)  # whole again, after the pipelined ones
+    clock.advance(0)
+    answers = transport.value().split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200"] * 4
+    assert b'"peers"' in answers[1] and b'"peers"' in answers[3]
+
+
+def test_the_one_read_path_is_on_with_the_installed_twisted() -> None:
+    assert relay_http.ONE_READ_PARSING, "a Twisted upgrade turned the one-read path off"
+
+
+# -- over a real socket --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    b = BrokerProcess(str(tmp_path_factory.mktemp("one-read"))).start()
+    yield b
+    b.kill()
+
+
+def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
+    """The first write goes straight to the socket; what it does not take at once
+    is queued after it, so a slow reader still gets every byte in order."""
+    assert broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
+    assert broker.request("alpha", "POST", "/register", {"agent": "alpha"})[0] == 200
+    for i in range(40):
+        body = {"id": f"big-{i}", "to": "beta", "body": {"text": f"{i:04d}" * 5000}}
+        assert broker.request("alpha", "POST", "/messages", body)[0] == 201
+    raw = json.dumps({"agent": "beta", "limit": 50}).encode()
+    ts = int(time.time())
+    request = (b"POST /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: beta\r\n"
+               b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\nContent-Length: %d\r\n\r\n%s"
+               % (ts, sign(broker.secret, "POST", "/v1/pull", ts, raw).encode(), len(raw), raw))
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", broker.port))
+        s.sendall(request)
+        time.sleep(0.5)  # the broker's first send fills what the socket holds
+        s.settimeout(10)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+        assert length > 800_000
+        while len(body) < length:
+            chunk = s.recv(65536)
+            assert chunk, "the connection closed before the answer was whole"
+            body += chunk
+    messages = json.loads(body)["messages"]
+    assert [m["id"] for m in messages] == [f"big-{i}" for i in range(40)]
+    assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))
