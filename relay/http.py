@@ -18,6 +18,7 @@ own parser and writer, and both ways answer byte for byte alike.
 
 from __future__ import annotations
 
+import re
 from io import BytesIO
 from typing import Collection, Dict, List, Optional, Set, Tuple
 
@@ -26,6 +27,7 @@ from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.web import http, server
+from twisted.web.http import NO_BODY_CODES
 from twisted.web.http_headers import Headers
 
 from relay.protocol import MAX_BODY_BYTES, address_group, is_loopback_host
@@ -72,18 +74,21 @@ TLS_ON_PLAIN_PORT_RESPONSE = closing_response(
 _TLS_HANDSHAKE = b"\x16\x03"
 
 
-# The parts of twisted.web's own parsing the one-read path shares, so both ways
-# accept and canonicalise exactly alike. A Twisted without them (or one keeping
-# request headers differently) leaves every request to twisted.web's parser.
+# The header-name canonicaliser of twisted.web's own parser, so both ways accept
+# and name headers exactly alike. A Twisted without it (or one keeping request
+# headers differently) leaves every request to twisted.web's parser.
 try:
-    from twisted.web.http import _parseRequestLine
     from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
 except ImportError:  # pragma: no cover - depends on the installed Twisted
-    _parseRequestLine = None
+    _nameEncoder = None
+
+# What twisted.web's request-line parser accepts (a token, a target of bytes 33 to
+# 176, the version), narrowed to HTTP/1.1: HTTP/1.0 is left to twisted.web.
+_REQUEST_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([\x21-\xb0]+) (HTTP/1\.1)")
 
 
 def _headers_keep_canonical_names() -> bool:
-    if _parseRequestLine is None:
+    if _nameEncoder is None:
         return False
     probe = Headers()
     probe.addRawHeader(b"x-relay-probe", b"1")
@@ -112,12 +117,10 @@ def parse_whole_request(data: bytes, max_headers: int, max_size: int) -> Optiona
     lines = data[:end].split(b"\r\n")
     if len(lines) - 1 > max_headers:
         return None
-    try:
-        method, uri, version = _parseRequestLine(lines[0])
-    except ValueError:
+    request_line = _REQUEST_LINE.fullmatch(lines[0])
+    if request_line is None:
         return None
-    if version != b"HTTP/1.1":
-        return None
+    method, uri, version = request_line.groups()
     headers = []
     length = -1
     for line in lines[1:]:
@@ -206,7 +209,7 @@ class RelayRequest(server.Request):
         """Write a response; a whole one (its length and type set, nothing special
         about it) leaves as one piece: status line, headers and body together."""
         if (self.startedWriting or not ONE_READ_PARSING or self._encoder or self._inFakeHead
-                or self.method == b"HEAD" or self.code in http.NO_BODY_CODES
+                or self.method == b"HEAD" or self.code in NO_BODY_CODES
                 or self.lastModified is not None or self.etag is not None or self.cookies
                 or self.finished or self._disconnected):
             return super().write(data)
@@ -227,13 +230,15 @@ class RelayRequest(server.Request):
 class RelayChannel(http.HTTPChannel):
     """An HTTP channel that gives each request a deadline to arrive whole.
 
-    The channel notes when a request's first byte arrived; the site's reaper
-    (:meth:`RelaySite.reap`) answers ``408`` to the ones reading too long. A
-    timestamp per request is cheaper than a timer per request.
+    The channel notes when a request's first byte arrived, and when it last went
+    idle; the site's reaper (:meth:`RelaySite.reap`) answers ``408`` to the ones
+    reading too long and closes the ones idle too long. A timestamp per request is
+    cheaper than a timer per request.
     """
 
     request_read_seconds = REQUEST_READ_SECONDS
     reading_since: Optional[float] = None
+    idle_since = 0.0
     _first_bytes = True
     _host = None
     _peer = None
@@ -326,6 +331,14 @@ class RelayChannel(http.HTTPChannel):
         self.reading_since = None
         super().allContentReceived()
 
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self.idle_since = self.site.reactor.seconds()
+
+    def requestDone(self, request) -> None:
+        self.idle_since = self.site.reactor.seconds()
+        super().requestDone(request)
+
     def connectionLost(self, reason) -> None:
         self.reading_since = None
         forget = getattr(self.site, "forget", None)  # absent under a plain Site
@@ -381,7 +394,11 @@ class RelaySite(server.Site):
                  request_read_seconds: float = REQUEST_READ_SECONDS, reactor=None,
                  counters=None, max_connections: int = MAX_CONNECTIONS,
                  max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS) -> None:
-        super().__init__(resource, timeout=timeout, reactor=reactor)
+        # Idle connections are closed by the reaper, from a timestamp each channel
+        # keeps: Twisted's own idle timer is one timer cancelled and set again per
+        # request.
+        super().__init__(resource, timeout=None, reactor=reactor)
+        self.idle_seconds = timeout
         self.request_read_seconds = request_read_seconds
         self.access_log = access_log
         # A relay.ops.counters.Counters that hears of every answered request, or None.
@@ -436,12 +453,19 @@ class RelaySite(server.Site):
                     self.per_address.pop(group, None)
 
     def reap(self) -> None:
-        """Time out every request that has been arriving for too long."""
+        """Time out every request that has been arriving for too long, and close
+        every connection idle for ``idle_seconds`` (no request arriving or
+        being answered)."""
         now = self.reactor.seconds()
+        idle = self.idle_seconds
         for channel in list(self.channels):
             since = channel.reading_since
-            if since is not None and now - since >= channel.request_read_seconds:
-                channel.read_too_slow()
+            if since is not None:
+                if now - since >= channel.request_read_seconds:
+                    channel.read_too_slow()
+            elif idle and not channel._handlingRequest and now - channel.idle_since >= idle:
+                channel.idle_since = float("inf")  # closing: once is enough
+                channel.timeoutConnection()
 
     def startFactory(self) -> None:
         super().startFactory()

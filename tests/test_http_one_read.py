@@ -218,3 +218,56 @@ def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
     messages = json.loads(body)["messages"]
     assert [m["id"] for m in messages] == [f"big-{i}" for i in range(40)]
     assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))
+
+
+# -- idle connections: one timestamp per channel, checked by the reaper -----------
+
+def idle_site(timeout: float = 60.0) -> Tuple[RelaySite, Clock]:
+    site, clock = relay_site()
+    site.idle_seconds = timeout
+    site.startFactory()
+    return site, clock
+
+
+def connect(site: RelaySite) -> Tuple[object, StringTransport]:
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    return channel, transport
+
+
+def test_an_idle_keep_alive_connection_closes_after_the_idle_time() -> None:
+    site, clock = idle_site(60.0)
+    channel, transport = connect(site)
+    clock.advance(30)
+    channel.dataReceived(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert transport.value().startswith(b"HTTP/1.1 200")
+    clock.pump([0.5] * 118)  # 59 s after the answer
+    assert not transport.disconnecting, "each answer starts the idle time again"
+    clock.pump([0.5] * 4)
+    assert transport.disconnecting
+    site.stopFactory()
+
+
+def test_a_waiting_long_poll_is_not_idle() -> None:
+    site, clock = idle_site(5.0)
+    channel, transport = connect(site)
+    channel.dataReceived(signed("POST", "/v1/pull", {"agent": "beta", "waitSeconds": 20},
+                                agent="beta"))
+    clock.pump([0.5] * 30)  # 15 s: the pull is still waiting, past the idle time
+    assert transport.value() == b"" and not transport.disconnecting
+    clock.pump([0.5] * 12)  # answered empty at 20 s; idle from then on
+    assert transport.value().startswith(b"HTTP/1.1 200") and not transport.disconnecting
+    clock.pump([0.5] * 12)
+    assert transport.disconnecting
+    site.stopFactory()
+
+
+def test_twisteds_own_idle_timer_is_not_used() -> None:
+    site, clock = idle_site(60.0)
+    before = len(clock.getDelayedCalls())
+    channel, _ = connect(site)
+    for _ in range(3):
+        channel.dataReceived(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert len(clock.getDelayedCalls()) == before, "no timer per connection or request"
+    site.stopFactory()
