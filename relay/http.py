@@ -78,13 +78,16 @@ _TLS_HANDSHAKE = b"\x16\x03"
 # and name headers exactly alike. A Twisted without it (or one keeping request
 # headers differently) leaves every request to twisted.web's parser.
 try:
-    from twisted.web.http_headers import InvalidHeaderName, _nameEncoder
+    from twisted.web.http_headers import _nameEncoder
 except ImportError:  # pragma: no cover - depends on the installed Twisted
     _nameEncoder = None
 
-# What twisted.web's request-line parser accepts (a token, a target of bytes 33 to
-# 176, the version), narrowed to HTTP/1.1: HTTP/1.0 is left to twisted.web.
-_REQUEST_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([\x21-\xb0]+) (HTTP/1\.1)")
+# What twisted.web's parser accepts, narrowed: a request line of a token, a
+# target of bytes 33 to 176 and HTTP/1.1 (HTTP/1.0 is left to twisted.web), then
+# header lines of a token, a colon and a value without NUL, CR or LF, unfolded.
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_HEAD = re.compile(rb"(%s) ([\x21-\xb0]+) (HTTP/1\.1)\r\n((?:%s:[^\x00\r\n]*\r\n)*)\r\n"
+                   % (_TOKEN, _TOKEN))
 
 
 def _headers_keep_canonical_names() -> bool:
@@ -114,25 +117,22 @@ def parse_whole_request(data: bytes, max_headers: int, max_size: int) -> Optiona
     end = data.find(b"\r\n\r\n", 0, max_size + 4)
     if end < 0 or end > max_size:
         return None
-    lines = data[:end].split(b"\r\n")
-    if len(lines) - 1 > max_headers:
+    head = _HEAD.match(data)
+    if head is None:
         return None
-    request_line = _REQUEST_LINE.fullmatch(lines[0])
-    if request_line is None:
+    method, uri, version, lines = head.groups()
+    lines = lines.split(b"\r\n")
+    lines.pop()  # after the last line's CRLF
+    if len(lines) > max_headers:
         return None
-    method, uri, version = request_line.groups()
     headers = []
     length = -1
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not line or line[0] in b" \t":
-            return None  # not a header, or a folded one
-        try:
-            name = _nameEncoder.encode(name)
-        except InvalidHeaderName:
-            return None
+    encode = _nameEncoder.encode
+    for line in lines:
+        name, _, value = line.partition(b":")
+        name = encode(name)
         value = value.strip(b" \t")
-        if b"\x00" in value or b"\n" in value or b"\r" in value or name in _HANDED_OVER:
+        if name in _HANDED_OVER:
             return None
         if name == b"Content-Length":
             if length >= 0 or not value.isdigit():
