@@ -106,8 +106,13 @@ class Broker:
         """Wake the waiters a committed change concerns (the store's report)."""
         for agent in changes.ready:
             self.waiters.wake(agent)
+        waiters = self.waiters
+        for when, agent in changes.held:
+            waiters.hold(agent, when)
+        for when, agent in changes.released:
+            waiters.let_go(agent, when)
         for when, agent in changes.due:
-            self.waiters.wake_at(agent, when)
+            waiters.wake_at(agent, when)
         counters = self.counters
         for sender, recipient in changes.stored:
             counters.message_stored(sender, recipient)

@@ -392,8 +392,12 @@ class Changes:
 
     ``ready`` holds the agents that may have newly deliverable messages; ``due``
     the ``(when, agent)`` pairs at which something of ``agent``'s may become
-    deliverable (a lease deadline, a delay running out). Stores report these
-    after their commit; the broker wakes waiters from them and from nothing else.
+    deliverable (a delay running out, or a deadline learnt from elsewhere).
+    ``held`` has one ``(deadline, agent)`` pair per lease granted or renewed, and
+    ``released`` one per lease that ended before its deadline or was renewed away
+    from it: the broker wakes an agent's waiters at a lease deadline only while a
+    lease still ends then. Stores report these after their commit; the broker wakes
+    waiters from them and from nothing else.
 
     For the broker's counters, the same report tallies the change: ``stored``
     holds ``(sender, recipient)`` of every new message (sends, receipts, notices,
@@ -405,23 +409,27 @@ class Changes:
     when the request expires, not at the next periodic sweep.
     """
 
-    __slots__ = ("ready", "due", "stored", "dead", "lapsed", "expiring")
+    __slots__ = ("ready", "due", "held", "released", "stored", "dead", "lapsed", "expiring")
 
     def __init__(self) -> None:
         self.ready: Set[str] = set()
         self.due: Set[Tuple[float, str]] = set()
+        self.held: List[Tuple[float, str]] = []
+        self.released: List[Tuple[float, str]] = []
         self.stored: List[Tuple[str, str]] = []
         self.dead: List[str] = []
         self.lapsed = 0
         self.expiring: Set[float] = set()
 
     def __bool__(self) -> bool:
-        return bool(self.ready or self.due or self.stored or self.dead or self.lapsed
-                    or self.expiring)
+        return bool(self.ready or self.due or self.held or self.released or self.stored
+                    or self.dead or self.lapsed or self.expiring)
 
     def update(self, other: Changes) -> None:
         self.ready |= other.ready
         self.due |= other.due
+        self.held += other.held
+        self.released += other.released
         self.stored += other.stored
         self.dead += other.dead
         self.lapsed += other.lapsed
@@ -439,6 +447,9 @@ def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -
     a new message.
     """
     was = before[0] if before is not None else None
+    if was == LEASED and before[2] is not None and (after.status != LEASED
+                                                    or before[2] != after.lease_until):
+        changes.released.append((before[2] / 1000.0, after.to))
     if before is None:
         changes.stored.append((after.sender, after.to))
         if after.expires_at is not None and after.kind == "request":
@@ -452,7 +463,7 @@ def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -
         elif was != QUEUED:
             changes.ready.add(after.to)
     elif after.status == LEASED and (was != LEASED or before[2] != after.lease_until):
-        changes.due.add((after.lease_until / 1000.0, after.to))
+        changes.held.append((after.lease_until / 1000.0, after.to))
 
 
 PENDING = (QUEUED, LEASED)

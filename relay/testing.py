@@ -150,11 +150,13 @@ class Recorder:
         self.lapsed += changes.lapsed
 
     def take(self) -> Tuple[set, set]:
-        """``(ready agents, due pairs)`` heard since the last take."""
+        """``(ready agents, due pairs)`` heard since the last take (lease deadlines
+        held included)."""
         ready, due = set(), set()
         for changes in self.heard:
             ready |= changes.ready
             due |= changes.due
+            due.update(changes.held)
         self.heard = []
         return ready, due
 
@@ -472,6 +474,31 @@ class StoreContract(_Contract):
         assert await store.sweep_leases(START + self.LEASE, RULES) == 1
         assert heard.take() == ({"gamma"}, set())
         assert heard.lapsed == 1
+
+    @pytest_twisted.ensureDeferred
+    async def test_each_lease_is_reported_held_then_released(self, store):
+        """One ``held`` pair per lease granted or renewed, one ``released`` pair per
+        lease ended before its deadline or moved from it: the broker keeps a deadline
+        wake-up only while some lease still ends then."""
+        heard = Recorder()
+        store.subscribe(heard)
+        for i in range(3):
+            await self.send(store, id=f"h{i}")
+        heard.heard = []
+        leased = await store.pull("beta", 3, self.LEASE, START, RULES)
+        deadline = (START + self.LEASE, "beta")
+        assert [p for c in heard.heard for p in c.held] == [deadline] * 3
+        heard.heard = []
+        await ack(store, leased[0].id, "beta", leased[0].lease_id, "completed", None, START)
+        await ack(store, leased[1].id, "beta", leased[1].lease_id, "retry", None, START)
+
+        def extend(message, now):
+            message.lease_until += 100_000
+            return delivery.Outcome(message.lease_until)
+
+        moved = await store.settle(leased[2].id, extend, START, RULES)
+        assert sorted(p for c in heard.heard for p in c.released) == [deadline] * 3
+        assert [p for c in heard.heard for p in c.held] == [(moved / 1000.0, "beta")]
 
     @pytest_twisted.ensureDeferred
     async def test_reads_release_lapsed_leases_and_report_them(self, store):

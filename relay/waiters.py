@@ -24,6 +24,13 @@ log = Logger(namespace="relay.waiters")
 
 MAX_WAITERS_PER_AGENT = 16
 DEADLINE_RESOLUTION = 0.05
+# The deadline heap is rebuilt once more than half of it, and more than this many
+# keys, are stale.
+STALE_COMPACT_MIN = 1024
+
+
+def _key(agent: str, when: float) -> Tuple[float, str]:
+    return math.ceil(when / DEADLINE_RESOLUTION) * DEADLINE_RESOLUTION, agent
 
 
 class _Waiter:
@@ -50,8 +57,16 @@ class Waiters:
         self.clock = clock
         self.max_per_agent = max_per_agent
         self._by_agent: Dict[str, Deque[_Waiter]] = {}
+        # Deadline wake-ups, keyed (time rounded up to DEADLINE_RESOLUTION, agent): a
+        # heap of keys, each pushed once; a key is live while a held lease ends
+        # then (counted) or a wake-up was asked for it (pinned). Keys of leases
+        # acked early go stale in the heap and are dropped when it is mostly stale,
+        # so memory follows the leases outstanding, not the leases ever granted.
         self._deadlines: List[Tuple[float, str]] = []
-        self._deadline_set: Set[Tuple[float, str]] = set()
+        self._in_heap: Set[Tuple[float, str]] = set()
+        self._held: Dict[Tuple[float, str], int] = {}
+        self._pinned: Set[Tuple[float, str]] = set()
+        self._stale = 0
         self._deadline_call: Optional[IDelayedCall] = None
         self.stopped = False
 
@@ -99,15 +114,62 @@ class Waiters:
                 break
 
     def wake_at(self, agent: str, when: float) -> None:
-        """Wake ``agent``'s waiters at ``when`` (a lease deadline), if any wait then."""
-        when = math.ceil(when / DEADLINE_RESOLUTION) * DEADLINE_RESOLUTION
-        key = (when, agent)
-        if key in self._deadline_set:
+        """Wake ``agent``'s waiters at ``when`` (a delay running out, a deadline set
+        elsewhere), if any wait then."""
+        key = _key(agent, when)
+        self._revive(key)
+        self._pinned.add(key)
+        self._push(key)
+
+    def hold(self, agent: str, deadline: float) -> None:
+        """A lease of ``agent``'s ends at ``deadline``: wake its waiters then, unless
+        every lease ending then is let go first."""
+        key = _key(agent, deadline)
+        self._revive(key)
+        self._held[key] = self._held.get(key, 0) + 1
+        self._push(key)
+
+    def let_go(self, agent: str, deadline: float) -> None:
+        """A lease :meth:`hold` heard of ended before ``deadline`` (or moved away)."""
+        key = _key(agent, deadline)
+        count = self._held.get(key)
+        if count is None:
+            return  # granted before this broker started, or learnt only as a deadline
+        if count > 1:
+            self._held[key] = count - 1
             return
-        self._deadline_set.add(key)
+        del self._held[key]
+        if key not in self._pinned:
+            self._stale += 1
+            if self._stale > STALE_COMPACT_MIN and self._stale * 2 > len(self._deadlines):
+                self._compact()
+
+    def deadlines(self) -> int:
+        """How many deadline wake-ups are pending (for tests and the curious)."""
+        return len(self._deadlines) - self._stale
+
+    def _push(self, key: Tuple[float, str]) -> None:
+        if key in self._in_heap:
+            return
+        self._in_heap.add(key)
         heapq.heappush(self._deadlines, key)
         if self._deadlines[0] is key or self._deadline_call is None:
             self._schedule_deadline()
+
+    def _live(self, key: Tuple[float, str]) -> bool:
+        return key in self._held or key in self._pinned
+
+    def _revive(self, key: Tuple[float, str]) -> None:
+        """``key`` is about to be live: if it is stale in the heap, it no longer is."""
+        if key in self._in_heap and not self._live(key):
+            self._stale -= 1
+
+    def _compact(self) -> None:
+        self._deadlines = [key for key in self._deadlines if self._live(key)]
+        heapq.heapify(self._deadlines)
+        self._in_heap = set(self._deadlines)
+        self._stale = 0
+        self._schedule_deadline()
 
     def stop(self) -> None:
         """Answer every waiter with its last result and accept no new waits."""
@@ -135,8 +197,15 @@ class Waiters:
         now = self.clock.seconds()
         while self._deadlines and self._deadlines[0][0] <= now:
             key = heapq.heappop(self._deadlines)
-            self._deadline_set.discard(key)
-            self.wake(key[1])
+            self._in_heap.discard(key)
+            live = self._held.pop(key, None) is not None
+            if key in self._pinned:
+                self._pinned.discard(key)
+                live = True
+            if live:
+                self.wake(key[1])
+            else:
+                self._stale -= 1
         self._schedule_deadline()
 
     def _poke(self, waiter: _Waiter) -> None:

@@ -114,6 +114,10 @@ def test_a_loopback_listener_answers_only_to_loopback_names_and_allowed_hosts(tm
         code, body = get(port, "/peers", host)
         assert code == 403, host
         assert body["error"]["code"] == "forbidden" and "Host" in body["error"]["message"]
+    # Each name is judged once and remembered: asked again, in turn, the same answers.
+    for _ in range(2):
+        assert get(port, "/", "relay.internal")[0] == 200
+        assert get(port, "/", "attacker.example")[0] == 403
 
 
 # -- data at rest ----------------------------------------------------------------------

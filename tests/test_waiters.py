@@ -134,3 +134,70 @@ def test_stop_answers_everyone():
     w.stop()
     assert results == [[], [], []] and w.count() == 0
     assert w.wait_for("beta", q.take, bool, 20).called
+
+
+def test_a_held_lease_wakes_at_its_deadline():
+    clock = Clock()
+    w, q = Waiters(clock), Queue()
+    results = []
+    w.wait_for("beta", q.take, bool, 20).addCallback(results.append)
+    w.hold("beta", clock.seconds() + 5)
+    q.items = ["lapsed"]
+    clock.advance(5.1)
+    assert results == [["lapsed"]] and w.deadlines() == 0
+
+
+def test_a_lease_let_go_wakes_nobody_unless_another_ends_then():
+    clock = Clock()
+    w, q = Waiters(clock), Queue()
+    w.wait_for("beta", q.take, bool, 20)
+    w.hold("beta", 5)
+    w.hold("beta", 5)
+    w.let_go("beta", 5)
+    clock.advance(5.1)
+    assert q.attempts == 2, "one of two leases ending at 5 is still held"
+    w.hold("beta", 10)
+    w.let_go("beta", 10)
+    w.let_go("beta", 10)  # more let-goes than holds (a lease from before a restart)
+    w.let_go("gamma", 10)
+    clock.advance(5)
+    assert q.attempts == 2 and w.deadlines() == 0
+
+
+def test_a_delay_at_a_let_go_deadline_still_wakes():
+    clock = Clock()
+    w, q = Waiters(clock), Queue()
+    w.wait_for("beta", q.take, bool, 20)
+    w.hold("beta", 5)
+    w.wake_at("beta", 5)
+    w.let_go("beta", 5)
+    clock.advance(5.1)
+    assert q.attempts == 2
+
+
+def test_deadlines_kept_follow_the_leases_outstanding():
+    """Leases acked long before their deadline leave nothing behind: the heap is
+    rebuilt once mostly stale, and what is left still wakes on time."""
+    clock = Clock()
+    w, q = Waiters(clock), Queue()
+    w.wait_for("beta", q.take, bool, 20)
+    for i in range(10_000):
+        w.hold(f"agent-{i % 500}", 600 + i * 0.01)
+        w.let_go(f"agent-{i % 500}", 600 + i * 0.01)
+    w.hold("beta", 7)
+    assert w.deadlines() == 1
+    assert len(w._deadlines) <= 2 * 1024 + 2, "stale keys are dropped, not kept to their deadline"
+    clock.advance(7.1)
+    assert q.attempts == 2
+
+
+def test_a_stale_deadline_held_again_counts_once():
+    clock = Clock()
+    w = Waiters(clock)
+    w.hold("beta", 5)
+    w.let_go("beta", 5)
+    assert w.deadlines() == 0
+    w.hold("beta", 5)
+    assert w.deadlines() == 1
+    clock.advance(6)
+    assert w.deadlines() == 0 and w._stale == 0

@@ -537,8 +537,9 @@ class PostgresRecords(Records):
         body: Dict[str, Any] = {"b": token}
         if self.changes.ready:
             body["r"] = sorted(self.changes.ready)
-        if self.changes.due:
-            body["d"] = sorted([when, agent] for when, agent in self.changes.due)
+        due = self.changes.due.union(self.changes.held)  # other brokers' waiters too
+        if due:
+            body["d"] = sorted([when, agent] for when, agent in due)
         body.update(self.notice)
         payload = json.dumps(body, separators=(",", ":"))
         if len(payload.encode("utf-8")) > NOTIFY_BYTES:
