@@ -283,7 +283,7 @@ class RelayChannel(http.HTTPChannel):
         self.persistent = self.checkPersistence(request, version)
         request.gotLength(length)
         if length:
-            request.handleContentChunk(data[start:] if start else data)
+            request.handleContentChunk(data[start:])
         if self.timeOut:
             self._savedTimeOut = self.setTimeout(None)
         self._handlingRequest = True
