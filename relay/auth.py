@@ -31,7 +31,7 @@ RATE_WINDOW_SECONDS = 60.0
 MAX_TRACKED = 50_000
 
 
-class _Bounded(OrderedDict):
+class Bounded(OrderedDict):
     """An insertion-ordered dict that forgets its oldest entries past ``limit``."""
 
     def __init__(self, limit: int) -> None:
@@ -58,8 +58,8 @@ class RateLimiter:
         self.clock = clock
         self.loopback = loopback
         self.remote = remote
-        self._windows: _Bounded = _Bounded(max_tracked)
-        self._loopback_cache: _Bounded = _Bounded(1024)
+        self._windows: Bounded = Bounded(max_tracked)
+        self._loopback_cache: Bounded = Bounded(1024)
 
     def limit_for(self, host: str) -> int:
         """The per-minute limit of a source address."""
@@ -127,8 +127,8 @@ class Lockout:
         self.seconds = seconds
         self.max_tracked = max_tracked
         self.shared = shared
-        self._failures: _Bounded = _Bounded(max_tracked)
-        self._locked: _Bounded = _Bounded(max_tracked)
+        self._failures: Bounded = Bounded(max_tracked)
+        self._locked: Bounded = Bounded(max_tracked)
 
     def share(self, shared: SharedLockouts) -> None:
         """Report failures and successes to ``shared`` from now on."""

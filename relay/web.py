@@ -24,7 +24,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import RequestRedirect
 
 from relay import errors, protocol
-from relay.auth import Authenticator, RateLimiter
+from relay.auth import Authenticator, Bounded, RateLimiter
 from relay.broker import Broker
 from relay.errors import RelayError
 from relay.http import names_this_machine
@@ -481,7 +481,7 @@ class _Front(Resource):
         self.fixed = api.fixed_routes()
         # (listener address, Host header) -> True or the refusal: a broker is reached
         # by a handful of names, each judged once.
-        self._hosts: Dict[Tuple[Optional[str], Optional[bytes]], Union[bool, RelayError]] = {}
+        self._hosts: Bounded = Bounded(MAX_HOSTS_REMEMBERED)
 
     def render(self, request):
         hosts = request.requestHeaders.getRawHeaders(b"host")
@@ -489,8 +489,7 @@ class _Front(Resource):
         verdict = self._hosts.get(key)
         if verdict is None:
             verdict = self._judge_host(request)
-            if len(self._hosts) < MAX_HOSTS_REMEMBERED:
-                self._hosts[key] = verdict
+            self._hosts.put(key, verdict)
         if verdict is not True:
             return write_json(request, verdict.status, verdict.to_body())
         if not (request.uri.isascii() and b"%" not in request.uri):

@@ -136,6 +136,15 @@ def test_stop_answers_everyone():
     assert w.wait_for("beta", q.take, bool, 20).called
 
 
+def one_waiting():
+    """``(clock, waiters, queue)`` with one pull of beta's waiting 20 s (its first
+    look done: ``queue.attempts == 1``)."""
+    clock = Clock()
+    w, q = Waiters(clock), Queue()
+    w.wait_for("beta", q.take, bool, 20)
+    return clock, w, q
+
+
 def test_a_held_lease_wakes_at_its_deadline():
     clock = Clock()
     w, q = Waiters(clock), Queue()
@@ -148,9 +157,7 @@ def test_a_held_lease_wakes_at_its_deadline():
 
 
 def test_a_lease_let_go_wakes_nobody_unless_another_ends_then():
-    clock = Clock()
-    w, q = Waiters(clock), Queue()
-    w.wait_for("beta", q.take, bool, 20)
+    clock, w, q = one_waiting()
     w.hold("beta", 5)
     w.hold("beta", 5)
     w.let_go("beta", 5)
@@ -165,9 +172,7 @@ def test_a_lease_let_go_wakes_nobody_unless_another_ends_then():
 
 
 def test_a_delay_at_a_let_go_deadline_still_wakes():
-    clock = Clock()
-    w, q = Waiters(clock), Queue()
-    w.wait_for("beta", q.take, bool, 20)
+    clock, w, q = one_waiting()
     w.hold("beta", 5)
     w.wake_at("beta", 5)
     w.let_go("beta", 5)
@@ -178,9 +183,7 @@ def test_a_delay_at_a_let_go_deadline_still_wakes():
 def test_deadlines_kept_follow_the_leases_outstanding():
     """Leases acked long before their deadline leave nothing behind: the heap is
     rebuilt once mostly stale, and what is left still wakes on time."""
-    clock = Clock()
-    w, q = Waiters(clock), Queue()
-    w.wait_for("beta", q.take, bool, 20)
+    clock, w, q = one_waiting()
     for i in range(10_000):
         w.hold(f"agent-{i % 500}", 600 + i * 0.01)
         w.let_go(f"agent-{i % 500}", 600 + i * 0.01)
