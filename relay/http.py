@@ -100,6 +100,32 @@ def _headers_keep_canonical_names() -> bool:
 
 ONE_READ_PARSING = _headers_keep_canonical_names()
 
+
+
+def canonical_name(name: bytes) -> bytes:
+    """A header name as twisted.web keys it (``b"x-relay-agent"`` -> ``b"X-Relay-Agent"``)."""
+    return _nameEncoder.encode(name) if ONE_READ_PARSING else name
+
+
+def first_header(headers: Headers, name: bytes) -> Optional[bytes]:
+    """The first value of the header ``name``, given by :func:`canonical_name`:
+    one dict look-up where twisted.web keys headers so, ``getRawHeaders`` elsewhere."""
+    values = headers._rawHeaders.get(name) if ONE_READ_PARSING else headers.getRawHeaders(name)
+    return values[0] if values else None
+
+
+def set_headers(headers: Headers, pairs: List[Tuple[bytes, bytes]]) -> None:
+    """Set each ``(name, value)`` (names given by :func:`canonical_name`, values
+    without CR or LF) as ``setRawHeaders`` does, without its checks per call."""
+    if ONE_READ_PARSING:
+        raw = headers._rawHeaders
+        for name, value in pairs:
+            raw[name] = [value]
+    else:
+        for name, value in pairs:
+            headers.setRawHeaders(name, [value])
+
+
 # A request the one-read path leaves to twisted.web: these need its machinery
 # (a chunked body, a 100-continue answer) or its refusal (two lengths).
 _HANDED_OVER = frozenset((b"Transfer-Encoding", b"Expect"))

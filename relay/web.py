@@ -27,18 +27,42 @@ from relay import errors, protocol
 from relay.auth import Authenticator, Bounded, RateLimiter
 from relay.broker import Broker
 from relay.errors import RelayError
-from relay.http import names_this_machine
+from relay.http import canonical_name, first_header, names_this_machine, set_headers
 
 log = Logger(namespace="relay.web")
 
 MAX_HOSTS_REMEMBERED = 256
 
 JSON_HEADERS = (
-    (b"content-type", b"application/json; charset=utf-8"),
-    (b"cache-control", b"no-store"),
+    (canonical_name(b"content-type"), b"application/json; charset=utf-8"),
+    (canonical_name(b"cache-control"), b"no-store"),
 )
+_CONTENT_LENGTH = canonical_name(b"content-length")
+_HOST = canonical_name(b"host")
+_AGENT = canonical_name(b"x-relay-agent")
+_TIMESTAMP = canonical_name(b"x-relay-timestamp")
+_SIGNATURE = canonical_name(b"x-relay-signature")
+_NONCE = canonical_name(b"x-relay-nonce")
 
-_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _compact_encoder() -> Callable[[Any], str]:
+    """``JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode``, with the C
+    encoder made once instead of per call where the runtime has one."""
+    encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return encoder.encode
+    chunks = make(None, encoder.default, json.encoder.encode_basestring, None,
+                  encoder.key_separator, encoder.item_separator, False, False, True)
+
+    def encode(value: Any) -> str:
+        return "".join(chunks(value, 0))
+
+    return encode
+
+
+_encode = _compact_encoder()
 
 
 def encode_json(value: Any) -> bytes:
@@ -49,8 +73,7 @@ def encode_json(value: Any) -> bytes:
 def set_json_headers(request, status: int) -> None:
     """Set the status and the JSON headers of a response."""
     request.setResponseCode(status)
-    for name, header in JSON_HEADERS:
-        request.setHeader(name, header)
+    set_headers(request.responseHeaders, JSON_HEADERS)
 
 
 def write_json(request, status: int, value: Any) -> bytes:
@@ -60,8 +83,8 @@ def write_json(request, status: int, value: Any) -> bytes:
 
 def write_body(request, status: int, body: bytes) -> bytes:
     """Set the status and JSON headers of ``request`` for the encoded ``body``."""
-    set_json_headers(request, status)
-    request.setHeader(b"content-length", b"%d" % len(body))
+    request.setResponseCode(status)
+    set_headers(request.responseHeaders, JSON_HEADERS + ((_CONTENT_LENGTH, b"%d" % len(body)),))
     return body
 
 
@@ -241,11 +264,11 @@ class RelayAPI:
         return self.auth.authenticate(
             request.method,
             request.uri,
-            _header(headers, b"x-relay-agent"),
-            _header(headers, b"x-relay-timestamp"),
-            _header(headers, b"x-relay-signature"),
+            _header(headers, _AGENT),
+            _header(headers, _TIMESTAMP),
+            _header(headers, _SIGNATURE),
             raw_body(request),
-            _header(headers, b"x-relay-nonce"),
+            _header(headers, _NONCE),
         )
 
     def matches_as_sent(self, request, endpoint: str) -> bool:
@@ -484,8 +507,8 @@ class _Front(Resource):
         self._hosts: Bounded = Bounded(MAX_HOSTS_REMEMBERED)
 
     def render(self, request):
-        hosts = request.requestHeaders.getRawHeaders(b"host")
-        key = (getattr(request.getHost(), "host", None), hosts[0] if hosts else None)
+        key = (getattr(request.getHost(), "host", None),
+               first_header(request.requestHeaders, _HOST))
         verdict = self._hosts.get(key)
         if verdict is None:
             verdict = self._judge_host(request)
@@ -523,8 +546,8 @@ def _no_route(request) -> RelayError:
 
 
 def _header(headers, name: bytes) -> Optional[bytes]:
-    values = headers.getRawHeaders(name)
-    return values[0].strip() if values else None
+    value = first_header(headers, name)
+    return value.strip() if value is not None else None
 
 
 def _peer_host(request) -> str:

@@ -156,3 +156,13 @@ async def test_listings_stop_at_the_byte_budget_but_never_return_nothing(backend
     if backend == "jsonl":
         size = os.path.getsize(tmp_path / "messages.jsonl")
         assert size < 3 * RESPONSE_BUDGET_BYTES, "each body written once"
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=json_values | st.floats())
+def test_answers_are_encoded_as_the_standard_encoder_would(value):
+    """The encoder made once answers byte for byte as a compact json.JSONEncoder."""
+    from relay.web import encode_json
+
+    reference = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode(value)
+    assert encode_json(value) == reference.encode("utf-8")

@@ -442,3 +442,47 @@ async def test_an_expiry_sweep_leaves_no_read_open(tmp_path):
         assert busy == 0
     finally:
         await store.close()
+
+
+def test_nulls_are_written_into_the_statement_not_bound():
+    """A row's None values become NULL literals; the WHERE values stay bound."""
+    save = backend.NullsWritten(backend._save_sql)
+    sql, params = save(("done", 2, None, None, "boom", 0, 3, None, None, 41), 1)
+    assert params == ["done", 2, "boom", 0, 3, 41]
+    assert "lease_until = NULL, lease_id = NULL" in sql and "error = ?" in sql
+    assert sql.endswith("WHERE seq = ?")
+    assert sql.count("?") == len(params)
+    assert save(("done", 2, None, None, "boom", 0, 3, None, None, 42), 1)[0] is sql  # kept
+    nothing_null = save(("queued", 0, 1, "l", "e", 1, 0, 1.0, "r", 7), 1)[0]
+    assert nothing_null == backend._SAVE_STATE
+
+
+def test_the_statement_texts_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(backend, "NULL_PATTERNS", 2)
+    insert = backend.NullsWritten(backend._insert_sql)
+    width = len(backend.COLUMNS.split(","))
+    for hole in range(5):
+        row = tuple(None if i == hole + 1 else i for i in range(width))
+        sql, params = insert(row, 0)
+        assert sql.count("NULL") == 1 and len(params) == width - 1
+    assert len(insert.texts) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_fields_without_a_value_are_stored_as_null(tmp_path):
+    """NULLs written into the SQL read back as None, and a value set later is stored."""
+    store = open_sqlite(tmp_path)
+    try:
+        await store.add(new_message("alpha", "beta", START, id="n1"), RULES)
+        row = store.db.execute(
+            "SELECT typeof(reply_to), typeof(lease_until), typeof(lease_id), typeof(error), "
+            "typeof(not_before), typeof(expires_at) FROM messages WHERE id = 'n1'").fetchone()
+        assert set(row) == {"null"}
+        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
+        assert store.db.execute("SELECT typeof(lease_id), typeof(lease_until) FROM messages "
+                                "WHERE id = 'n1'").fetchone() == ("text", "integer")
+        await ack(store, "n1", "beta", m.lease_id, "completed", None, START, RULES)
+        found = await store.find("n1", START)
+        assert (found.status, found.lease_id, found.lease_until) == (DONE, None, None)
+    finally:
+        await store.close()

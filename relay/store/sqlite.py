@@ -81,14 +81,55 @@ COLUMNS = (
     "not_before, dead_reason, delay_until, expires_at"
 )
 _SELECT = f"SELECT {COLUMNS} FROM messages"
-_INSERT = (
-    f"INSERT OR IGNORE INTO messages ({COLUMNS}) "
-    f"VALUES ({', '.join('?' * len(COLUMNS.split(',')))})"
-)
-_SAVE_STATE = (
-    "UPDATE messages SET status = ?, attempts = ?, lease_until = ?, lease_id = ?, error = ?, "
-    "recovery = ?, deliveries = ?, not_before = ?, dead_reason = ? WHERE seq = ?"
-)
+_STATE_COLUMNS = ("status", "attempts", "lease_until", "lease_id", "error", "recovery",
+                  "deliveries", "not_before", "dead_reason")
+# Variants of _INSERT and _SAVE_STATE kept per pattern of NULL values: at most this many.
+NULL_PATTERNS = 256
+
+
+def _insert_sql(nulls: Tuple[bool, ...]) -> str:
+    values = ", ".join("NULL" if null else "?" for null in nulls)
+    return f"INSERT OR IGNORE INTO messages ({COLUMNS}) VALUES ({values})"
+
+
+def _save_sql(nulls: Tuple[bool, ...]) -> str:
+    sets = ", ".join(f"{name} = {'NULL' if null else '?'}"
+                     for name, null in zip(_STATE_COLUMNS, nulls))
+    return f"UPDATE messages SET {sets} WHERE seq = ?"
+
+
+_INSERT = _insert_sql((False,) * len(COLUMNS.split(",")))
+_SAVE_STATE = _save_sql((False,) * len(_STATE_COLUMNS))
+
+
+class NullsWritten:
+    """A write statement with its NULL values written into the SQL rather than bound.
+
+    Python's sqlite3 looks for an adapter for every bound ``None`` (two failed
+    attribute lookups each); a message row holds about ten. One statement text per
+    pattern of NULLs (a handful in practice) is prepared once and cached by the
+    connection. The statement's WHERE clause never changes, so neither does its plan.
+    """
+
+    def __init__(self, build: Callable[[Tuple[bool, ...]], str]) -> None:
+        self.build = build
+        self.texts: Dict[Tuple[bool, ...], str] = {}
+
+    def __call__(self, values: Sequence[Any], key_values: int) -> Tuple[str, List[Any]]:
+        """The SQL and parameters for ``values``, whose last ``key_values`` are the
+        WHERE clause's (bound as they are)."""
+        cut = len(values) - key_values
+        nulls = tuple([value is None for value in values[:cut]])
+        sql = self.texts.get(nulls)
+        if sql is None:
+            sql = self.build(nulls)
+            if len(self.texts) < NULL_PATTERNS:
+                self.texts[nulls] = sql
+        params = [value for value in values[:cut] if value is not None]
+        params.extend(values[cut:])
+        return sql, params
+
+
 # Deliverable at ?: not held back and not past its TTL.
 _DUE = "(not_before IS NULL OR not_before <= ?) AND (expires_at IS NULL OR expires_at > ?)"
 _LIVE = "(expires_at IS NULL OR expires_at > ?)"
@@ -373,6 +414,8 @@ class SQLiteRecords(Records):
             "coalesce((SELECT value FROM meta WHERE key = 'last_seq'), 0))"
         ).fetchone()
         self.next_seq = last + 1
+        self._insert = NullsWritten(_insert_sql)
+        self._save = NullsWritten(_save_sql)
         self.registered = {row[0] for row in db.execute("SELECT agent FROM peers")}
         # recipient -> [pending messages, their body bytes], kept from here on
         self.pending: Dict[str, List[int]] = {}
@@ -424,7 +467,7 @@ class SQLiteRecords(Records):
     def insert(self, message: Message) -> bool:
         self._begin()
         message.seq = self.next_seq
-        cursor = self.cursor.execute(_INSERT, _row(message))
+        cursor = self.cursor.execute(*self._insert(_row(message), 0))
         if cursor.rowcount != 1:
             message.seq = 0
             return False
@@ -473,7 +516,15 @@ class SQLiteRecords(Records):
                 self._pending(message.to, 1 if now else -1,
                               message.body_bytes() if now else -message.body_bytes())
         self._begin()
-        self.cursor.executemany(_SAVE_STATE, [_state_row(m) for m in messages])
+        if len(messages) == 1:
+            self.cursor.execute(*self._save(_state_row(messages[0]), 1))
+            return
+        by_text: Dict[str, List[List[Any]]] = {}
+        for message in messages:
+            sql, params = self._save(_state_row(message), 1)
+            by_text.setdefault(sql, []).append(params)
+        for sql, rows in by_text.items():
+            self.cursor.executemany(sql, rows)
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
                parent_id: Optional[str] = None) -> List[Message]:
@@ -648,7 +699,8 @@ class SQLiteStore(RecordStore):
 
 def _connect(path: str, sync: str) -> sqlite3.Connection:
     private_file(path)  # SQLite gives its -wal and -shm files the database's mode
-    db = sqlite3.connect(path, isolation_level=None)
+    # Room for every statement text (listings, NULL patterns) prepared once.
+    db = sqlite3.connect(path, isolation_level=None, cached_statements=512)
     try:
         mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
