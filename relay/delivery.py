@@ -34,11 +34,11 @@ from json.encoder import encode_basestring
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from relay import errors
-from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
+from relay.protocol import DONE, FAILED, LEASED, QUEUED, compact_json, iso_timestamp
 
 _UNDECODED = object()  # Message._body before its stored JSON text is read
 _new_message = object.__new__
-_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_compact = compact_json
 
 
 def _text(value: Optional[str]) -> str:

@@ -19,6 +19,7 @@ own parser and writer, and both ways answer byte for byte alike.
 from __future__ import annotations
 
 import re
+import time
 from io import BytesIO
 from typing import Collection, Dict, List, Optional, Set, Tuple
 
@@ -26,8 +27,9 @@ from twisted.internet import tcp
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.web import http, server
-from twisted.web.http import NO_BODY_CODES
+from twisted.python.failure import Failure
+from twisted.web import http, resource, server
+from twisted.web.http import NO_BODY_CODES, unquote
 from twisted.web.http_headers import Headers
 
 from relay.protocol import MAX_BODY_BYTES, address_group, is_loopback_host
@@ -194,6 +196,28 @@ def names_this_machine(request, allowed: Collection[str] = ()) -> bool:
     return name in allowed or is_loopback_host(name) or name.endswith(".localhost")
 
 
+_SERVER = canonical_name(b"server")
+_DATE = canonical_name(b"date")
+
+
+class _HTTPDate:
+    """The ``Date`` header's value at a time, formatted once per second."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.value = b""
+
+    def __call__(self, now: float) -> bytes:
+        second = int(now)
+        if second != self.second:
+            self.value = http.datetimeToString(second)
+            self.second = second
+        return self.value
+
+
+http_date = _HTTPDate()
+
+
 class RelayRequest(server.Request):
     """A request that keeps at most ``MAX_BODY_BYTES`` of its body in memory.
 
@@ -211,6 +235,32 @@ class RelayRequest(server.Request):
         super().__init__(*args, **kwargs)
         # Never parse form or multipart bodies into request.args: bodies are JSON.
         self._parsePOSTFormSubmission = False
+
+    def process(self) -> None:
+        """twisted.web's ``Request.process``, its two default headers (``Server``,
+        ``Date``) set without a ``setHeader`` each and the date formatted once a
+        second rather than per request."""
+        if not ONE_READ_PARSING:
+            return super().process()
+        self.site = self.channel.site
+        raw = self.responseHeaders._rawHeaders
+        raw[_SERVER] = [server.version]
+        raw[_DATE] = [http_date(time.time())]
+        self.prepath = []
+        self.postpath = list(map(unquote, self.path[1:].split(b"/")))
+        if self.path == b"*":
+            self._handleStar()
+            return None
+        try:
+            resrc = self.site.getResourceFor(self)
+            if resource._IEncodingResource.providedBy(resrc):
+                encoder = resrc.getEncoder(self)
+                if encoder is not None:
+                    self._encoder = encoder
+            self.render(resrc)
+        except BaseException:
+            self.processingFailed(Failure())
+        return None
 
     def gotLength(self, length: Optional[int]) -> None:
         site = getattr(self.channel, "site", None)

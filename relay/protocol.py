@@ -12,7 +12,7 @@ import ipaddress
 import json
 import re
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from relay.errors import bad_request
 
@@ -154,6 +154,25 @@ def _shape(value: Any, raw: bytes) -> Optional[str]:
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1))
     return None
+
+
+def _compact_encoder() -> Callable[[Any], str]:
+    """``JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode``, with the C
+    encoder made once instead of per call where the runtime has one."""
+    encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return encoder.encode
+    chunks = make(None, encoder.default, json.encoder.encode_basestring, None,
+                  encoder.key_separator, encoder.item_separator, False, False, True)
+
+    def encode(value: Any) -> str:
+        return "".join(chunks(value, 0))
+
+    return encode
+
+
+compact_json = _compact_encoder()
 
 
 # A \u escape of a UTF-16 surrogate: alone it decodes to text UTF-8 cannot carry.

@@ -10,7 +10,6 @@ only, never with message content.
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
@@ -45,24 +44,7 @@ _SIGNATURE = canonical_name(b"x-relay-signature")
 _NONCE = canonical_name(b"x-relay-nonce")
 
 
-
-def _compact_encoder() -> Callable[[Any], str]:
-    """``JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode``, with the C
-    encoder made once instead of per call where the runtime has one."""
-    encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:
-        return encoder.encode
-    chunks = make(None, encoder.default, json.encoder.encode_basestring, None,
-                  encoder.key_separator, encoder.item_separator, False, False, True)
-
-    def encode(value: Any) -> str:
-        return "".join(chunks(value, 0))
-
-    return encode
-
-
-_encode = _compact_encoder()
+_encode = protocol.compact_json
 
 
 def encode_json(value: Any) -> bytes:

@@ -13,6 +13,7 @@ import pytest
 from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.web import http, server
 
 from relay import http as relay_http
 from relay.http import RelaySite, parse_whole_request
@@ -154,6 +155,23 @@ def test_every_answer_equals_twisted_webs_own() -> None:
     assert whole[3].startswith(b"HTTP/1.1 201 Created\r\n")
     assert whole[-1].endswith(b"\r\n\r\n" + whole[0].split(b"\r\n\r\n", 1)[1])
     assert b"Connection: close" in whole[-1]
+
+
+def test_the_requests_own_processing_answers_as_twisted_webs(monkeypatch) -> None:
+    """RelayRequest.process (default headers set directly) against twisted.web's own."""
+    mine, _ = exchange(EXCHANGES, split=False)
+    monkeypatch.setattr(relay_http.RelayRequest, "process", server.Request.process)
+    theirs, _ = exchange(EXCHANGES, split=True)
+    for request, ours, twisteds in zip(EXCHANGES, mine, theirs):
+        assert ours == twisteds, request
+
+
+def test_the_date_header_is_formatted_once_a_second() -> None:
+    date = relay_http._HTTPDate()
+    first = date(START + 0.2)
+    assert first == http.datetimeToString(int(START))
+    assert date(START + 0.9) is first
+    assert date(START + 1.0) == http.datetimeToString(int(START) + 1) != first
 
 
 def test_pipelined_and_trickled_requests_are_answered_in_order() -> None:
