@@ -197,9 +197,10 @@ class RelayAPI:
     def serve(self, endpoint: str, request) -> Union[bytes, int]:
         """Run the route ``endpoint`` for ``request`` and answer as Klein does once a
         route has matched: a result or a failure through this API's error handlers,
-        and a pending answer cancelled when the client goes away (a long poll's
-        waiter is dropped). An answer ready at once is returned for twisted.web to
-        write; otherwise ``NOT_DONE_YET``."""
+        and, for a route that waits on more than the store (a long poll, which
+        sets ``request.waits``), a pending answer cancelled when the client goes
+        away, so its waiter is dropped. An answer ready at once is returned for
+        twisted.web to write; otherwise ``NOT_DONE_YET``."""
         try:
             result = self._bound_app.execute_endpoint(endpoint, request)
         except Exception:
@@ -222,7 +223,8 @@ class RelayAPI:
         if ready:
             return ready[0]
         pending = True
-        request.notifyFinish().addErrback(lambda _: result.cancel())
+        if getattr(request, "waits", False):
+            request.notifyFinish().addErrback(lambda _: result.cancel())
         return NOT_DONE_YET
 
     def _answer(self, value: Any, request) -> bytes:
@@ -356,6 +358,7 @@ class RelayAPI:
         since = _query_arg(request, b"since") or None
         limit = protocol.clamp_limit(_query_arg(request, b"limit"))
         wait = protocol.parse_wait_seconds(_query_arg(request, b"wait"), "wait")
+        request.waits = wait > 0
         d = self.broker.poll(agent, since, limit, wait)
         d.addCallback(
             lambda page: write_body(request, 200, message_list(page[0], cursor=page[1]))
@@ -381,6 +384,7 @@ class RelayAPI:
         lease_seconds = protocol.parse_lease_seconds(body)
         wait = protocol.strict_int(body, "waitSeconds", 0, protocol.MAX_WAIT_SECONDS) or 0
         parent_id = protocol.optional_id(body, "parentId")
+        request.waits = wait > 0
         d = self.broker.pull(agent, limit, lease_seconds, wait, parent_id)
         d.addCallback(self._listed, request)
         return d

@@ -4,8 +4,11 @@ every other path takes Klein's matching, with the same answers as before."""
 from __future__ import annotations
 
 import pytest_twisted
+from twisted.internet.task import Clock
 from twisted.logger import capturedLogs, formatEvent
 
+from relay.store.plugins import open_configured_store
+from relay.testing import START, make_config
 from tests.http_support import Broker, assert_error
 
 
@@ -57,6 +60,37 @@ async def test_a_long_poll_whose_client_went_away_is_no_incident() -> None:
         b.advance(30)
     assert b.broker.waiters.count("beta") == 0
     assert not [formatEvent(e) for e in events if "incident" in formatEvent(e)]
+
+
+def test_a_write_whose_client_went_away_is_still_made_quietly(tmp_path) -> None:
+    """An ack waiting for its commit when the client hangs up is committed all the same
+    (nothing waits on the client, so nothing is cancelled) and logs no incident."""
+    clock = Clock()
+    clock.advance(START)
+    store = open_configured_store(make_config(storage="sqlite", dataDir=str(tmp_path)), clock)
+    b = Broker(clock=clock, store=store)
+
+    def answered(d):
+        b.advance(0)
+        return d.result
+
+    for agent in ("alpha", "beta"):
+        assert answered(b.post(agent, "/register", {})).code == 200
+    msg_id = answered(b.post("alpha", "/messages", {"to": "beta"})).json["id"]
+    (leased,) = answered(b.post("beta", "/v1/pull", {})).json["messages"]
+    with capturedLogs() as events:
+        d = b.post("beta", "/v1/ack", {"messageId": msg_id, "leaseId": leased["leaseId"],
+                                       "outcome": "completed"})
+        assert not d.called  # held until the turn's commit
+        for pump in list(b.agent._pumps):
+            pump.clientIO.loseConnection()
+        b.flush()
+        d.addErrback(lambda failure: None)
+        b.advance(0)
+    (entry,) = answered(b.post("alpha", "/v1/status", {"messageIds": [msg_id]})).json["messages"]
+    assert entry["status"] == "done"
+    assert not [formatEvent(e) for e in events if "incident" in formatEvent(e)]
+    store.close()
 
 
 @pytest_twisted.ensureDeferred
