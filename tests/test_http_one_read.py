@@ -79,6 +79,38 @@ def test_anything_else_is_left_to_twisted_web(data: bytes) -> None:
     assert parse(data) is None
 
 
+def twisted_headers(raw: bytes) -> dict:
+    """The request headers twisted.web's own parser keeps for ``raw``."""
+    kept = {}
+
+    class Capture(http.Request):
+        def process(self) -> None:
+            kept.update(self.requestHeaders._rawHeaders)
+            self.finish()
+
+    channel = http.HTTPChannel()
+    channel.requestFactory = Capture
+    channel.makeConnection(StringTransport())
+    channel.dataReceived(raw)
+    return kept
+
+
+@pytest.mark.parametrize("lines", [
+    b"X-A:  spaced \t\r\n",
+    b"X-B:\tinner  space\t\r\n",
+    b"X-C:\r\nX-D: \t \r\n",
+    b"x-relay-AGENT: a\r\nCONTENT-type: text/plain\r\n",
+    b"X-E: a\t \tb  \r\nX-E: second\r\n",
+    b"Host: 127.0.0.1:9\r\nWww-Authenticate: x\r\nContent-MD5: y\r\n",
+])
+def test_headers_are_read_as_twisted_web_reads_them(lines: bytes) -> None:
+    raw = b"GET /peers HTTP/1.1\r\n" + lines + b"\r\n"
+    mine: dict = {}
+    for name, value in parse(raw)[3]:
+        mine.setdefault(name, []).append(value)
+    assert mine == twisted_headers(raw)
+
+
 def test_the_limits_of_the_head_are_kept() -> None:
     many = PLAIN.replace(b"host: x", b"\r\n".join([b"x-h: 1"] * 3))
     assert parse_whole_request(many, max_headers=5, max_size=16384) is not None
