@@ -38,7 +38,6 @@ from relay.protocol import DONE, FAILED, LEASED, QUEUED, compact_json, iso_times
 
 _UNDECODED = object()  # Message._body before its stored JSON text is read
 _new_message = object.__new__
-_compact = compact_json
 
 
 def _text(value: Optional[str]) -> str:
@@ -179,7 +178,7 @@ class Message:
     def body_json(self) -> str:
         """The body as compact JSON text (UTF-8 characters kept, not escaped)."""
         if self._body_json is None:
-            return _compact(self._body)
+            return compact_json(self._body)
         return self._body_json
 
     def copy(self) -> Message:
@@ -232,7 +231,7 @@ class Message:
             type=envelope["type"],
             # Kept as the compact text of the validated body from here on: nothing
             # decodes a stored body again to send it.
-            body_json=_compact(envelope["body"]),
+            body_json=compact_json(envelope["body"]),
             reply_to=envelope["replyTo"],
             ack=envelope["ack"],
             kind=envelope["kind"],
@@ -532,7 +531,7 @@ def failure_notice(request: Message, event: str, now: float) -> Message:
         sender=request.to,
         to=request.sender,
         created=now,
-        body_json=_compact(body),
+        body_json=compact_json(body),
         reply_to=request.id,
         kind="reply",
         root_id=request.root_id or request.id,
@@ -633,7 +632,7 @@ def reply_message(message: Message, agent: str, fields: Dict[str, Any], now: flo
         sender=agent,
         to=message.sender,
         created=now,
-        body_json=_compact(fields["body"]),
+        body_json=compact_json(fields["body"]),
         reply_to=message.id,
         ack=fields["ack"],
         kind=fields["kind"],

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import time
 from io import BytesIO
-from typing import Collection, Dict, List, Optional, Set, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 from twisted.internet import tcp
 from twisted.internet.protocol import Protocol
@@ -103,7 +103,6 @@ def _headers_keep_canonical_names() -> bool:
 ONE_READ_PARSING = _headers_keep_canonical_names()
 
 
-
 def canonical_name(name: bytes) -> bytes:
     """A header name as twisted.web keys it (``b"x-relay-agent"`` -> ``b"X-Relay-Agent"``)."""
     return _nameEncoder.encode(name) if ONE_READ_PARSING else name
@@ -116,7 +115,7 @@ def first_header(headers: Headers, name: bytes) -> Optional[bytes]:
     return values[0] if values else None
 
 
-def set_headers(headers: Headers, pairs: List[Tuple[bytes, bytes]]) -> None:
+def set_headers(headers: Headers, pairs: Sequence[Tuple[bytes, bytes]]) -> None:
     """Set each ``(name, value)`` (names given by :func:`canonical_name`, values
     without CR or LF) as ``setRawHeaders`` does, without its checks per call."""
     if ONE_READ_PARSING:

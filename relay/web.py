@@ -44,12 +44,9 @@ _SIGNATURE = canonical_name(b"x-relay-signature")
 _NONCE = canonical_name(b"x-relay-nonce")
 
 
-_encode = protocol.compact_json
-
-
 def encode_json(value: Any) -> bytes:
     """Compact UTF-8 JSON."""
-    return _encode(value).encode("utf-8")
+    return protocol.compact_json(value).encode("utf-8")
 
 
 def set_json_headers(request, status: int) -> None:

@@ -111,11 +111,20 @@ def test_waiters_per_agent_are_capped():
     assert third.called and w.count("beta") == 2
 
 
-def test_wake_at_deadline():
+def one_waiting(results=None):
+    """``(clock, waiters, queue)`` with one pull of beta's waiting 20 s (its first
+    look done: ``queue.attempts == 1``); what it fires with goes to ``results``."""
     clock = Clock()
     w, q = Waiters(clock), Queue()
+    d = w.wait_for("beta", q.take, bool, 20)
+    if results is not None:
+        d.addCallback(results.append)
+    return clock, w, q
+
+
+def test_wake_at_deadline():
     results = []
-    w.wait_for("beta", q.take, bool, 20).addCallback(results.append)
+    clock, w, q = one_waiting(results)
     w.wake_at("beta", clock.seconds() + 5)
     w.wake_at("beta", clock.seconds() + 5)
     q.items = ["expired"]
@@ -136,20 +145,11 @@ def test_stop_answers_everyone():
     assert w.wait_for("beta", q.take, bool, 20).called
 
 
-def one_waiting():
-    """``(clock, waiters, queue)`` with one pull of beta's waiting 20 s (its first
-    look done: ``queue.attempts == 1``)."""
-    clock = Clock()
-    w, q = Waiters(clock), Queue()
-    w.wait_for("beta", q.take, bool, 20)
-    return clock, w, q
 
 
 def test_a_held_lease_wakes_at_its_deadline():
-    clock = Clock()
-    w, q = Waiters(clock), Queue()
     results = []
-    w.wait_for("beta", q.take, bool, 20).addCallback(results.append)
+    clock, w, q = one_waiting(results)
     w.hold("beta", clock.seconds() + 5)
     q.items = ["lapsed"]
     clock.advance(5.1)
