@@ -16,7 +16,7 @@ from twisted.internet import reactor
 from twisted.logger import capturedLogs
 
 from relay import delivery
-from relay.delivery import notice_id
+from relay.delivery import Message, notice_id
 from relay.errors import ConfigError, RelayError
 from relay.protocol import DONE, LEASED, QUEUED
 from relay.store import sqlite as backend
@@ -131,7 +131,7 @@ def test_the_v12_lookups_use_their_indexes(tmp_path, lookup, index):
         "pull by parent id": backend.STATEMENTS["queued"][1],
         "pull by reply-to": backend.STATEMENTS["queued"][2],
         "thread by root": backend.STATEMENTS["thread"][1],
-        "query of the sent box": backend._listing_statement("box", "sent", {})[0],
+        "query of the sent box": backend._listing_statement("sender", "sent", {})[0],
         "query by root": backend._listing_statement("root", "inbox", {"rootId": "r"})[0],
         "query by parent": backend._listing_statement("parent", "all", {"parentId": "p"})[0],
         "TTL sweep": backend.STATEMENTS["expire"][1],
@@ -235,14 +235,15 @@ def test_upgrade_applies_scripts_in_order_after_a_backup(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_a_version_1_database_is_brought_to_the_newest_version(tmp_path):
-    """Version 2 dropped the per-sender index; version 3 brings one back, by status."""
+    """Version 2 dropped the per-sender index; version 3 brought one back, by status;
+    version 4 keys it without the status."""
     version_1_database(str(tmp_path / "relay.db"))
     store = open_sqlite(tmp_path)
     try:
-        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 3
+        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 4
         indexes = {row[0]: row[1] for row in store.db.execute(
             "SELECT name, sql FROM sqlite_master WHERE type = 'index'")}
-        assert "(sender, status, seq)" in indexes["messages_outbox"]
+        assert "(sender, seq)" in indexes["messages_outbox"]
         assert (await store.find("kept", START)).body == {"text": "hello"}
         assert store.is_registered("beta")
         await store.add(new_message("alpha", "beta", START, id="after"), RULES)
@@ -279,7 +280,7 @@ async def test_a_real_version_2_database_is_upgraded_after_a_backup(tmp_path):
     shutil.copy(V2_DATABASE, tmp_path / "relay.db")
     store = open_sqlite(tmp_path)
     try:
-        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 3
+        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 4
         found = {i: await store.find(f"v2-{i}", START) for i in range(6)}
         assert [found[i].status for i in range(6)] == [
             DONE, "failed", LEASED, QUEUED, QUEUED, QUEUED]
@@ -302,6 +303,92 @@ async def test_a_real_version_2_database_is_upgraded_after_a_backup(tmp_path):
         await store.close()
     backup = sqlite3.connect(tmp_path / "relay.db.v2.bak")
     assert backup.execute("SELECT version FROM version").fetchone()[0] == 2
+    backup.close()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    await open_sqlite(fresh).close()
+    upgraded, new = (sqlite3.connect(p) for p in (tmp_path / "relay.db", fresh / "relay.db"))
+    assert schema_dump(upgraded) == schema_dump(new)
+    upgraded.close()
+    new.close()
+
+
+def written_btrees(db: sqlite3.Connection, sql: str) -> List[str]:
+    """The tables and indexes ``sql`` opens for writing, by name (from its bytecode)."""
+    roots = {root: name for name, root in db.execute(
+        "SELECT name, rootpage FROM sqlite_master WHERE rootpage")}
+    program = db.execute("EXPLAIN " + sql, [None] * sql.count("?")).fetchall()
+    return sorted({roots[row[3]] for row in program if row[1] == "OpenWrite"})
+
+
+def test_a_lease_or_a_settle_leaves_the_id_and_sent_box_indexes_alone():
+    """A pull and an ack change only a message's delivery state: their UPDATE writes
+    the row and the indexes keyed by that state, not the indexes a new message
+    enters by its id or sender (each written index is a page per commit)."""
+    db = sqlite3.connect(":memory:")
+    db.executescript(backend.schema_script(backend.SCHEMA_VERSION))
+    assert written_btrees(db, backend.STATEMENTS["save"][0]) == [
+        "messages", "messages_inbox", "messages_leases", "messages_recovery"]
+    assert {"messages_outbox", "sqlite_autoindex_messages_1"} <= set(
+        written_btrees(db, backend.STATEMENTS["insert"][0]))
+
+
+def version_3_database(path: str) -> List[Message]:
+    """A database as the schema-3 releases created it, holding messages of two
+    senders in every status."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.executescript(old_schema(3))
+    db.execute("INSERT INTO version (version) VALUES (3)")
+    messages = []
+    for seq in range(1, 13):
+        message = new_message("alpha" if seq % 3 else "gamma", "beta", START + seq,
+                              id=f"v3-{seq}", kind="request" if seq % 2 else "message")
+        message.seq = seq
+        message.status = (QUEUED, LEASED, DONE, "failed")[seq % 4]
+        if message.status == LEASED:
+            message.lease_id, message.lease_until = f"lease-{seq}", int(START + 60) * 1000
+        messages.append(message)
+        db.execute(f"INSERT INTO messages ({backend.COLUMNS}) "
+                   f"VALUES ({', '.join('?' * len(backend._row(message)))})",
+                   backend._row(message))
+    db.execute("INSERT INTO peers (agent, last_seen) VALUES ('beta', ?)", (int(START),))
+    db.close()
+    return messages
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_version_3_database_is_upgraded_and_its_sent_box_reads_the_same(tmp_path):
+    stored = version_3_database(str(tmp_path / "relay.db"))
+    store = open_sqlite(tmp_path)
+    try:
+        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 4
+        for sender in ("alpha", "gamma"):
+            for filters in ({}, {"status": QUEUED}, {"status": LEASED}, {"status": DONE},
+                            {"status": "failed"}, {"kind": "request"}, {"to": "beta"}):
+                listed = await store.query(sender, 50, dict(filters, box="sent"), START,
+                                           RULES)
+                expected = [m.id for m in reversed(stored) if m.sender == sender
+                            and all(getattr(m, k) == v for k, v in filters.items())]
+                assert [m.id for m in listed] == expected, (sender, filters)
+                assert expected or filters, "every sender has sent messages"
+            newest = await store.query(sender, 2, {"box": "sent"}, START, RULES)
+            assert [m.id for m in newest] == [m.id for m in reversed(stored)
+                                             if m.sender == sender][:2]
+        everything = await store.query("alpha", 50, {"box": "all"}, START, RULES)
+        assert [m.id for m in everything] == [m.id for m in reversed(stored)
+                                             if m.sender == "alpha"]
+        beta_all = await store.query("beta", 50, {"box": "all", "status": DONE}, START, RULES)
+        assert [m.id for m in beta_all] == [m.id for m in reversed(stored) if m.status == DONE]
+        (leased,) = [m for m in stored if m.status == LEASED][:1]
+        result = await ack(store, leased.id, "beta", leased.lease_id, "completed", None, START)
+        assert result["status"] == DONE
+        done = await store.query("alpha" if leased.sender == "alpha" else "gamma", 50,
+                                 {"box": "sent", "status": DONE}, START, RULES)
+        assert leased.id in [m.id for m in done]
+    finally:
+        await store.close()
+    backup = sqlite3.connect(tmp_path / "relay.db.v3.bak")
+    assert backup.execute("SELECT version FROM version").fetchone()[0] == 3
     backup.close()
     fresh = tmp_path / "fresh"
     fresh.mkdir()

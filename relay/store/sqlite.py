@@ -1,7 +1,7 @@
 """The SQLite backend (``broker.storage: sqlite``): the database ``dataDir/relay.db``.
 
 The database is the source of truth: messages and peers live in indexed
-tables (``sqlite-v3.sql``) and every operation reads and writes only the rows
+tables (``sqlite-v4.sql``) and every operation reads and writes only the rows
 it needs; no copy of the messages is kept in memory. The delivery rules are
 those of :mod:`relay.delivery`: a row is read, the rule applied to it, and
 what changed written back.
@@ -68,7 +68,7 @@ from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
@@ -212,6 +212,8 @@ _BOX = {"inbox": "recipient = ?", "sent": "sender = ?", "all": "(recipient = ? O
 # by the index of that filter (a few rows) whatever the box.
 _LISTING_SOURCES = {
     "box": ("", "status = ?"),
+    # the sent box: its index has no status, so it is read once, newest first
+    "sender": ("", ""),
     "id": ("", "id = ?"),
     "root": ("INDEXED BY messages_root", "root_id = ?"),
     "parent": ("INDEXED BY messages_parent", "parent_id = ?"),
@@ -224,7 +226,7 @@ def _listing_statement(source: str, box: str,
     """The SELECT of a listing from ``source`` narrowed to ``box`` and the filters,
     and the names of its parameters after the source's own."""
     hint, where_source = _LISTING_SOURCES[source]
-    where = [where_source, _BOX[box]]
+    where = [clause for clause in (where_source, _BOX[box]) if clause]
     names = ["agent"] * _BOX[box].count("?")
     for name, clause in (("status", "status = ?"), ("from", "sender = ?"),
                          ("to", "recipient = ?"), ("kind", "kind = ?"),
@@ -246,8 +248,9 @@ STATEMENTS["listing"] = [
                             ("box", {"to": "x"}), ("id", {"rootId": "r"}),
                             ("root", {"rootId": "r"}), ("parent", {"parentId": "p"}),
                             ("reply_to", {"parentId": "p", "status": "queued"}))
-    if not (box == "all" and source == "box")  # the box index is read box by box
-]
+    if not (box != "inbox" and source == "box")  # the inbox index, status by status
+] + [_listing_statement("sender", "sent", filters)[0]
+     for filters in ({}, {"status": "failed"}, {"kind": "request"}, {"to": "x"})]
 
 
 def schema_script(version: int) -> str:
@@ -543,9 +546,9 @@ class SQLiteRecords(Records):
 
     def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
                 now: float) -> List[Message]:
-        """Without a conversation filter the box index is read status by status and
-        merged; with ``rootId`` (``parentId``) the root (parent and reply-to) index
-        gives the few candidate rows."""
+        """Without a conversation filter the inbox index is read status by status and
+        the sent-box index once, and the reads merged; with ``rootId`` (``parentId``)
+        the root (parent and reply-to) index gives the few candidate rows."""
         if filters.get("rootId") is not None:
             reads = [("id", box, filters["rootId"]), ("root", box, filters["rootId"])]
         elif filters.get("parentId") is not None:
@@ -553,14 +556,18 @@ class SQLiteRecords(Records):
                      ("reply_to", box, filters["parentId"])]
         else:
             status = filters.get("status")
-            reads = [("box", name, state)
-                     for name in (("inbox", "sent") if box == "all" else (box,))
-                     for state in (STATUSES if status is None else (status,))]
+            reads = []
+            if box in ("inbox", "all"):
+                reads += [("box", "inbox", state)
+                          for state in (STATUSES if status is None else (status,))]
+            if box in ("sent", "all"):
+                reads.append(("sender", "sent", None))
         values = dict(filters, agent=agent, now=now)
         parts = []
         for source, name, key in reads:
             sql, names = _listing_statement(source, name, filters)
-            parts.append(self._listed(sql, key, *[values[n] for n in names], limit))
+            keys = () if key is None else (key,)
+            parts.append(self._listed(sql, *keys, *[values[n] for n in names], limit))
         unique = {m.seq: m for part in parts for m in part}
         return [unique[seq] for seq in sorted(unique, reverse=True)][:limit]
 
