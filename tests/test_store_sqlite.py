@@ -123,6 +123,7 @@ def plan_of(db: sqlite3.Connection, sql: str) -> str:
 @pytest.mark.parametrize(("lookup", "index"), [
     ("pull by parent id", "messages_parent"), ("pull by reply-to", "messages_reply_to"),
     ("thread by root", "messages_root"), ("query of the sent box", "messages_outbox"),
+    ("dead letters of the sent box", "messages_sent_failed"),
     ("query by root", "messages_root"), ("query by parent", "messages_parent"),
     ("TTL sweep", "messages_expiry"), ("v1.0 recovery", "messages_recovery"),
 ])
@@ -132,6 +133,8 @@ def test_the_v12_lookups_use_their_indexes(tmp_path, lookup, index):
         "pull by reply-to": backend.STATEMENTS["queued"][2],
         "thread by root": backend.STATEMENTS["thread"][1],
         "query of the sent box": backend._listing_statement("sender", "sent", {})[0],
+        "dead letters of the sent box": backend._listing_statement(
+            "sender_failed", "sent", {"status": "failed"})[0],
         "query by root": backend._listing_statement("root", "inbox", {"rootId": "r"})[0],
         "query by parent": backend._listing_statement("parent", "all", {"parentId": "p"})[0],
         "TTL sweep": backend.STATEMENTS["expire"][1],
@@ -323,12 +326,14 @@ def written_btrees(db: sqlite3.Connection, sql: str) -> List[str]:
 
 def test_a_lease_or_a_settle_leaves_the_id_and_sent_box_indexes_alone():
     """A pull and an ack change only a message's delivery state: their UPDATE writes
-    the row and the indexes keyed by that state, not the indexes a new message
-    enters by its id or sender (each written index is a page per commit)."""
+    the row and the indexes keyed by that state (the partial ones only for a row
+    they hold), not the indexes a new message enters by its id or sender (each
+    written index is a page per commit)."""
     db = sqlite3.connect(":memory:")
     db.executescript(backend.schema_script(backend.SCHEMA_VERSION))
     assert written_btrees(db, backend.STATEMENTS["save"][0]) == [
-        "messages", "messages_inbox", "messages_leases", "messages_recovery"]
+        "messages", "messages_inbox", "messages_leases", "messages_recovery",
+        "messages_sent_failed"]
     assert {"messages_outbox", "sqlite_autoindex_messages_1"} <= set(
         written_btrees(db, backend.STATEMENTS["insert"][0]))
 

@@ -49,6 +49,9 @@ CREATE INDEX messages_inbox ON messages (recipient, status, seq);
 -- Without the status in its key a pull or an ack (which change only the status)
 -- leaves this index alone: one B-tree fewer per commit of every lease and settle.
 CREATE INDEX messages_outbox ON messages (sender, seq);
+-- the sender's dead letters (relay dead), found without walking the sent box:
+-- only failed rows are in this index, so a pull or an ack writes nothing to it.
+CREATE INDEX messages_sent_failed ON messages (sender, seq) WHERE status = 'failed';
 -- the lease sweep: only leased rows are in this index.
 CREATE INDEX messages_leases ON messages (lease_until) WHERE status = 'leased';
 -- the v1.0 recovery deliveries: only marked rows are in this index.

@@ -60,7 +60,7 @@ from relay.config import Config, check_keys
 from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
 from relay.files import FreeSpace, private_file
-from relay.protocol import KEEP_CARD, STATUSES
+from relay.protocol import FAILED, KEEP_CARD, STATUSES
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
@@ -212,8 +212,10 @@ _BOX = {"inbox": "recipient = ?", "sent": "sender = ?", "all": "(recipient = ? O
 # by the index of that filter (a few rows) whatever the box.
 _LISTING_SOURCES = {
     "box": ("", "status = ?"),
-    # the sent box: its index has no status, so it is read once, newest first
+    # the sent box: its index has no status, so it is read once, newest first;
+    # its failed messages (the dead letters) have a partial index of their own
     "sender": ("", ""),
+    "sender_failed": ("INDEXED BY messages_sent_failed", "status = 'failed'"),
     "id": ("", "id = ?"),
     "root": ("INDEXED BY messages_root", "root_id = ?"),
     "parent": ("INDEXED BY messages_parent", "parent_id = ?"),
@@ -232,7 +234,8 @@ def _listing_statement(source: str, box: str,
                          ("to", "recipient = ?"), ("kind", "kind = ?"),
                          ("rootId", "(id = ? OR root_id = ?)"),
                          ("parentId", "(parent_id = ? OR reply_to = ?)")):
-        if filters.get(name) is not None and not (name == "status" and source == "box"):
+        if filters.get(name) is not None and not (name == "status" and source in (
+                "box", "sender_failed")):
             where.append(clause)
             names.extend([name] * clause.count("?"))
     where.append(_LIVE)
@@ -249,8 +252,11 @@ STATEMENTS["listing"] = [
                             ("root", {"rootId": "r"}), ("parent", {"parentId": "p"}),
                             ("reply_to", {"parentId": "p", "status": "queued"}))
     if not (box != "inbox" and source == "box")  # the inbox index, status by status
-] + [_listing_statement("sender", "sent", filters)[0]
-     for filters in ({}, {"status": "failed"}, {"kind": "request"}, {"to": "x"})]
+] + [_listing_statement(source, "sent", filters)[0]
+     for source, filters in (("sender", {}), ("sender", {"status": "done"}),
+                             ("sender", {"kind": "request"}), ("sender", {"to": "x"}),
+                             ("sender_failed", {"status": "failed"}),
+                             ("sender_failed", {"status": "failed", "kind": "request"}))]
 
 
 def schema_script(version: int) -> str:
@@ -561,7 +567,7 @@ class SQLiteRecords(Records):
                 reads += [("box", "inbox", state)
                           for state in (STATUSES if status is None else (status,))]
             if box in ("sent", "all"):
-                reads.append(("sender", "sent", None))
+                reads.append(("sender_failed" if status == FAILED else "sender", "sent", None))
         values = dict(filters, agent=agent, now=now)
         parts = []
         for source, name, key in reads:
