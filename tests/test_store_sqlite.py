@@ -278,6 +278,21 @@ async def test_an_upgraded_database_has_the_schema_of_a_new_one(tmp_path):
 V2_DATABASE = SCHEMAS / "relay-v2.db"  # written by the release with schema 2
 
 
+async def backed_up_and_like_a_new_database(tmp_path: Path, old_version: int) -> None:
+    """Check the upgrade of ``tmp_path/relay.db`` from ``old_version``: the backup holds
+    the old version and the upgraded schema is that of a new database."""
+    backup = sqlite3.connect(tmp_path / f"relay.db.v{old_version}.bak")
+    assert backup.execute("SELECT version FROM version").fetchone()[0] == old_version
+    backup.close()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    await open_sqlite(fresh).close()
+    upgraded, new = (sqlite3.connect(p) for p in (tmp_path / "relay.db", fresh / "relay.db"))
+    assert schema_dump(upgraded) == schema_dump(new)
+    upgraded.close()
+    new.close()
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_real_version_2_database_is_upgraded_after_a_backup(tmp_path):
     shutil.copy(V2_DATABASE, tmp_path / "relay.db")
@@ -304,16 +319,7 @@ async def test_a_real_version_2_database_is_upgraded_after_a_backup(tmp_path):
         assert (await store.peers())[1][2] == {"skills": ["sql"]}
     finally:
         await store.close()
-    backup = sqlite3.connect(tmp_path / "relay.db.v2.bak")
-    assert backup.execute("SELECT version FROM version").fetchone()[0] == 2
-    backup.close()
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    await open_sqlite(fresh).close()
-    upgraded, new = (sqlite3.connect(p) for p in (tmp_path / "relay.db", fresh / "relay.db"))
-    assert schema_dump(upgraded) == schema_dump(new)
-    upgraded.close()
-    new.close()
+    await backed_up_and_like_a_new_database(tmp_path, 2)
 
 
 def written_btrees(db: sqlite3.Connection, sql: str) -> List[str]:
@@ -387,21 +393,12 @@ async def test_a_version_3_database_is_upgraded_and_its_sent_box_reads_the_same(
         (leased,) = [m for m in stored if m.status == LEASED][:1]
         result = await ack(store, leased.id, "beta", leased.lease_id, "completed", None, START)
         assert result["status"] == DONE
-        done = await store.query("alpha" if leased.sender == "alpha" else "gamma", 50,
-                                 {"box": "sent", "status": DONE}, START, RULES)
+        done = await store.query(leased.sender, 50, {"box": "sent", "status": DONE}, START,
+                                 RULES)
         assert leased.id in [m.id for m in done]
     finally:
         await store.close()
-    backup = sqlite3.connect(tmp_path / "relay.db.v3.bak")
-    assert backup.execute("SELECT version FROM version").fetchone()[0] == 3
-    backup.close()
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    await open_sqlite(fresh).close()
-    upgraded, new = (sqlite3.connect(p) for p in (tmp_path / "relay.db", fresh / "relay.db"))
-    assert schema_dump(upgraded) == schema_dump(new)
-    upgraded.close()
-    new.close()
+    await backed_up_and_like_a_new_database(tmp_path, 3)
 
 
 def test_unopenable_database_names_the_path(tmp_path):
