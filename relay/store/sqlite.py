@@ -230,12 +230,12 @@ def _listing_statement(source: str, box: str,
     hint, where_source = _LISTING_SOURCES[source]
     where = [clause for clause in (where_source, _BOX[box]) if clause]
     names = ["agent"] * _BOX[box].count("?")
+    status_in_source = where_source.startswith("status ")
     for name, clause in (("status", "status = ?"), ("from", "sender = ?"),
                          ("to", "recipient = ?"), ("kind", "kind = ?"),
                          ("rootId", "(id = ? OR root_id = ?)"),
                          ("parentId", "(parent_id = ? OR reply_to = ?)")):
-        if filters.get(name) is not None and not (name == "status" and source in (
-                "box", "sender_failed")):
+        if filters.get(name) is not None and not (name == "status" and status_in_source):
             where.append(clause)
             names.extend([name] * clause.count("?"))
     where.append(_LIVE)
