@@ -575,3 +575,117 @@ async def test_fields_without_a_value_are_stored_as_null(tmp_path):
         assert (found.status, found.lease_id, found.lease_until) == (DONE, None, None)
     finally:
         await store.close()
+
+
+# -- the leased messages kept in memory ------------------------------------------------
+
+
+class FailingCommit:
+    """The store's cursor, except that COMMIT fails as on a full disk."""
+
+    def __init__(self, cursor: sqlite3.Cursor) -> None:
+        self.cursor = cursor
+
+    def execute(self, sql: str, *args):
+        if sql == "COMMIT":
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.cursor.execute(sql, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.cursor, name)
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_ack_after_a_pull_reads_no_row_and_is_stored(tmp_path):
+    store = open_sqlite(tmp_path)
+    try:
+        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
+        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
+        executed: List[str] = []
+        store.db.set_trace_callback(executed.append)
+        await ack(store, "a", "beta", m.lease_id, "completed", None, START + 1, RULES)
+        store.db.set_trace_callback(None)
+        assert [s for s in executed if s.startswith("SELECT")] == []
+    finally:
+        await store.close()
+    store = open_sqlite(tmp_path)
+    try:
+        assert (await store.find("a", START + 2)).status == DONE
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_lease_given_again_refuses_the_old_lease_id(tmp_path):
+    store = open_sqlite(tmp_path)
+    try:
+        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
+        (first,) = await store.pull("beta", 1, LEASE, START, RULES)
+        (second,) = await store.pull("beta", 1, LEASE, START + LEASE + 1, RULES)
+        assert second.lease_id != first.lease_id
+        with pytest.raises(RelayError):
+            await ack(store, "a", "beta", first.lease_id, "completed", None,
+                      START + LEASE + 2, RULES)
+        await ack(store, "a", "beta", second.lease_id, "completed", None,
+                  START + LEASE + 3, RULES)
+        assert (await store.find("a", START + LEASE + 4)).status == DONE
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_rolled_back_renewal_is_not_remembered(tmp_path):
+    """A commit that fails undoes the renewal on disk; the copy kept in memory goes
+    with it, so the next read sees the lease as it is stored."""
+    store = open_sqlite(tmp_path)
+    try:
+        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
+        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
+        records = store.records
+        cursor, records.cursor = records.cursor, FailingCommit(records.cursor)
+        renewal = store.settle("a", delivery.renew("beta", m.lease_id, 10 * LEASE),
+                               START + 1, RULES)
+        with pytest.raises(sqlite3.OperationalError):
+            await renewal
+        records.cursor = cursor
+        assert records.leased == {}
+        found = await store.find("a", START + 2)
+        assert (found.status, found.lease_until) == (LEASED, m.lease_until)
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_leased_message_removed_by_the_sweep_cannot_be_acked(tmp_path):
+    store = open_sqlite(tmp_path)
+    try:
+        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
+        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
+        assert await store.sweep_expired(START + 5, START + 5, RULES) == 1
+        with pytest.raises(RelayError) as raised:
+            await ack(store, "a", "beta", m.lease_id, "completed", None, START + 6, RULES)
+        assert raised.value.code == "no_such_message"
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_leased_messages_kept_are_bounded(tmp_path, monkeypatch):
+    """Neither a large body nor more than LEASED_KEPT messages are kept; their acks
+    read the row back."""
+    monkeypatch.setattr(backend, "LEASED_KEPT", 2)
+    store = open_sqlite(tmp_path)
+    try:
+        big = {"text": "x" * backend.LEASED_BODY_BYTES}
+        await store.add(new_message("alpha", "beta", START, id="big", body=big), RULES)
+        for i in range(3):
+            await store.add(new_message("alpha", "beta", START, id=f"s{i}"), RULES)
+        leases = await store.pull("beta", 10, LEASE, START, RULES)
+        assert sorted(store.records.leased) == ["s0", "s1"]
+        for m in leases:
+            await ack(store, m.id, "beta", m.lease_id, "completed", None, START + 1, RULES)
+        assert store.records.leased == {}
+        for m in leases:
+            assert (await store.find(m.id, START + 2)).status == DONE
+    finally:
+        await store.close()

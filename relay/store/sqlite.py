@@ -60,7 +60,7 @@ from relay.config import Config, check_keys
 from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
 from relay.files import FreeSpace, private_file
-from relay.protocol import FAILED, KEEP_CARD, STATUSES
+from relay.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
 from relay.store import make_data_dir, sync_option
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
@@ -74,6 +74,10 @@ JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
 WAL_AUTOCHECKPOINT_PAGES = 8192
 LISTING_CHUNK = 16
+# The leased messages kept in memory for the settle that usually follows (ack, reply,
+# nack): at most this many, and only those whose body is at most LEASED_BODY_BYTES.
+LEASED_KEPT = 1024
+LEASED_BODY_BYTES = 8192
 
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
@@ -429,6 +433,11 @@ class SQLiteRecords(Records):
         # recipient -> [pending messages, their body bytes], kept from here on
         self.pending: Dict[str, List[int]] = {}
         self._count_pending()
+        # id -> a copy of a message as this connection last wrote it leased. A settle
+        # finds its message here instead of reading the row back; the entry is taken
+        # by that read, replaced or dropped by every write of the row, and the whole
+        # map is dropped when a transaction is rolled back.
+        self.leased: Dict[str, Message] = {}
 
     def _begin(self) -> None:
         """Open the turn's transaction (if needed) before a write."""
@@ -445,6 +454,7 @@ class SQLiteRecords(Records):
             if self.db.in_transaction:
                 self.cursor.execute("ROLLBACK")
                 self._count_pending()  # the counters followed what was rolled back
+                self.leased.clear()
             raise
 
     def _select(self, sql: str, *args: Any) -> List[Message]:
@@ -486,6 +496,9 @@ class SQLiteRecords(Records):
         return True
 
     def get(self, message_id: str) -> Optional[Message]:
+        kept = self.leased.pop(message_id, None)
+        if kept is not None:
+            return kept
         # fetchall: a statement left unfinished (fetchone) blocks COMMIT on PyPy
         rows = self.cursor.execute(STATEMENTS["get"][0], (message_id,)).fetchall()
         return _message(rows[0]) if rows else None
@@ -527,13 +540,24 @@ class SQLiteRecords(Records):
         self._begin()
         if len(messages) == 1:
             self.cursor.execute(*self._save(_state_row(messages[0]), 1))
-            return
-        by_text: Dict[str, List[List[Any]]] = {}
+        else:
+            by_text: Dict[str, List[List[Any]]] = {}
+            for message in messages:
+                sql, params = self._save(_state_row(message), 1)
+                by_text.setdefault(sql, []).append(params)
+            for sql, rows in by_text.items():
+                self.cursor.executemany(sql, rows)
+        self._keep_leased(messages)
+
+    def _keep_leased(self, messages: Sequence[Message]) -> None:
+        """Keep a copy of each message just written leased; forget the others."""
+        leased = self.leased
         for message in messages:
-            sql, params = self._save(_state_row(message), 1)
-            by_text.setdefault(sql, []).append(params)
-        for sql, rows in by_text.items():
-            self.cursor.executemany(sql, rows)
+            if (message.status == LEASED and message.body_bytes() <= LEASED_BODY_BYTES
+                    and (message.id in leased or len(leased) < LEASED_KEPT)):
+                leased[message.id] = message.copy()
+            else:
+                leased.pop(message.id, None)
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
                parent_id: Optional[str] = None) -> List[Message]:
@@ -609,6 +633,7 @@ class SQLiteRecords(Records):
             unprocessed = self._select(STATEMENTS["expire"][2], last)
             self._forget_usage(STATEMENTS["expired_usage"][0], last)
             self._begin()
+            self.leased.clear()  # rare: a removed row is never found again
             self.cursor.execute(STATEMENTS["expire"][4])
             removed = self.cursor.execute(STATEMENTS["expire"][5], (last,)).rowcount
         room = batch - removed
@@ -619,6 +644,7 @@ class SQLiteRecords(Records):
                     unprocessed.extend(self._select(STATEMENTS["expire"][3], seq))
                     self._forget_usage(STATEMENTS["expired_usage"][1], seq)
                 self._begin()
+                self.leased.clear()
                 self.cursor.execute(STATEMENTS["expire"][4])
                 self.cursor.executemany(STATEMENTS["expire"][6], [(seq,) for seq in ttl])
                 removed += len(ttl)
