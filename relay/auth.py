@@ -25,7 +25,7 @@ from relay.protocol import (
     is_loopback_host,
     is_valid_agent_name,
 )
-from relay.signing import NONCE, signing_string
+from relay.signing import NONCE, signed_bytes
 
 RATE_WINDOW_SECONDS = 60.0
 MAX_TRACKED = 50_000
@@ -396,11 +396,8 @@ class Authenticator:
         # Whole seconds on both sides: a fractional clock would make the window lopsided.
         if abs(int(self.clock.seconds()) - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
             raise self._failed(agent, "clock_skew", errors.unauthenticated("timestamp skew"))
-        if nonce is None:
-            signed = signing_string(method, path, timestamp_header, raw_body)
-        else:
-            signed = signing_string(method, path, timestamp_header, raw_body, agent_header,
-                                    nonce_header)
+        signed = signed_bytes(method, path, timestamp_header, raw_body, agent_header,
+                              nonce_header)
         signature = signature_header.lower()
         for key in keys:
             mac = key.copy()

@@ -83,6 +83,10 @@ try:
     from twisted.web.http_headers import _nameEncoder
 except ImportError:  # pragma: no cover - depends on the installed Twisted
     _nameEncoder = None
+# The names it has canonicalised already: read first, sparing a call per header line.
+_KNOWN_NAMES = getattr(_nameEncoder, "_canonicalHeaderCache", None)
+if not isinstance(_KNOWN_NAMES, dict):  # pragma: no cover - depends on the installed Twisted
+    _KNOWN_NAMES = {}
 
 # What twisted.web's parser accepts, narrowed: a request line of a token, a
 # target of bytes 33 to 176 and HTTP/1.1 (HTTP/1.0 is left to twisted.web), then
@@ -154,10 +158,11 @@ def parse_whole_request(data: bytes, max_headers: int, max_size: int) -> Optiona
         return None
     headers = []
     length = -1
+    known = _KNOWN_NAMES
     encode = _nameEncoder.encode
     for line in lines:
         name, _, value = line.partition(b":")
-        name = encode(name)
+        name = known.get(name) or encode(name)
         value = value.strip(b" \t")
         if name in _HANDED_OVER:
             return None
@@ -246,7 +251,9 @@ class RelayRequest(server.Request):
         raw[_SERVER] = [server.version]
         raw[_DATE] = [http_date(time.time())]
         self.prepath = []
-        self.postpath = list(map(unquote, self.path[1:].split(b"/")))
+        segments = self.path[1:].split(b"/")
+        # unquote gives back a segment without an escape as it is
+        self.postpath = list(map(unquote, segments)) if b"%" in self.path else segments
         if self.path == b"*":
             self._handleStar()
             return None

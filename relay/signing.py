@@ -39,10 +39,19 @@ def signing_string(
     ``timestamp`` is the epoch seconds as an int, or the header's bytes as received.
     """
     stamp = timestamp if isinstance(timestamp, bytes) else str(int(timestamp)).encode("ascii")
-    parts = [_as_bytes(method).upper(), _as_bytes(path), stamp, _as_bytes(raw_body)]
-    if nonce is not None:
-        parts += [_as_bytes(agent or b""), _as_bytes(nonce)]
-    return b"\n".join(parts)
+    if nonce is None:
+        return signed_bytes(_as_bytes(method), _as_bytes(path), stamp, _as_bytes(raw_body))
+    return signed_bytes(_as_bytes(method), _as_bytes(path), stamp, _as_bytes(raw_body),
+                        _as_bytes(agent or b""), _as_bytes(nonce))
+
+
+def signed_bytes(method: bytes, path: bytes, timestamp: bytes, raw_body: bytes,
+                 agent: Optional[bytes] = None, nonce: Optional[bytes] = None) -> bytes:
+    """:func:`signing_string` of values that are bytes already (a request's method,
+    path, headers and body as the broker received them)."""
+    if nonce is None:
+        return b"\n".join((method.upper(), path, timestamp, raw_body))
+    return b"\n".join((method.upper(), path, timestamp, raw_body, agent or b"", nonce))
 
 
 def sign(

@@ -172,6 +172,8 @@ EXCHANGES = [
     b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
     b"GET /peers HTTP/1.1\r\nHost: evil.example\r\n\r\n",
     b"GET /%ff HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    signed("POST", "/messages/gone%2D1/ack", {"status": "ok"}, agent="beta"),
+    signed("POST", "/v1/%70ull", {"limit": 1}, agent="beta"),
     signed("DELETE", "/messages"),
     signed("GET", "/peers", extra=b"X-Relay-Agent: beta\r\n"),
     b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
@@ -196,6 +198,24 @@ def test_the_requests_own_processing_answers_as_twisted_webs(monkeypatch) -> Non
     theirs, _ = exchange(EXCHANGES, split=True)
     for request, ours, twisteds in zip(EXCHANGES, mine, theirs):
         assert ours == twisteds, request
+
+
+def test_the_path_segments_are_unescaped_as_twisted_web_does(monkeypatch) -> None:
+    requests = [b"GET /a%2Fb/c%20d/e HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                b"GET /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"]
+    seen: List[List[bytes]] = []
+    render = relay_http.RelayRequest.render
+
+    def noting(request, resource) -> None:
+        seen.append(list(request.postpath))
+        render(request, resource)
+
+    monkeypatch.setattr(relay_http.RelayRequest, "render", noting)
+    exchange(requests, split=False)
+    monkeypatch.setattr(relay_http.RelayRequest, "process", server.Request.process)
+    exchange(requests, split=True)
+    assert seen[:2] == [[b"a/b", b"c d", b"e"], [b"v1", b"pull"]]
+    assert seen[2:] == seen[:2]
 
 
 def test_the_date_header_is_formatted_once_a_second() -> None:
