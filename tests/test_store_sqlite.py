@@ -616,6 +616,24 @@ async def test_an_ack_after_a_pull_reads_no_row_and_is_stored(tmp_path):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_kept_message_is_the_message_its_row_holds(tmp_path):
+    store = open_sqlite(tmp_path)
+    try:
+        await store.add(new_message("alpha", "beta", START, id="a", kind="request",
+                                    rootId="r", body={"text": "h\u00e9", "n": [1.5, None]}),
+                        RULES)
+        await store.pull("beta", 1, LEASE, START, RULES)
+        kept = await store.find("a", START + 1)  # the copy kept by the lease
+        assert "a" not in store.records.leased
+        read = await store.find("a", START + 1)  # the row
+        assert kept is not read
+        assert kept.envelope_json("beta", START + 1) == read.envelope_json("beta", START + 1)
+        assert (kept.seq, kept.state(), kept.created) == (read.seq, read.state(), read.created)
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_lease_given_again_refuses_the_old_lease_id(tmp_path):
     store = open_sqlite(tmp_path)
     try:
