@@ -595,12 +595,23 @@ class FailingCommit:
         return getattr(self.cursor, name)
 
 
-@pytest_twisted.ensureDeferred
-async def test_an_ack_after_a_pull_reads_no_row_and_is_stored(tmp_path):
+async def one_leased(tmp_path: Path, **fields):
+    """A sqlite store holding message ``a`` from alpha to beta, leased by beta at START,
+    and that lease."""
     store = open_sqlite(tmp_path)
     try:
-        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
+        await store.add(new_message("alpha", "beta", START, id="a", **fields), RULES)
         (m,) = await store.pull("beta", 1, LEASE, START, RULES)
+    except BaseException:
+        await store.close()
+        raise
+    return store, m
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_ack_after_a_pull_reads_no_row_and_is_stored(tmp_path):
+    store, m = await one_leased(tmp_path)
+    try:
         executed: List[str] = []
         store.db.set_trace_callback(executed.append)
         await ack(store, "a", "beta", m.lease_id, "completed", None, START + 1, RULES)
@@ -617,12 +628,9 @@ async def test_an_ack_after_a_pull_reads_no_row_and_is_stored(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_a_kept_message_is_the_message_its_row_holds(tmp_path):
-    store = open_sqlite(tmp_path)
+    store, _ = await one_leased(tmp_path, kind="request", rootId="r",
+                                body={"text": "h\u00e9", "n": [1.5, None]})
     try:
-        await store.add(new_message("alpha", "beta", START, id="a", kind="request",
-                                    rootId="r", body={"text": "h\u00e9", "n": [1.5, None]}),
-                        RULES)
-        await store.pull("beta", 1, LEASE, START, RULES)
         kept = await store.find("a", START + 1)  # the copy kept by the lease
         assert "a" not in store.records.leased
         read = await store.find("a", START + 1)  # the row
@@ -635,10 +643,8 @@ async def test_a_kept_message_is_the_message_its_row_holds(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_a_lease_given_again_refuses_the_old_lease_id(tmp_path):
-    store = open_sqlite(tmp_path)
+    store, first = await one_leased(tmp_path)
     try:
-        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
-        (first,) = await store.pull("beta", 1, LEASE, START, RULES)
         (second,) = await store.pull("beta", 1, LEASE, START + LEASE + 1, RULES)
         assert second.lease_id != first.lease_id
         with pytest.raises(RelayError):
@@ -655,10 +661,8 @@ async def test_a_lease_given_again_refuses_the_old_lease_id(tmp_path):
 async def test_a_rolled_back_renewal_is_not_remembered(tmp_path):
     """A commit that fails undoes the renewal on disk; the copy kept in memory goes
     with it, so the next read sees the lease as it is stored."""
-    store = open_sqlite(tmp_path)
+    store, m = await one_leased(tmp_path)
     try:
-        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
-        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
         records = store.records
         cursor, records.cursor = records.cursor, FailingCommit(records.cursor)
         renewal = store.settle("a", delivery.renew("beta", m.lease_id, 10 * LEASE),
@@ -675,10 +679,8 @@ async def test_a_rolled_back_renewal_is_not_remembered(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_a_leased_message_removed_by_the_sweep_cannot_be_acked(tmp_path):
-    store = open_sqlite(tmp_path)
+    store, m = await one_leased(tmp_path)
     try:
-        await store.add(new_message("alpha", "beta", START, id="a"), RULES)
-        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
         assert await store.sweep_expired(START + 5, START + 5, RULES) == 1
         with pytest.raises(RelayError) as raised:
             await ack(store, "a", "beta", m.lease_id, "completed", None, START + 6, RULES)
