@@ -696,7 +696,7 @@ async def test_the_leased_messages_kept_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(backend, "LEASED_KEPT", 2)
     store = open_sqlite(tmp_path)
     try:
-        big = {"text": "x" * backend.LEASED_BODY_BYTES}
+        big = {"text": "x" * backend.LEASED_BODY_CHARS}
         await store.add(new_message("alpha", "beta", START, id="big", body=big), RULES)
         for i in range(3):
             await store.add(new_message("alpha", "beta", START, id=f"s{i}"), RULES)

@@ -75,9 +75,10 @@ CHECKPOINT_SECONDS = 1.0
 WAL_AUTOCHECKPOINT_PAGES = 8192
 LISTING_CHUNK = 16
 # The leased messages kept in memory for the settle that usually follows (ack, reply,
-# nack): at most this many, and only those whose body is at most LEASED_BODY_BYTES.
+# nack): at most this many, and only those whose body's JSON text is at most
+# LEASED_BODY_CHARS characters (its length is known; its UTF-8 size would be computed).
 LEASED_KEPT = 1024
-LEASED_BODY_BYTES = 8192
+LEASED_BODY_CHARS = 8192
 
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
@@ -553,7 +554,7 @@ class SQLiteRecords(Records):
         """Keep a copy of each message just written leased; forget the others."""
         leased = self.leased
         for message in messages:
-            if (message.status == LEASED and message.body_bytes() <= LEASED_BODY_BYTES
+            if (message.status == LEASED and len(message.body_json()) <= LEASED_BODY_CHARS
                     and (message.id in leased or len(leased) < LEASED_KEPT)):
                 leased[message.id] = message.copy()
             else:
