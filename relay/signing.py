@@ -39,10 +39,11 @@ def signing_string(
     ``timestamp`` is the epoch seconds as an int, or the header's bytes as received.
     """
     stamp = timestamp if isinstance(timestamp, bytes) else str(int(timestamp)).encode("ascii")
-    if nonce is None:
-        return signed_bytes(_as_bytes(method), _as_bytes(path), stamp, _as_bytes(raw_body))
+    signer = nonce_bytes = None
+    if nonce is not None:
+        signer, nonce_bytes = _as_bytes(agent or b""), _as_bytes(nonce)
     return signed_bytes(_as_bytes(method), _as_bytes(path), stamp, _as_bytes(raw_body),
-                        _as_bytes(agent or b""), _as_bytes(nonce))
+                        signer, nonce_bytes)
 
 
 def signed_bytes(method: bytes, path: bytes, timestamp: bytes, raw_body: bytes,
