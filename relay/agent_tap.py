@@ -187,6 +187,10 @@ class Options(usage.Options):
         super().__init__()
         self["skills"] = []
 
+    def opt_url(self, url: str) -> None:
+        """Another name of --broker."""
+        self["broker"] = url
+
     def opt_skill(self, skill: str) -> None:
         """A skill for this agent's peer card (repeatable)."""
         self["skills"].append(skill)

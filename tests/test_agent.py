@@ -565,6 +565,10 @@ def test_plugin_options(
     )
     assert options.settings.agent == "worker"
     assert options["concurrency"] == 3
+    for flag in ("--broker", "--url"):
+        named = agent_tap.Options()
+        named.parseOptions(["--agent", "w", "--secret", "s", "--exec", "cat", flag, "http://b:5"])
+        assert named.settings.broker_url == "http://b:5"
     assert "exactly one" in refused(["--agent", "w", "--secret", "s"], capsys)
     assert "exactly one" in refused(
         ["--agent", "w", "--secret", "s", "--exec", "cat", "--handler", "json:dumps"], capsys

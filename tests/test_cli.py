@@ -113,6 +113,15 @@ def test_flag_after_subcommand_wins_over_the_same_flag_before(tmp_path: Path) ->
     assert inv.settings.agent == "two"
 
 
+@pytest.mark.parametrize("flag", ["--broker", "--url"])
+def test_broker_url_flag_has_a_second_name(flag: str, tmp_path: Path) -> None:
+    """``--url`` (the word in the settings' ``brokerUrl``) names the same setting."""
+    inv = parse([flag, "http://flag:3", "peers", "--agent", "a", "--secret", "s"], {}, tmp_path)
+    assert inv.settings.broker_url == "http://flag:3"
+    inv = parse(["peers", flag, "http://flag:4", "--agent", "a", "--secret", "s"], {}, tmp_path)
+    assert inv.settings.broker_url == "http://flag:4"
+
+
 def test_subcommand_options(tmp_path: Path) -> None:
     base = ["--agent", "a", "--secret", "s"]
     inv = parse(

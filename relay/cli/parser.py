@@ -78,6 +78,7 @@ def _global_flags() -> argparse.ArgumentParser:
     group = common.add_argument_group("connection and output")
     group.add_argument(
         "--broker",
+        "--url",
         metavar="URL",
         help=f"broker URL (or {ENV_BROKER}; default {DEFAULT_BROKER_URL})",
     )
