@@ -6,6 +6,7 @@ the option and payload tests run without it.
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -183,6 +184,62 @@ def test_migration_4_counts_the_pending_messages_already_stored(dsn):
         assert records.usage("beta") == (2, len('{"t":"é"}'.encode()) + 2)
         assert records.usage("gamma") == (1, len('{"t":""}') + 4)
         assert records.usage("nobody") == (0, 0)
+
+
+def test_a_senders_dead_letters_are_read_from_the_failed_rows(dsn):
+    """A query of the sent box for ``failed`` does not walk the sender's sent box: the
+    plan reads the partial index of its failed rows (``relay dead``, box all, finds
+    them too)."""
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn)
+        conn.execute(
+            "INSERT INTO relay_messages (id, sender, recipient, ts, type, body, ack, kind,"
+            " status, attempts, created) SELECT 'm' || i, 'alpha', 'beta', 't', 'message',"
+            " '{}', false, 'request', CASE WHEN i % 1000 = 0 THEN 'failed' ELSE 'done' END,"
+            " 0, 0 FROM generate_series(1, 5000) AS i")
+        # the rest of the fleet's dead letters, and the last two to alpha
+        conn.execute(
+            "INSERT INTO relay_messages (id, sender, recipient, ts, type, body, ack, kind,"
+            " status, attempts, created) SELECT 'f' || i, 'gamma-' || (i % 50),"
+            " CASE WHEN i > 4998 THEN 'alpha' ELSE 'beta' END, 't', 'message', '{}',"
+            " false, 'request', 'failed', 0, 0 FROM generate_series(1, 5000) AS i")
+        conn.execute("ANALYZE relay_messages")
+        records = _records(conn)
+        sent = ["m5000", "m4000", "m3000", "m2000", "m1000"]
+        for box, newest in (("sent", sent), ("all", ["f5000", "f4999"] + sent)):
+            filters = {"status": "failed", "box": box}
+            found = records.listing("alpha", box, 10, filters, START)
+            assert [m.id for m in found] == newest
+        # a status no message has is still a filter, bound as given
+        assert records.listing("alpha", "sent", 10, {"status": "lost"}, START) == []
+        filters = {"status": "failed", "box": "sent"}
+        params = {name: filters.get(name) for name, _ in postgres._FILTERS}
+        params.update(agent="alpha", limit=10, now=START)
+        plan = generic_plan(conn, postgres._listing_statement("sent", filters), params)
+        assert "relay_messages_sent_failed" in plan and "Sort" not in plan, plan
+
+
+def generic_plan(conn, sql, params):
+    """The plan of ``sql`` (``%(name)s`` placeholders) without its parameters' values:
+    the plan psycopg's prepared statements (from their sixth run) may settle on."""
+    from psycopg import sql as sql_text
+
+    names = []
+
+    def number(match):
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    conn.execute("PREPARE generic AS " + re.sub(r"%\((\w+)\)s", number, sql))
+    try:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        arguments = sql_text.SQL(", ").join(sql_text.Literal(params[name]) for name in names)
+        rows = conn.execute(sql_text.SQL("EXPLAIN EXECUTE generic({})").format(arguments))
+        return "\n".join(row[0] for row in rows)
+    finally:
+        conn.execute("RESET plan_cache_mode")
+        conn.execute("DEALLOCATE generic")
 
 
 def test_a_recipients_numbers_commit_in_order(dsn):

@@ -74,14 +74,14 @@ from relay import delivery, errors
 from relay.config import Config, check_keys, read_int, read_str
 from relay.delivery import Changes, Message, Rules, Transition
 from relay.errors import ConfigError, RelayError
-from relay.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED
+from relay.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STATUSES
 from relay.store import records as ops
 from relay.store.interface import IMessageStore, ISharedLockouts, ISharedNonces, QueueDepth
 from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 CHANNEL = "relay_changes"
 INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
 
@@ -329,10 +329,19 @@ _FILTERS = (("status", "status = %(status)s"), ("from", "sender = %(from)s"),
             ("parentId", "(parent_id = %(parentId)s OR reply_to = %(parentId)s)"))
 
 
+# A known status is written into the statement rather than bound: the planner then
+# knows the status and may read an index of that status alone (a sender's dead
+# letters from relay_messages_sent_failed). Any other value is bound and matches nothing.
+_STATUS_CLAUSES = {status: f"status = '{status}'" for status in STATUSES}
+
+
 def _listing_statement(box: str, filters: Mapping[str, Optional[str]]) -> str:
     """The SELECT of one box of an agent narrowed by the filters that are set."""
-    where = [_BOXES[box]] + [clause for name, clause in _FILTERS
-                             if filters.get(name) is not None]
+    where = [_BOXES[box]]
+    for name, clause in _FILTERS:
+        value = filters.get(name)
+        if value is not None:
+            where.append(_STATUS_CLAUSES.get(value, clause) if name == "status" else clause)
     where.append(_LIVE)
     return f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT %(limit)s"
 
