@@ -456,6 +456,30 @@ async def test_delay():
     assert leased["id"] == "d" and "notBefore" not in leased
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_requeued_delayed_message_shows_no_not_before():
+    """§10: requeue clears ``notBefore`` — from the envelope in every view, as from
+    ``/v1/status``: the message is due at once."""
+    b = await two_agents()
+    await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": 300, "id": "d",
+                                        "kind": "request"})
+    await b.post("alpha", "/v1/cancel", {"messageId": "d"})
+    (view,) = (await b.post("alpha", "/v1/messages/query", {"box": "sent"})).json["messages"]
+    assert "notBefore" not in view  # failed: never due
+    reply = await b.post("alpha", "/v1/requeue", {"messageId": "d"})
+    assert reply.json == {"ok": True, "status": "queued", "attempts": 0}
+    (entry,) = await b.status("alpha", "d")
+    assert "notBefore" not in entry
+    for agent, path, body in (("beta", "/v1/recent", {}), ("alpha", "/v1/thread", {"rootId": "d"}),
+                              ("alpha", "/v1/messages/query", {"box": "sent"})):
+        (view,) = (await b.post(agent, path, body)).json["messages"]
+        assert "notBefore" not in view, path
+    (polled,), _ = await b.poll("beta")
+    assert polled["id"] == "d" and "notBefore" not in polled
+    (leased,) = await b.pull("beta")
+    assert leased["id"] == "d" and "notBefore" not in leased
+
+
 @pytest.mark.parametrize("delay", [-1, 86401, 1.5, "5", True])
 @pytest_twisted.ensureDeferred
 async def test_delay_seconds_range(delay):
