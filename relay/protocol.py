@@ -116,17 +116,21 @@ def iso_timestamp(seconds: float) -> str:
 
 
 class _NotJSON(ValueError):
-    """A number JSON cannot carry (``NaN``, ``Infinity`` or one that overflows)."""
+    """A constant JSON does not have (``NaN``, ``Infinity``)."""
 
 
 def _reject_constant(name: str) -> Any:
     raise _NotJSON(name)
 
 
+class _TooLarge(ValueError):
+    """A number JSON allows that overflows a double (``1e400``)."""
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if value in (float("inf"), float("-inf")):
-        raise _NotJSON(text)
+        raise _TooLarge()
     return value
 
 
@@ -202,6 +206,9 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
         raise bad_request("request body is not valid UTF-8") from None
     try:
         value = _STRICT_DECODER.decode(text)
+    except _TooLarge:
+        raise bad_request("request body holds a number too large for a double "
+                          "(beyond about 1.8e308)") from None
     except (ValueError, RecursionError):
         raise bad_request("request body is not valid JSON") from None
     if isinstance(value, (dict, list)):

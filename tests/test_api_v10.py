@@ -340,6 +340,17 @@ async def test_invalid_json_or_utf8_is_400(raw):
     assert (await b.poll("beta"))[0] == []
 
 
+@pytest.mark.parametrize("number", [b"1e400", b"-1E+999", b"1" + b"0" * 400 + b".5"])
+@pytest_twisted.ensureDeferred
+async def test_a_number_beyond_a_double_is_named_as_such(number):
+    """Valid JSON, but stored it would be served back as Infinity: refused, and the
+    message says why rather than calling the body invalid JSON."""
+    b = await two_agents()
+    reply = await b.post("alpha", "/messages", raw=b'{"to": "beta", "body": {"x": %s}}' % number)
+    assert_error(reply, 400, "bad_request")
+    assert "too large for a double" in reply.json["error"]["message"]
+
+
 @pytest_twisted.ensureDeferred
 async def test_every_stored_body_is_served_back_as_strict_json():
     b = await two_agents()
