@@ -160,9 +160,19 @@ def test_the_tools_have_schemas_and_bad_arguments_are_tool_errors(broker) -> Non
             assert card["skills"] == ["dates"]
 
             # The schema refuses, the tools refuse, the broker refuses: tool errors all.
-            assert "less than or equal to 20" in await carol.error(
-                "relay_request", to="carol", text="x", wait_seconds=99)
-            assert "to" in await carol.error("relay_send", text="no recipient")
+            refusal = json.loads(await carol.error(
+                "relay_request", to="carol", text="x", wait_seconds=99))
+            assert refusal == {"error": {"code": "bad_arguments", "message":
+                                         "wait_seconds: input should be less than or equal "
+                                         "to 20"}}
+            refusal = json.loads(await carol.error("relay_send", text="private words"))
+            assert refusal["error"]["code"] == "bad_arguments"
+            assert refusal["error"]["message"].startswith("to: ")
+            assert "private words" not in refusal["error"]["message"]
+            for bad in ({"to": "carol", "text": 5}, {"to": "carol", "kind": "reply", "text": "x"},
+                        {"to": "", "text": "x"}, {"to": "carol", "body": "not an object"}):
+                refusal = json.loads(await carol.error("relay_send", **bad))
+                assert refusal["error"]["code"] == "bad_arguments", bad
             assert "bad_arguments" in await carol.error("relay_send", to="carol")
             assert "bad_arguments" in await carol.error(
                 "relay_send", to="carol", text="a", body={"b": 1})

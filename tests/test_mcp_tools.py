@@ -151,6 +151,31 @@ def test_answers_in_the_inbox_are_settled_and_kept_for_wait_reply() -> None:
     waited = call(net, alice, "relay_wait_reply", request_id=request_id, wait_seconds=0)
     assert waited["answered"] is True and waited["body"] == {"sum": 4}
     assert call(net, alice, "relay_whoami")["waiting_for"] == []
+    # Asked again (this session or a new one), the answer handed out is given again at
+    # once rather than a wait that can only end in "answered": false.
+    for asker in (alice, session(net, "alice")[0]):
+        d = asker.call("relay_wait_reply", {"request_id": request_id, "wait_seconds": 20})
+        net.settle()
+        again = result_of(d)
+        assert again == {**waited, "handed_out_before": True}
+
+
+def test_an_expired_request_is_a_failed_result_of_wait_reply() -> None:
+    net = Net(messageTtlDays=0.0001)  # 8.64 s
+    alice, _ = session(net, "alice")
+    session(net, "bob")
+    sent = call(net, alice, "relay_send", to="bob", text="never read", kind="request")
+    net.settle(10)
+    net.run(net.api.broker.sweep_expired())  # stores the failure notice
+    expired = {"answered": False, "failed": True, "request_id": sent["id"], "to": "bob",
+               "event": "expired", "error": "expired unprocessed"}
+    assert call(net, alice, "relay_wait_reply", request_id=sent["id"], wait_seconds=0) == expired
+    assert call(net, alice, "relay_whoami")["waiting_for"] == []
+    assert call(net, alice, "relay_inbox", wait_seconds=0)["messages"] == []  # taken
+    again = call(net, alice, "relay_wait_reply", request_id=sent["id"], wait_seconds=0)
+    assert again == {**expired, "handed_out_before": True}
+    unknown = refused(net, alice, "relay_wait_reply", request_id="never-sent", wait_seconds=0)
+    assert unknown.code == "no_such_message"
 
 
 def test_a_rejected_request_is_a_failed_result() -> None:

@@ -1,8 +1,8 @@
 """The MCP server of ``relay mcp``: the relay's tools, their schemas and descriptions.
 
 Built on the official MCP Python SDK (``mcp`` 2.x, the ``mcp`` extra; Python
-3.10 or later). Each tool validates its arguments against its JSON schema (the
-SDK answers a bad argument with a tool error), hands the call to
+3.10 or later). Each tool validates its arguments against its JSON schema (a
+refusal is the tool error ``bad_arguments``, naming the field), hands the call to
 :class:`relay.mcp.tools.RelayTools` in the reactor thread through
 :class:`relay.mcp.bridge.ReactorBridge`, and answers compact JSON: the result,
 or ``{"error": {"code", "message"}}`` flagged ``isError``.
@@ -16,8 +16,9 @@ import json
 from typing import Annotated, Any, Dict, List, Literal, Optional
 
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
-from pydantic import Field
+from pydantic import Field, ValidationError
 from twisted.internet import defer
 
 from relay import __version__
@@ -150,7 +151,8 @@ class RelayToolset:
         """Keep waiting, up to wait_seconds, for the answer to a request you sent
         (relay_request that was not answered in time, or relay_send with kind
         "request"). Same results as relay_request; call it again while
-        "answered" is false and "failed" is absent."""
+        "answered" is false and "failed" is absent. An answer you were already
+        given comes back again at once, with "handed_out_before": true."""
         return await self._run(
             "relay_wait_reply", request_id=request_id, wait_seconds=wait_seconds
         )
@@ -272,9 +274,34 @@ ANNOTATIONS: Dict[str, ToolAnnotations] = {
 }
 
 
+def schema_refusal(error: ValidationError) -> Dict[str, Any]:
+    """The ``bad_arguments`` error document of arguments the schema refused: each
+    field with the rule it broke, never the value given (it is the caller's data)."""
+    problems = []
+    for detail in error.errors():
+        field = ".".join(str(part) for part in detail.get("loc", ())) or "arguments"
+        problems.append(f"{field}: {str(detail.get('msg', 'invalid')).lower()}")
+    message = "; ".join(problems) or "the arguments do not fit the tool's schema"
+    return {"error": {"code": "bad_arguments", "message": message}}
+
+
+class RelayMCPServer(MCPServer):
+    """The SDK's server, answering arguments its schema refuses as every other tool
+    error is answered: ``{"error": {"code": "bad_arguments", "message"}}``."""
+
+    async def call_tool(self, name: str, arguments: Dict[str, Any],
+                        context: Any = None) -> Any:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as error:
+            if isinstance(error.__cause__, ValidationError):
+                return _result(schema_refusal(error.__cause__), error=True)
+            raise
+
+
 def build_server(tools: RelayTools, bridge: ReactorBridge) -> MCPServer:
     """The MCP server listing every tool of ``tools``, called through ``bridge``."""
-    server: MCPServer = MCPServer(
+    server: MCPServer = RelayMCPServer(
         "relay",
         title="dsh-agent-relay",
         instructions=INSTRUCTIONS.format(agent=tools.agent),

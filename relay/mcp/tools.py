@@ -453,13 +453,31 @@ class RelayTools:
             return self._answered(request_id)
         states = _messages(await self.client.status([request_id]))
         entry = next((s for s in states if s.get("id") == request_id), None)
-        if entry is None or entry.get("status") == "not_found":
-            raise ToolFailure(
-                "no_such_message", f"no request {request_id} (unknown, or expired and gone)"
-            )
-        if entry.get("from") != self.agent:
+        gone = entry is None or entry.get("status") == "not_found"
+        if not gone and entry.get("from") != self.agent:
             raise ToolFailure("forbidden", f"request {request_id} was not sent by {self.agent}")
+        if gone or entry.get("status") in ("done", "failed"):
+            # A request that expired (gone), failed or was answered: its answer or
+            # failure notice may be waiting, or have been handed out already.
+            answers = await self._answers_on_record(request_id)
+            if any(m.get("status") in ("queued", "leased") for m in answers):
+                return await self._await(request_id, answers[0].get("from"), wait)
+            if answers:
+                self.pending.discard(request_id)
+                return {**_answer_result(request_id, answers[0]), "handed_out_before": True}
+            if gone:
+                raise ToolFailure(
+                    "no_such_message", f"no request {request_id} (unknown, or expired and gone)"
+                )
         return await self._await(request_id, entry.get("to"), wait)
+
+    async def _answers_on_record(self, request_id: str) -> List[Dict[str, Any]]:
+        """The messages in this agent's inbox answering ``request_id`` (replies and its
+        failure notice), newest first; none where the broker cannot search by parent."""
+        if not self.client.advertises("threads"):
+            return []
+        found = await self.client.query(box="inbox", parent_id=request_id, limit=10)
+        return [m for m in _messages(found) if m.get("to") == self.agent]
 
     async def _await(self, request_id: str, to: Optional[str], wait: float) -> Dict[str, Any]:
         try:
