@@ -120,6 +120,8 @@ async def test_a_nearly_full_disk_is_reported_and_refuses_new_messages_only():
     assert (code, refused["error"]["code"]) == (503, "busy")
     assert (await ops.client.post("beta", "/v1/pull", {}))[0] == 200, "draining still works"
     _, overview, _ = await ops.get("/api/overview")
+    # the dashboard and relay stats give /healthz's verdict
+    assert (overview["broker"]["healthy"], overview["broker"]["health"]) == (False, body["reason"])
     assert overview["limits"]["diskFreeBytes"] == 10 * 2**20
     assert overview["limits"]["sendsRefused"] == body["reason"]
     assert overview["totals"]["sendsRefused"] == {"disk_full": 1}

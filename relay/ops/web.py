@@ -202,13 +202,9 @@ class OpsAPI:
     @app.route("/healthz", methods=["GET"])
     def healthz(self, request) -> Deferred:
         """200 while the store accepts writes, else 503 with the reason. Never lists agents."""
-        d = self.broker.health()
+        d = self.health()
 
         def answer(reason: Optional[str]) -> bytes:
-            if reason is None and self.stopping:
-                reason = "the broker is stopping"
-            if reason is None:
-                reason = self.broker.disk_low()
             document = {"ok": reason is None, "storage": self.broker.store.name,
                         "version": __version__,
                         "diskFreeBytes": self.broker.store.space_left()}
@@ -218,6 +214,18 @@ class OpsAPI:
 
         d.addCallback(answer)
         return d
+
+    def health(self) -> Deferred:
+        """Fires with why the broker is unhealthy (its store refuses writes, it is
+        stopping, its disk is nearly full), or None: one verdict for ``/healthz``,
+        the dashboard and ``relay stats``."""
+
+        def verdict(reason: Optional[str]) -> Optional[str]:
+            if reason is None and self.stopping:
+                reason = "the broker is stopping"
+            return reason if reason is not None else self.broker.disk_low()
+
+        return self.broker.health().addCallback(verdict)
 
     @app.route("/metrics", methods=["GET"])
     @guarded
@@ -276,7 +284,7 @@ class OpsAPI:
     @inlineCallbacks
     def overview_document(self):
         broker, counters = self.broker, self.counters
-        health = yield broker.health()
+        health = yield self.health()
         depths = yield broker.queue_depths()
         peers = yield broker.peers()
         now = self.clock.seconds()
