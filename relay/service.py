@@ -189,6 +189,9 @@ class RelayService(MultiService):
     ) -> None:
         super().__init__()
         self.config = config
+        # What the running listeners, store and timers were built from: a key that
+        # needs a restart is pending while the config read last differs from this.
+        self.started_config = config
         self.store = store
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
@@ -266,7 +269,7 @@ class RelayService(MultiService):
         if self.ops is not None:
             self.ops.tokens = config.ops.tokens
         kept = [key for key, path in RESTART_KEYS
-                if _value(config, path) != _value(self.config, path)]
+                if _value(config, path) != _value(self.started_config, path)]
         log.info("config reloaded: {agents} agents", agents=len(config.agents))
         if kept:
             log.warn("config reload: {keys} take effect at the next start",
