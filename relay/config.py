@@ -696,6 +696,7 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
         data = dict(data, broker=broker)
     base_dir = os.path.dirname(path)
     created: List[str] = []
+    exposed: List[str] = []
     broker = data.get("broker") if isinstance(data, dict) else None
     broker = broker if isinstance(broker, dict) else {}
 
@@ -703,18 +704,22 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
         if not isinstance(broker.get(name), str) or broker.get(inline) is not None:
             return None
         key = f"broker.{name}"
-        text, made = read_or_create_secret(_resolve(base_dir, broker[name]), key)
+        secret_path = _resolve(base_dir, broker[name])
+        text, made = read_or_create_secret(secret_path, key)
         if made:
             created.append(key)
+        elif os.stat(secret_path).st_mode & 0o077:
+            exposed.append(f"{secret_path} ({key}) is readable by other users: chmod 600 it")
         return text
 
     secret_from_file = from_file("secretFile", "secret")
     token_from_file = from_file("opsTokenFile", "opsToken")
     config = parse_config(data, base_dir, secret_from_file, backends, token_from_file)
     if _holds_secrets(data) and os.stat(path).st_mode & 0o077:
-        config = replace(config, warnings=config.warnings + (
-            f"{path} holds secrets and is readable by other users: chmod 600 it, or keep the "
-            "secret in broker.secretFile",))
+        exposed.append(f"{path} holds secrets and is readable by other users: chmod 600 it, "
+                       "or keep the secret in broker.secretFile")
+    if exposed:
+        config = replace(config, warnings=config.warnings + tuple(exposed))
     return config, tuple(created)
 
 

@@ -254,6 +254,8 @@ class RelayService(MultiService):
         self.apply(config)
         for key in created:
             log.info("config reload created {key}", key=key)
+        for warning in config.warnings:
+            log.warn("config: {warning}", warning=warning)
         return True
 
     def apply(self, config: Config) -> None:

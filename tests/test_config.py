@@ -417,6 +417,12 @@ def test_a_config_file_with_secrets_readable_by_others_is_warned_about(tmp_path)
     os.chmod(conf, 0o600)
     assert load_config(str(conf))[0].warnings == ()
     (tmp_path / "relay.secret").write_text("f" * 64)
+    os.chmod(tmp_path / "relay.secret", 0o600)
     conf.write_text("broker: {secretFile: relay.secret}\n")
     os.chmod(conf, 0o644)
     assert load_config(str(conf))[0].warnings == (), "no secret in the file itself"
+    # the secret file itself, e.g. rewritten for a key rotation under umask 022
+    os.chmod(tmp_path / "relay.secret", 0o644)
+    (warning,) = load_config(str(conf))[0].warnings
+    assert warning == (f"{tmp_path / 'relay.secret'} (broker.secretFile) is readable by "
+                       "other users: chmod 600 it")

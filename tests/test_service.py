@@ -441,19 +441,33 @@ def test_a_reload_names_the_keys_that_wait_for_a_restart(tmp_path):
                 " sweepSeconds: 9}\n")
     with capturedLogs() as events:
         assert service.reload() is True
-    (warning,) = [e for e in events if e.get("log_level").name == "warn"]
+    (warning,) = [e for e in events if "keys" in e]
     assert warning["keys"] == "broker.listen, broker.sweepSeconds"
     # Pending until the restart, whatever reloads come between; gone once the file
     # says again what the broker runs with.
     with capturedLogs() as events:
         assert service.reload() is True
-    (warning,) = [e for e in events if e.get("log_level").name == "warn"]
+    (warning,) = [e for e in events if "keys" in e]
     assert warning["keys"] == "broker.listen, broker.sweepSeconds"
     with open(conf, "w") as f:
         f.write("broker: {secret: s0123456789abcdef, storage: memory}\n")
     with capturedLogs() as events:
         assert service.reload() is True
-    assert [e for e in events if e.get("log_level").name == "warn"] == []
+    assert [e for e in events if "keys" in e] == []
+
+
+def test_a_reload_warns_of_a_secret_file_others_can_read(tmp_path):
+    secret = tmp_path / "relay.secret"
+    secret.write_text("f" * 64 + "\n")
+    secret.chmod(0o600)
+    service, _ = reloading_service(tmp_path,
+                                   "broker: {secretFile: relay.secret, storage: memory}\n")
+    secret.write_text("e" * 64 + "\n" + "f" * 64 + "\n")
+    secret.chmod(0o644)
+    with capturedLogs() as events:
+        assert service.reload() is True
+    (warning,) = [e for e in events if e.get("log_level").name == "warn"]
+    assert "relay.secret (broker.secretFile) is readable by other users" in warning["warning"]
 
 
 def test_reload_changes_the_ops_tokens(tmp_path):
