@@ -24,6 +24,7 @@ Message bodies are never logged: only methods, paths, statuses and attempts.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -390,12 +391,78 @@ class ClientTLSPolicy:
         from twisted.internet.ssl import optionsForClientTLS
 
         extra = {"extraCertChain": self.extra_chain} if self.extra_chain else None
-        return optionsForClientTLS(
+        return _NamesChecked(
+            optionsForClientTLS(
+                hostname.decode("ascii"),
+                trustRoot=self.trust_root,
+                clientCertificate=self.client_certificate,
+                extraCertificateOptions=extra,
+            ),
             hostname.decode("ascii"),
-            trustRoot=self.trust_root,
-            clientCertificate=self.client_certificate,
-            extraCertificateOptions=extra,
         )
+
+
+@functools.cache
+def _names_unchecked_error() -> type:
+    """The error of a broker certificate that names no host (made once)."""
+    from service_identity import VerificationError
+
+    class NoSubjectAltName(VerificationError):
+        """The broker's certificate names no host (it has no subjectAltName)."""
+
+    return NoSubjectAltName
+
+
+class _NamesChecked:
+    """Twisted's client connection creator, its host name check made strict.
+
+    Twisted's check logs, and then lets the handshake go on, when the broker's
+    certificate has no subjectAltName at all (service_identity raises its
+    ``CertificateError`` there, which Twisted does not expect): any certificate of
+    the trusted CA without names — an agent's client certificate, say — would pass
+    for the broker. This creator's check refuses it, and otherwise decides as
+    Twisted's does.
+    """
+
+    def __init__(self, creator: Any, hostname: str) -> None:
+        from twisted.internet.interfaces import IOpenSSLClientConnectionCreator
+        from zope.interface import directlyProvides
+
+        self.creator = creator
+        self.hostname = hostname
+        directlyProvides(self, IOpenSSLClientConnectionCreator)
+
+    def clientConnectionForTLS(self, tls_protocol: Any) -> Any:
+        from OpenSSL.SSL import VERIFY_FAIL_IF_NO_PEER_CERT, VERIFY_PEER
+        from service_identity import CertificateError, VerificationError
+        from service_identity.hazmat import DNS_ID, IPAddress_ID, verify_service_identity
+        from service_identity.pyopenssl import extract_patterns
+        from twisted.internet.abstract import isIPAddress, isIPv6Address
+        from twisted.python.failure import Failure
+
+        connection = self.creator.clientConnectionForTLS(tls_protocol)
+        literal = isIPAddress(self.hostname) or isIPv6Address(self.hostname)
+        wanted = IPAddress_ID(self.hostname) if literal else DNS_ID(self.hostname)
+        protocol = [tls_protocol]  # dropped after the leaf's check: no reference cycle
+
+        def verify(conn: Any, cert: Any, errno: int, depth: int, ok: int) -> bool:
+            if not ok or depth != 0:
+                return bool(ok)
+            try:
+                verify_service_identity(extract_patterns(cert), [wanted], [])
+            except CertificateError:
+                error: BaseException = _names_unchecked_error()(errors=[])
+            except VerificationError as mismatch:
+                error = mismatch
+            else:
+                protocol.clear()
+                return True
+            if protocol:
+                protocol.pop().failVerification(Failure(error))
+            return False
+
+        connection.set_verify(VERIFY_PEER | VERIFY_FAIL_IF_NO_PEER_CERT, verify)
+        return connection
 
 
 def client_tls_policy(
@@ -481,6 +548,11 @@ def describe_tls_failure(
     from service_identity import VerificationError
 
     where = f"TLS handshake with {broker_url} failed"
+    if isinstance(error, _names_unchecked_error()):
+        return (
+            f"{where}: the broker's certificate names no host (it has no subjectAltName); "
+            "reissue it with the names and addresses clients connect to"
+        )
     if isinstance(error, VerificationError):
         host = urlsplit(broker_url).hostname
         return (

@@ -64,6 +64,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     leaves = {
         "server": ((ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH, ("127.0.0.1", "localhost")),
         "misnamed": ((ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH, ("relay.example",)),
+        "nameless": ((ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH, ()),
         "client": ((ca, ca_key), ExtendedKeyUsageOID.CLIENT_AUTH, ()),
         "other-client": ((other_ca, other_key), ExtendedKeyUsageOID.CLIENT_AUTH, ()),
     }
@@ -124,6 +125,13 @@ def mtls_broker(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator
 def misnamed_broker(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[RunningBroker]:
     """A broker whose (trusted) certificate names relay.example, not 127.0.0.1."""
     yield from _start(tmp_path_factory, pki, "misnamed")
+
+
+@pytest.fixture(scope="module")
+def nameless_broker(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[RunningBroker]:
+    """A broker whose (trusted) certificate has no subjectAltName: its common name
+    ("nameless") is all it says."""
+    yield from _start(tmp_path_factory, pki, "nameless")
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -224,6 +232,17 @@ async def test_certificate_for_another_host_is_an_immediate_tls_error(
     error = await tls_failure_of(misnamed_broker.url, ca_file=str(pki / "ca.crt"))
     assert error.code == "tls_error"
     assert "not valid for '127.0.0.1'" in error.message
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_certificate_naming_no_host_is_an_immediate_tls_error(
+    nameless_broker: RunningBroker, pki: Path
+) -> None:
+    """Any certificate of the trusted CA without names (an agent's, say) must not pass
+    for the broker's, though Twisted's own check lets it through."""
+    error = await tls_failure_of(nameless_broker.url, ca_file=str(pki / "ca.crt"))
+    assert error.code == "tls_error"
+    assert "names no host (it has no subjectAltName)" in error.message
 
 
 @pytest_twisted.ensureDeferred
