@@ -176,6 +176,9 @@ def test_an_expired_request_is_a_failed_result_of_wait_reply() -> None:
     assert again == {**expired, "handed_out_before": True}
     unknown = refused(net, alice, "relay_wait_reply", request_id="never-sent", wait_seconds=0)
     assert unknown.code == "no_such_message"
+    plain = call(net, alice, "relay_send", to="bob", text="fyi")
+    not_asked = refused(net, alice, "relay_wait_reply", request_id=plain["id"], wait_seconds=20)
+    assert not_asked.code == "bad_arguments" and "not a request" in not_asked.message
 
 
 def test_a_rejected_request_is_a_failed_result() -> None:

@@ -456,6 +456,9 @@ class RelayTools:
         gone = entry is None or entry.get("status") == "not_found"
         if not gone and entry.get("from") != self.agent:
             raise ToolFailure("forbidden", f"request {request_id} was not sent by {self.agent}")
+        if not gone and entry.get("kind") not in (None, "request"):
+            raise ToolFailure("bad_arguments", f"{request_id} is a {entry.get('kind')}, not a "
+                              "request: no answer comes to it")
         if gone or entry.get("status") in ("done", "failed"):
             # A request that expired (gone), failed or was answered: its answer or
             # failure notice may be waiting, or have been handed out already.
