@@ -314,7 +314,6 @@ async def test_a_broker_that_cannot_reach_the_database_answers_503(two_brokers):
 
 @pytest_twisted.ensureDeferred
 async def test_the_expiry_sweep_forgets_the_nonces_past_the_window(two_brokers):
-    from relay.store import postgres
 
     dsn, a, _ = two_brokers
     now = int(time.time())
@@ -327,7 +326,6 @@ async def test_the_expiry_sweep_forgets_the_nonces_past_the_window(two_brokers):
     await a.store.sweep_expired(now - 86400, now, a.broker.policy.rules)
     assert sorted(_rows(dsn, "SELECT nonce, expires FROM relay_nonces")) == [
         (NONCE, now + 300), ("old-" + NONCE, now + 300)]
-    assert postgres.SCHEMA_VERSION == 5
 
 
 def test_migration_5_adds_the_nonce_table(tmp_path):
@@ -339,7 +337,7 @@ def test_migration_5_adds_the_nonce_table(tmp_path):
     with psycopg.connect(dsn, autocommit=True) as conn:
         postgres.migrate(conn, target=4)
         assert conn.execute("SELECT to_regclass('relay_nonces')").fetchone() == (None,)
-        assert postgres.migrate(conn) == 4
+        assert postgres.migrate(conn, target=5) == 4
         assert conn.execute("SELECT max(version) FROM relay_schema").fetchone() == (5,)
         records = postgres.PostgresRecords(conn.cursor())
         with conn.transaction():
