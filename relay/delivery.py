@@ -271,7 +271,7 @@ class Message:
             out["leaseId"] = self.lease_id
         if self.expires_at is not None:
             out["expiresAt"] = iso_timestamp(self.expires_at)
-        if self.delay_until is not None and self._delayed(now):
+        if self._delayed(now):
             out["notBefore"] = iso_timestamp(self.delay_until)
         return out
 
@@ -297,14 +297,16 @@ class Message:
             parts += ',"leaseId":', _text(self.lease_id)
         if self.expires_at is not None:
             parts += ',"expiresAt":', encode_basestring(iso_timestamp(self.expires_at))
-        if self.delay_until is not None and self._delayed(now):
+        if self._delayed(now):
             parts += ',"notBefore":', encode_basestring(iso_timestamp(self.delay_until))
         parts.append("}")
         return "".join(parts)
 
     def _delayed(self, now: Optional[float]) -> bool:
-        """Whether the sender's delay still holds this message back at ``now`` (always,
-        for ``now`` None): until it runs out, or a cancel or requeue ends it."""
+        """Whether the sender's delay still holds this message back at ``now`` (any
+        delay, for ``now`` None): until it runs out, or a cancel or requeue ends it."""
+        if self.delay_until is None:
+            return False
         return now is None or (self.not_before is not None and now < self.delay_until)
 
     def size(self) -> int:
