@@ -766,3 +766,54 @@ def test_a_secret_file_of_several_lines_signs_with_the_first(tmp_path):
     """A broker's secret file holds several lines while a secret is rotated."""
     (tmp_path / "s").write_text("\nnew\nold\n")
     assert resolve_settings({"secret_file": str(tmp_path / "s")}, {}, tmp_path).secret == "new"
+
+
+# -- structure -------------------------------------------------------------------
+
+
+def _cli_imports() -> Dict[str, set]:
+    """``relay.cli`` module -> the ``relay.cli`` modules it imports, at any depth of
+    its code (an import inside a function closes a loop as well)."""
+    import ast
+
+    root = REPO / "relay" / "cli"
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: Dict[str, set] = {}
+    for module, path in names.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[module] = {t for t in targets if t in names and t != module}
+    return graph
+
+
+def test_the_cli_modules_import_each_other_in_no_loop() -> None:
+    graph = _cli_imports()
+    assert "relay.cli.parser" in graph and graph["relay.cli.parser"]
+
+    def loop_from(start: str) -> Optional[List[str]]:
+        path: List[str] = [start]
+
+        def visit(module: str) -> Optional[List[str]]:
+            for target in sorted(graph[module]):
+                if target == start:
+                    return path + [start]
+                if target not in path:
+                    path.append(target)
+                    found = visit(target)
+                    if found:
+                        return found
+                    path.pop()
+            return None
+
+        return visit(start)
+
+    loops = [loop for loop in map(loop_from, sorted(graph)) if loop]
+    assert loops == [], " -> ".join(loops[0]) if loops else ""

@@ -82,7 +82,8 @@ async def run(
             on_retry=retrying if interactive else None,
         )
 
-    ctx = Context(inv.args, settings, console, home, reactor, new_client, stdin, env, http)
+    ctx = Context(inv.args, settings, console, home, reactor, new_client, stdin, inv.parser,
+                  env, http)
     try:
         return await inv.command.run(ctx)
     except UsageError as error:

@@ -68,6 +68,8 @@ class Context:
     clock: IReactorTime
     new_client: Callable[[str], RelayClient]
     stdin: TextIO
+    # The parser that read this command line (``relay completion`` prints its script).
+    parser: argparse.ArgumentParser
     env: Mapping[str, str] = field(default_factory=dict)
     http: Any = None  # an HTTP client replacing the default (tests pass StubTreq)
 

@@ -162,13 +162,14 @@ def build_parser(
 
 @dataclass(frozen=True)
 class Invocation:
-    """A parsed command line with its resolved settings."""
+    """A parsed command line with its resolved settings and the parser that read it."""
 
     command: Command
     args: argparse.Namespace
     settings: Settings
     json: bool
     retries: int
+    parser: argparse.ArgumentParser
 
 
 def parse(argv: Sequence[str], env: Mapping[str, str], home: Path) -> Invocation:
@@ -191,4 +192,5 @@ def parse(argv: Sequence[str], env: Mapping[str, str], home: Path) -> Invocation
         settings,
         json=bool(getattr(args, "json", False)),
         retries=getattr(args, "retries", len(RETRY_DELAYS_SECONDS)),
+        parser=parser,
     )

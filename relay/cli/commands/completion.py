@@ -1,8 +1,8 @@
 """``relay completion SHELL``: the shell completion script, made from the parser itself.
 
-The script is generated from the same parser as the command line (by
-``shtab``), so every command of the table and every option is completed
-without a line written for it here.
+The script is generated (by ``shtab``) from the parser that read the command
+line, so every command of the table and every option is completed without a
+line written for it here.
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ async def completion(ctx: Context) -> int:
     """Print the completion script for ``ctx.args.shell``."""
     import shtab
 
-    from relay.cli.commands import COMMANDS
-    from relay.cli.parser import build_parser
-
-    parser, _ = build_parser(COMMANDS)
-    ctx.console.out.write(shtab.complete(parser, shell=ctx.args.shell))
+    ctx.console.out.write(shtab.complete(ctx.parser, shell=ctx.args.shell))
     ctx.console.out.flush()
     return 0
