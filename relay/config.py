@@ -9,6 +9,11 @@ The file keeps the reference broker's keys (``broker:``, ``security:``,
 secret file several lines): every one of them verifies, the first signs.
 Unknown keys, wrong types and out-of-range numbers are errors naming the key.
 
+Each key of ``broker`` and ``security`` is one row of :data:`SETTINGS` (its
+section, kind, default, bounds and whether a change waits for a restart); the
+parser, :class:`Config`'s fields and :data:`RESTART_KEYS` are made from it, and
+a storage backend's section has a table of the same rows in its module.
+
 :func:`parse_config` is pure; :func:`load_config` reads the file and resolves
 the secret file.
 """
@@ -17,25 +22,21 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, make_dataclass, replace
 from types import MappingProxyType
-from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
 from relay.errors import ConfigError
 from relay.protocol import MAX_LEASE_SECONDS, is_loopback_host, is_valid_agent_name
 
-__all__ = ["AgentConfig", "Config", "ConfigError", "load_config", "parse_config"]
+__all__ = ["AgentConfig", "Config", "ConfigError", "OpsConfig", "RESTART_KEYS", "SETTINGS",
+           "Setting", "load_config", "parse_config", "read_settings"]
 
 # The storage backends shipped with the relay; a dropin adds its own name (see
 # relay.store.plugins.store_factories, which load_config's callers pass in).
 BUILTIN_BACKENDS = ("memory", "sqlite", "jsonl", "postgres")
-# A secret shorter than this is refused: HMAC is only as strong as its key.
-MIN_SECRET_BYTES = 16
-PLACEHOLDER_SECRETS = frozenset({"CHANGE_ME_RUN_SETUP_INIT", "CHANGE_ME"})
-SYNC_LEVELS = ("off", "normal", "full")
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -55,77 +56,286 @@ class AgentConfig:
             object.__setattr__(self, "secrets", (self.secret,))
 
 
+# -- the table of settings -----------------------------------------------------------
+#
+# Every key of the ``broker`` and ``security`` sections is one row of SETTINGS: the
+# parser, the defaults, the unknown-key check, the restart list (RESTART_KEYS), the
+# fields of Config and OpsConfig, and the check of docs/CONFIG.md all read it. A
+# storage backend keeps the rows of its own section in its module (``SETTINGS``).
+
+# What a setting holds, and the type of its Config field.
+KIND_TYPES: Mapping[str, Any] = MappingProxyType({
+    "int": int,                   # an integer lo..hi
+    "number": float,              # an integer or fraction lo..hi
+    "bool": bool,                 # true or false
+    "text": str,                  # a non-empty string
+    "name": str,                  # a non-empty string, read in lower case
+    "choice": str,                # one of ``choices``, read in lower case
+    "path": str,                  # a file or directory, relative to the config file
+    "secrets": Tuple[str, ...],   # a secret, or a list of them while one is rotated
+    "endpoints": Tuple[str, ...],  # Twisted endpoint strings (at least ``lo`` of them)
+    "hosts": Tuple[str, ...],     # host names, read in lower case
+})
+
+
 @dataclass(frozen=True)
-class OpsConfig:
-    """The ops listener: endpoint strings (none: no ops listener) and the bearer tokens
-    it accepts (none: no token asked for; several while one is rotated)."""
+class Setting:
+    """One key of the config file: its section, what it holds, its default and bounds,
+    the field it fills, and whether a change waits for the next start.
 
-    listen: Tuple[str, ...] = ()
-    tokens: Tuple[str, ...] = ()
-    token_file: Optional[str] = None
+    ``field`` is the attribute of :class:`Config` the key fills (``ops.<name>``: of its
+    :class:`OpsConfig`). ``default`` is the value when the key is absent; None means
+    "not set", and then ``null`` in the file means the same. ``default_from`` names
+    instead the Config field whose value is the default (a backend section's ``sync``
+    is ``broker.sync``'s). ``shown`` is the default as docs/CONFIG.md writes it when
+    it is not the value itself (one worked out from other keys, say).
 
+    ``restart``: a reload leaves the running value in place until the next start.
+    ``compare`` is the Config attribute whose change tells that a restart is pending
+    (``field`` when empty); a key whose attribute an earlier row names already is
+    reported under that row's name. ``restart_part`` says what waits, when a reload
+    applies the rest.
+    """
 
-@dataclass(frozen=True)
-class Config:
-    """The broker's settings, validated. Paths are absolute."""
-
-    secret: str
-    listen: Tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 19121
-    secret_file: Optional[str] = None
-    rate_limit_loopback: int = 600
-    rate_limit_remote: int = 120
-    message_ttl_days: float = 7
-    persist: bool = True
-    storage: str = "sqlite"
-    data_dir: str = "data"
-    lease_seconds: float = 600
-    max_attempts: int = 3
-    max_deliveries: int = 10
-    notify_failures: bool = True
-    sync: str = "normal"
-    sweep_seconds: float = 5.0
-    request_read_seconds: float = 30.0
-    access_log: bool = False
-    allow_insecure_remote: bool = False
-    allowed_hosts: Tuple[str, ...] = ()
-    max_connections: int = 10_000
-    max_connections_per_address: int = 256
-    inbox_max_messages: int = 10_000
-    inbox_max_bytes: int = 100 * 1024 * 1024
-    min_free_disk_mb: int = 64
-    max_agents: int = 10_000
-    tls_client_ca: Optional[str] = None
-    lock_after_failures: int = 5
-    lock_minutes: float = 5
-    require_nonce: bool = False
-    # Seconds of self-exercise before listening (None: the interpreter's default,
-    # relay.warmup.default_seconds).
-    warmup_seconds: Optional[float] = None
-    agents: Mapping[str, AgentConfig] = field(default_factory=dict)
-    ignored_keys: Tuple[str, ...] = ()
-    warnings: Tuple[str, ...] = ()
-    backend_sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    base_dir: str = "."
-    ops: OpsConfig = OpsConfig()
-    # Every shared secret that verifies a request; ``secret`` is the first.
-    secrets: Tuple[str, ...] = ()
+    section: str
+    key: str
+    field: str
+    kind: str
+    default: Any = None
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    choices: Tuple[str, ...] = ()
+    restart: bool = False
+    compare: str = ""
+    restart_part: str = ""
+    shown: Optional[str] = None
+    default_from: str = ""
 
     def __post_init__(self) -> None:
-        if not self.secrets:
-            object.__setattr__(self, "secrets", (self.secret,))
+        if self.kind not in KIND_TYPES:
+            raise ValueError(f"{self.name}: no kind {self.kind!r}")
+        if self.kind == "number" and self.default is not None:
+            object.__setattr__(self, "default", float(self.default))
 
     @property
-    def storage_backend(self) -> str:
-        """The store plugin to open: ``memory`` when ``persist`` is false."""
-        return self.storage if self.persist else "memory"
+    def name(self) -> str:
+        """The key in full, as errors and the docs name it: ``broker.leaseSeconds``."""
+        return f"{self.section}.{self.key}"
 
     @property
-    def message_ttl_seconds(self) -> float:
-        """Message lifetime in seconds. ``messageTtlDays: 0`` means what it means to the
-        reference broker: every message is past its lifetime and is swept."""
-        return self.message_ttl_days * 86400.0
+    def type(self) -> Any:
+        """The type of the field (Optional when the key may be left unset)."""
+        kind = KIND_TYPES[self.kind]
+        return Optional[kind] if self.default is None and not self.default_from else kind
+
+    @property
+    def documented_default(self) -> str:
+        """The default as docs/CONFIG.md writes it in the key's row."""
+        if self.shown is not None:
+            return self.shown
+        if self.default_from:
+            (source,) = [s for s in SETTINGS if s.field == self.default_from]
+            return f"`{source.name}`"
+        value = self.default
+        if value is None:
+            return "—"
+        if isinstance(value, bool):
+            return "`true`" if value else "`false`"
+        if isinstance(value, float):
+            return f"`{value:g}`"
+        if isinstance(value, tuple):
+            return f"`[{', '.join(value)}]`"
+        return f"`{value}`"
+
+    def read(self, section: Mapping[str, Any], base_dir: str = ".",
+             config: Optional[Config] = None) -> Any:
+        """The value of this key in ``section`` (its default when absent), or a
+        ConfigError naming the key and the reason. Paths are made absolute from
+        ``base_dir``; ``config`` holds the value of ``default_from``."""
+        default = getattr(config, self.default_from) if self.default_from else self.default
+        if default is None and section.get(self.key) is None:
+            return None
+        kind, key, prefix = self.kind, self.key, self.section
+        if kind == "int":
+            return read_int(section, key, prefix, default, int(self.lo), int(self.hi))
+        if kind == "number":
+            return read_number(section, key, prefix, default, self.lo, self.hi)
+        if kind == "bool":
+            return read_bool(section, key, prefix, default)
+        if kind == "secrets":
+            return read_secrets(section, key, prefix)
+        if kind == "endpoints":
+            return read_endpoints(section, key, prefix, default, base_dir, int(self.lo or 0))
+        if kind == "hosts":
+            return read_hosts(section, key, prefix, default)
+        value = read_str(section, key, prefix, default)
+        if kind == "path":
+            return _resolve(base_dir, value)
+        if kind in ("name", "choice"):
+            value = value.lower()
+        if self.choices and value not in self.choices:
+            raise ConfigError(self.name, f"must be one of {', '.join(self.choices)}")
+        return value
+
+
+def read_settings(settings: Sequence[Setting], section: Mapping[str, Any],
+                  base_dir: str = ".", config: Optional[Config] = None) -> Dict[str, Any]:
+    """The value of every setting of ``settings`` in ``section``, by field: defaults
+    filled in (from ``config`` where a row says so), paths absolute. (Keys not in the
+    table are :func:`check_keys`'s.)"""
+    return {setting.field: setting.read(section, base_dir, config) for setting in settings}
+
+
+def table_keys(settings: Sequence[Setting]) -> frozenset:
+    """The keys of ``settings``, as written in their section."""
+    return frozenset(setting.key for setting in settings)
+
+
+# A secret shorter than this is refused: HMAC is only as strong as its key.
+MIN_SECRET_BYTES = 16
+PLACEHOLDER_SECRETS = frozenset({"CHANGE_ME_RUN_SETUP_INIT", "CHANGE_ME"})
+SYNC_LEVELS = ("off", "normal", "full")
+_INT32 = 2**31 - 1
+
+
+def _broker(key: str, field: str, kind: str, default: Any = None, lo: Optional[float] = None,
+            hi: Optional[float] = None, **more: Any) -> Setting:
+    return Setting("broker", key, field, kind, default, lo, hi, **more)
+
+
+def _security(key: str, field: str, kind: str, default: Any = None, lo: Optional[float] = None,
+              hi: Optional[float] = None, **more: Any) -> Setting:
+    return Setting("security", key, field, kind, default, lo, hi, **more)
+
+
+SETTINGS: Tuple[Setting, ...] = (
+    # Where the broker listens. host and port make the one listener of a file
+    # without broker.listen (the reference broker's keys).
+    _broker("listen", "listen", "endpoints", None, 1, restart=True,
+            shown="`tcp:PORT:interface=HOST`"),
+    _broker("host", "host", "text", "127.0.0.1", restart=True, compare="listen"),
+    _broker("port", "port", "int", 19121, 1, 65535, restart=True, compare="listen"),
+    _broker("allowInsecureRemote", "allow_insecure_remote", "bool", False),
+    _broker("allowedHosts", "allowed_hosts", "hosts", ()),
+    _broker("tlsClientCA", "tls_client_ca", "path", None, restart=True),
+    _broker("maxConnections", "max_connections", "int", 10_000, 1, 10**6, restart=True),
+    _broker("maxConnectionsPerAddress", "max_connections_per_address", "int", 256, 1, 10**6),
+    _broker("requestReadSeconds", "request_read_seconds", "number", 30, 1, 3600, restart=True),
+    _broker("accessLog", "access_log", "bool", False),
+    # The shared secret (required: inline or in its file; the two are exclusive).
+    _broker("secret", "secrets", "secrets", None),
+    _broker("secretFile", "secret_file", "path", None),
+    # The ops listener.
+    _broker("opsListen", "ops.listen", "endpoints", (), restart=True),
+    _broker("opsToken", "ops.tokens", "secrets", None),
+    _broker("opsTokenFile", "ops.token_file", "path", None),
+    # The store. persist: false means the memory store, so both decide the backend.
+    _broker("storage", "storage", "name", "sqlite", restart=True, compare="storage_backend"),
+    _broker("persist", "persist", "bool", True, restart=True, compare="storage_backend"),
+    _broker("dataDir", "data_dir", "path", "./data", restart=True),
+    _broker("sync", "sync", "choice", "normal", choices=SYNC_LEVELS, restart=True),
+    # Delivery policy.
+    _broker("leaseSeconds", "lease_seconds", "number", 600, 0.1, MAX_LEASE_SECONDS),
+    _broker("maxAttempts", "max_attempts", "int", 3, 0, 1000),
+    _broker("maxDeliveries", "max_deliveries", "int", 10, 0, 1000),
+    _broker("notifyFailures", "notify_failures", "bool", True),
+    _broker("messageTtlDays", "message_ttl_days", "number", 7, 0, 36500, restart=True,
+            restart_part="the sweep interval"),
+    _broker("sweepSeconds", "sweep_seconds", "number", 5, 0.05, 3600, restart=True),
+    _broker("rateLimitLoopback", "rate_limit_loopback", "int", 600, 1, _INT32),
+    _broker("rateLimitRemote", "rate_limit_remote", "int", 120, 1, _INT32),
+    _broker("inboxMaxMessages", "inbox_max_messages", "int", 10_000, 0, _INT32),
+    _broker("inboxMaxBytes", "inbox_max_bytes", "int", 100 * 1024 * 1024, 0, 2**62),
+    _broker("minFreeDiskMB", "min_free_disk_mb", "int", 64, 0, 2**40),
+    _broker("maxAgents", "max_agents", "int", 10_000, 0, _INT32),
+    # Seconds of self-exercise before listening; unset: the interpreter's default
+    # (relay.warmup.default_seconds). Read at each start only, before anything runs.
+    _broker("warmupSeconds", "warmup_seconds", "number", None, 0, 60,
+            shown="`6` on PyPy, `0` on CPython"),
+    # Authentication.
+    _security("lockAfterFailures", "lock_after_failures", "int", 5, 1, 1_000_000),
+    _security("lockMinutes", "lock_minutes", "number", 5, 0.01, 525600),
+    _security("requireNonce", "require_nonce", "bool", False),
+)
+
+# The settings of each section, and the keys they make known.
+BROKER_SETTINGS = tuple(s for s in SETTINGS if s.section == "broker")
+SECURITY_SETTINGS = tuple(s for s in SETTINGS if s.section == "security")
+_BROKER_KEYS = table_keys(BROKER_SETTINGS)
+_SECURITY_KEYS = table_keys(SECURITY_SETTINGS)
+
+
+def _restart_keys() -> Tuple[Tuple[str, str], ...]:
+    keys: List[Tuple[str, str]] = []
+    for setting in SETTINGS:
+        path = setting.compare or setting.field
+        if setting.restart and all(path != known for _, known in keys):
+            part = f" ({setting.restart_part})" if setting.restart_part else ""
+            keys.append((setting.name + part, path))
+    # Every backend section is read at start, whole (each store module's SETTINGS).
+    keys.append(("broker.<backend> sections", "backend_sections"))
+    return tuple(keys)
+
+
+# Keys read only at start, each with the Config attribute that tells whether the
+# value a reload read differs from the one the broker started with.
+RESTART_KEYS: Tuple[Tuple[str, str], ...] = _restart_keys()
+
+
+def _settings_class(name: str, doc: str, prefix: str, extra: Sequence[Tuple[str, Any]],
+                    namespace: Mapping[str, Any]) -> type:
+    """A frozen dataclass with one field for each setting whose ``field`` is
+    ``prefix`` + a name, then the ``extra`` fields."""
+    fields = [(s.field[len(prefix):], s.type) for s in SETTINGS
+              if s.field.startswith(prefix) and "." not in s.field[len(prefix):]]
+    return make_dataclass(name, fields + list(extra), frozen=True,
+                          namespace=dict(namespace, __doc__=doc, __module__=__name__))
+
+
+OpsConfig = _settings_class(
+    "OpsConfig",
+    """The ops listener: endpoint strings (none: no ops listener) and the bearer tokens
+    it accepts (none: no token asked for; several while one is rotated).""",
+    "ops.", (), {})
+
+
+def _secret(self: Any) -> str:
+    """The shared secret clients sign with: the first of ``secrets``."""
+    return self.secrets[0]
+
+
+def _storage_backend(self: Any) -> str:
+    """The store plugin to open: ``memory`` when ``persist`` is false."""
+    return self.storage if self.persist else "memory"
+
+
+def _message_ttl_seconds(self: Any) -> float:
+    """Message lifetime in seconds. ``messageTtlDays: 0`` means what it means to the
+    reference broker: every message is past its lifetime and is swept."""
+    return self.message_ttl_days * 86400.0
+
+
+Config = _settings_class(
+    "Config",
+    """The broker's settings, validated: one field per row of :data:`SETTINGS` (the
+    ``ops.*`` rows make ``ops``), then the agents, the backend sections as written,
+    what was ignored or warned about, and the config file's directory. Paths are
+    absolute.""",
+    "",
+    (
+        ("ops", OpsConfig),
+        ("agents", Mapping[str, AgentConfig]),
+        ("backend_sections", Mapping[str, Mapping[str, Any]]),
+        ("ignored_keys", Tuple[str, ...]),
+        ("warnings", Tuple[str, ...]),
+        ("base_dir", str),
+    ),
+    {
+        "secret": property(_secret),
+        "storage_backend": property(_storage_backend),
+        "message_ttl_seconds": property(_message_ttl_seconds),
+    },
+)
 
 
 # Keys the reference broker accepts for its own later protocol generations.
@@ -133,6 +343,10 @@ class Config:
 _IGNORED_BROKER_KEYS = frozenset({"notifyFailedToSender"})
 _IGNORED_SECURITY_KEYS = frozenset({"admin_agents"})
 _IGNORED_AGENT_KEYS = frozenset(
+    {"keys", "allowed_read_targets", "allowed_continue_targets", "allowed_write_targets"}
+)
+
+_AGENT_KEYS = frozenset(
     {"keys", "allowed_read_targets", "allowed_continue_targets", "allowed_write_targets"}
 )
 
@@ -359,15 +573,31 @@ def plaintext_remote(description: str) -> Optional[str]:
     return beyond_loopback(description)
 
 
-def _allowed_hosts(broker: Mapping[str, Any]) -> Tuple[str, ...]:
-    """``broker.allowedHosts``: host names a loopback listener may be reached by
-    besides loopback's own (a local reverse proxy's name, say)."""
-    raw = broker.get("allowedHosts")
+def read_hosts(section: Mapping[str, Any], key: str, prefix: str,
+               default: Tuple[str, ...]) -> Tuple[str, ...]:
+    """``section[key]``, a list of host names (in lower case); ``default`` when absent."""
+    raw = section.get(key)
     if raw is None:
-        return ()
+        return default
     if not isinstance(raw, list) or not all(isinstance(h, str) and h.strip() for h in raw):
-        raise ConfigError("broker.allowedHosts", "must be a list of host names")
+        raise ConfigError(f"{prefix}.{key}", "must be a list of host names")
     return tuple(h.strip().lower() for h in raw)
+
+
+def read_endpoints(section: Mapping[str, Any], key: str, prefix: str, default: Any,
+                   base_dir: str, fewest: int = 0) -> Any:
+    """``section[key]``, one endpoint string or a list of at least ``fewest`` of them,
+    their file options made absolute from ``base_dir``; ``default`` when absent."""
+    raw = section.get(key)
+    if raw is None:
+        return default
+    if isinstance(raw, str):
+        raw = [raw]
+    if (not isinstance(raw, list) or len(raw) < fewest
+            or not all(isinstance(d, str) and d.strip() for d in raw)):
+        what = "a non-empty list" if fewest else "a list"
+        raise ConfigError(f"{prefix}.{key}", f"must be {what} of endpoint strings")
+    return tuple(resolve_endpoint_paths(d.strip(), base_dir) for d in raw)
 
 
 def default_listen(host: str, port: int) -> str:
@@ -430,25 +660,18 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
     return agents, skipped
 
 
-def _ops(broker: Mapping[str, Any], base_dir: str, token_from_file: Optional[str],
-         allow_insecure: bool) -> OpsConfig:
-    """``broker.opsListen``, ``opsToken``, ``opsTokenFile``: off loopback the ops
-    listener needs TLS (unless ``allowInsecureRemote``) and a token."""
-    raw = broker.get("opsListen")
-    if raw is None:
-        listen: Tuple[str, ...] = ()
-    else:
-        if isinstance(raw, str):
-            raw = [raw]
-        if not isinstance(raw, list) or not all(isinstance(d, str) and d.strip() for d in raw):
-            raise ConfigError("broker.opsListen", "must be a list of endpoint strings")
-        listen = tuple(resolve_endpoint_paths(d.strip(), base_dir) for d in raw)
-    token_file = read_str(broker, "opsTokenFile", "broker", None)
-    if broker.get("opsToken") is not None and token_file is not None:
+def _ops(values: Mapping[str, Any], token_from_file: Optional[str],
+         allow_insecure: bool) -> Any:
+    """The OpsConfig of ``broker.opsListen``, ``opsToken`` and ``opsTokenFile`` (read
+    into ``values``): off loopback the ops listener needs TLS (unless
+    ``allowInsecureRemote``) and a token."""
+    listen = values["ops.listen"]
+    token_file = values["ops.token_file"]
+    tokens = values["ops.tokens"]
+    if tokens is not None and token_file is not None:
         raise ConfigError("broker.opsToken", "set either broker.opsToken or broker.opsTokenFile")
-    tokens = read_secrets(broker, "opsToken", "broker") or ()
+    tokens = tokens or ()
     if token_file is not None:
-        token_file = _resolve(base_dir, token_file)
         tokens = split_secrets(token_from_file or "")
         if not tokens:
             raise ConfigError("broker.opsTokenFile", f"{token_file} holds no token")
@@ -471,6 +694,43 @@ def _ops(broker: Mapping[str, Any], base_dir: str, token_from_file: Optional[str
                 "broker.opsToken or broker.opsTokenFile",
             )
     return OpsConfig(listen=listen, tokens=tokens, token_file=token_file)
+
+
+def _shared_secrets(values: Mapping[str, Any], secret_from_file: Optional[str]
+                    ) -> Tuple[str, ...]:
+    """``broker.secret``, or the secrets of ``broker.secretFile`` (one per line)."""
+    secret_file = values["secret_file"]
+    shared = values["secrets"]
+    if shared is not None and secret_file is not None:
+        raise ConfigError("broker.secret", "set either broker.secret or broker.secretFile")
+    if shared is None and secret_from_file is not None:
+        shared = split_secrets(secret_from_file)
+        if any(s in PLACEHOLDER_SECRETS for s in shared):
+            shared = ()
+    if not shared:
+        raise ConfigError(
+            "broker.secret", "is not set (set broker.secret, or broker.secretFile to have one made)"
+        )
+    for secret in shared:
+        check_secret_strength(
+            "broker.secretFile" if secret_file is not None else "broker.secret", secret)
+    return shared
+
+
+def _check_plaintext(listen: Sequence[str]) -> None:
+    """ConfigError when a plaintext endpoint of ``listen`` may be reachable beyond
+    loopback."""
+    for description in listen:
+        exposed = plaintext_remote(description)
+        if exposed is not None:
+            where = exposed if exposed.startswith("unknown") else f"interface {exposed}"
+            raise ConfigError(
+                "broker.listen",
+                f"plaintext endpoint {description!r} may be reachable beyond loopback "
+                f"({where}); HMAC authenticates but does not encrypt, so "
+                "remote deployments must use an ssl: endpoint "
+                "(or set broker.allowInsecureRemote: true)",
+            )
 
 
 def parse_config(
@@ -507,26 +767,10 @@ def parse_config(
     skipped = check_keys(scalar, "broker", _BROKER_KEYS, _IGNORED_BROKER_KEYS)
     skipped += check_keys(security, "security", _SECURITY_KEYS, _IGNORED_SECURITY_KEYS)
     agents, skipped_agents = _agents(data)
+    values = read_settings(BROKER_SETTINGS, scalar, base_dir)
+    values.update(read_settings(SECURITY_SETTINGS, security, base_dir))
 
-    host = read_str(broker, "host", "broker", "127.0.0.1")
-    port = read_int(broker, "port", "broker", 19121, 1, 65535)
-    secret_file = read_str(broker, "secretFile", "broker", None)
-    if secret_file is not None:
-        secret_file = _resolve(base_dir, secret_file)
-    if broker.get("secret") is not None and secret_file is not None:
-        raise ConfigError("broker.secret", "set either broker.secret or broker.secretFile")
-    shared = read_secrets(broker, "secret", "broker")
-    if shared is None and secret_from_file is not None:
-        shared = split_secrets(secret_from_file)
-        if any(s in PLACEHOLDER_SECRETS for s in shared):
-            shared = ()
-    if not shared:
-        raise ConfigError(
-            "broker.secret", "is not set (set broker.secret, or broker.secretFile to have one made)"
-        )
-    for secret in shared:
-        check_secret_strength(
-            "broker.secretFile" if secret_file is not None else "broker.secret", secret)
+    values["secrets"] = _shared_secrets(values, secret_from_file)
     warnings: List[str] = []
     if not any(a.secret for a in agents.values()) and any(
             a.allowed_targets is not None for a in agents.values()):
@@ -534,88 +778,19 @@ def parse_config(
             "agents.*.allowed_targets is set but the agents share one secret: any agent can "
             "sign as any other, so the routing ACL protects nothing; give each agent its own "
             "agents.<name>.secret")
-
-    listen_raw = broker.get("listen")
-    if listen_raw is None:
-        listen: Tuple[str, ...] = (default_listen(host, port),)
-    else:
-        if isinstance(listen_raw, str):
-            listen_raw = [listen_raw]
-        if (
-            not isinstance(listen_raw, list)
-            or not listen_raw
-            or not all(isinstance(s, str) and s.strip() for s in listen_raw)
-        ):
-            raise ConfigError("broker.listen", "must be a non-empty list of endpoint strings")
-        listen = tuple(resolve_endpoint_paths(s.strip(), base_dir) for s in listen_raw)
-
-    allow_insecure = read_bool(broker, "allowInsecureRemote", "broker", False)
-    if not allow_insecure:
-        for description in listen:
-            exposed = plaintext_remote(description)
-            if exposed is not None:
-                where = (exposed if exposed.startswith("unknown")
-                         else f"interface {exposed}")
-                raise ConfigError(
-                    "broker.listen",
-                    f"plaintext endpoint {description!r} may be reachable beyond loopback "
-                    f"({where}); HMAC authenticates but does not encrypt, so "
-                    "remote deployments must use an ssl: endpoint "
-                    "(or set broker.allowInsecureRemote: true)",
-                )
-
-    storage = read_str(broker, "storage", "broker", "sqlite").lower()
-    sync = read_str(broker, "sync", "broker", "normal").lower()
-    if sync not in SYNC_LEVELS:
-        raise ConfigError("broker.sync", f"must be one of {', '.join(SYNC_LEVELS)}")
-    tls_client_ca = read_str(broker, "tlsClientCA", "broker", None)
-    if tls_client_ca is not None:
-        tls_client_ca = _resolve(base_dir, tls_client_ca)
-
-    big = 2**31 - 1
+    if values["listen"] is None:
+        values["listen"] = (default_listen(values["host"], values["port"]),)
+    if not values["allow_insecure_remote"]:
+        _check_plaintext(values["listen"])
+    ops = _ops(values, token_from_file, values["allow_insecure_remote"])
     return Config(
-        secret=shared[0],
-        secrets=shared,
-        listen=listen,
-        host=host,
-        port=port,
-        secret_file=secret_file,
-        rate_limit_loopback=read_int(broker, "rateLimitLoopback", "broker", 600, 1, big),
-        rate_limit_remote=read_int(broker, "rateLimitRemote", "broker", 120, 1, big),
-        message_ttl_days=read_number(broker, "messageTtlDays", "broker", 7, 0, 36500),
-        persist=read_bool(broker, "persist", "broker", True),
-        storage=storage,
-        data_dir=_resolve(base_dir, read_str(broker, "dataDir", "broker", "./data")),
-        lease_seconds=read_number(broker, "leaseSeconds", "broker", 600, 0.1, MAX_LEASE_SECONDS),
-        max_attempts=read_int(broker, "maxAttempts", "broker", 3, 0, 1000),
-        max_deliveries=read_int(broker, "maxDeliveries", "broker", 10, 0, 1000),
-        notify_failures=read_bool(broker, "notifyFailures", "broker", True),
-        sync=sync,
-        sweep_seconds=read_number(broker, "sweepSeconds", "broker", 5, 0.05, 3600),
-        request_read_seconds=read_number(broker, "requestReadSeconds", "broker", 30, 1, 3600),
-        access_log=read_bool(broker, "accessLog", "broker", False),
-        allow_insecure_remote=allow_insecure,
-        allowed_hosts=_allowed_hosts(broker),
-        max_connections=read_int(broker, "maxConnections", "broker", 10_000, 1, 10**6),
-        max_connections_per_address=read_int(broker, "maxConnectionsPerAddress", "broker",
-                                             256, 1, 10**6),
-        inbox_max_messages=read_int(broker, "inboxMaxMessages", "broker", 10_000, 0, big),
-        inbox_max_bytes=read_int(broker, "inboxMaxBytes", "broker", 100 * 1024 * 1024, 0,
-                                 2**62),
-        min_free_disk_mb=read_int(broker, "minFreeDiskMB", "broker", 64, 0, 2**40),
-        max_agents=read_int(broker, "maxAgents", "broker", 10_000, 0, big),
-        tls_client_ca=tls_client_ca,
-        lock_after_failures=read_int(security, "lockAfterFailures", "security", 5, 1, 1000000),
-        lock_minutes=read_number(security, "lockMinutes", "security", 5, 0.01, 525600),
-        require_nonce=read_bool(security, "requireNonce", "security", False),
-        warmup_seconds=(read_number(broker, "warmupSeconds", "broker", 0, 0, 60)
-                        if broker.get("warmupSeconds") is not None else None),
+        **{name: value for name, value in values.items() if "." not in name},
+        ops=ops,
         agents=agents,
+        backend_sections=MappingProxyType(backend_sections),
         ignored_keys=tuple(skipped + skipped_agents),
         warnings=tuple(warnings),
-        backend_sections=MappingProxyType(backend_sections),
         base_dir=base_dir,
-        ops=_ops(broker, base_dir, token_from_file, allow_insecure),
     )
 
 

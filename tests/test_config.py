@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
+from dataclasses import MISSING, fields
+from pathlib import Path
 
 import pytest
 import yaml
 
-from relay.config import ConfigError, load_config, parse_config
+from relay.config import (
+    RESTART_KEYS,
+    SETTINGS,
+    Config,
+    ConfigError,
+    OpsConfig,
+    load_config,
+    parse_config,
+)
+from relay.store import jsonl, memory, postgres, sqlite
 
 
 def parse(text: str, base_dir: str = "/srv/relay", secret_from_file=None):
@@ -426,3 +438,115 @@ def test_a_config_file_with_secrets_readable_by_others_is_warned_about(tmp_path)
     (warning,) = load_config(str(conf))[0].warnings
     assert warning == (f"{tmp_path / 'relay.secret'} (broker.secretFile) is readable by "
                        "other users: chmod 600 it")
+
+
+# -- the table of settings ----------------------------------------------------------
+
+BACKEND_SETTINGS = sqlite.SETTINGS + jsonl.SETTINGS + postgres.SETTINGS
+CONFIG_MD = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
+
+
+def documented_keys():
+    """``{name: (default cell, marked restart)}`` of every row of docs/CONFIG.md's key
+    tables; a backend table's ``sqlite.sync`` is ``broker.sqlite.sync``."""
+    rows, section = {}, None
+    for line in CONFIG_MD.read_text(encoding="utf-8").splitlines():
+        heading = re.match(r"## `(\w+)`", line)
+        if heading:
+            section = heading.group(1)
+        row = re.match(r"\| `([\w.]+)`((?: \*[\w.]+\*)*) \| (.*?) \|", line)
+        if row and section:
+            rows[f"{section}.{row.group(1)}"] = (row.group(3), "*restart*" in row.group(2))
+    return rows
+
+
+def test_the_config_reference_documents_every_key_of_the_table_and_no_other():
+    documented = documented_keys()
+    table = {s.name: (s.documented_default, s.restart) for s in SETTINGS + BACKEND_SETTINGS}
+    assert sorted(set(table) - set(documented)) == [], "keys docs/CONFIG.md leaves out"
+    assert sorted(set(documented) - set(table)) == [], "documented keys the broker refuses"
+    wrong = {name: (documented[name], row) for name, row in table.items()
+             if documented[name] != row}
+    assert wrong == {}, "docs/CONFIG.md's default or *restart* mark differs from the table"
+
+
+def test_a_config_that_sets_nothing_has_the_defaults_of_the_table():
+    config = parse(f"broker: {{secret: {S}}}")
+    for setting in SETTINGS:
+        value = config
+        for name in setting.field.split("."):
+            value = getattr(value, name)
+        expected = {"listen": ("tcp:19121:interface=127.0.0.1",), "secrets": (S,),
+                    "data_dir": os.path.join("/srv/relay", "data"),
+                    "ops.tokens": ()}.get(setting.field, setting.default)
+        assert value == expected and type(value) is type(expected), setting.name
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.kind in ("int", "number")],
+                         ids=lambda s: s.name)
+def test_every_number_is_held_to_the_bounds_of_the_table(setting):
+    step = 1 if setting.kind == "int" else setting.lo / 10 or 0.01
+
+    def document(value):
+        data = {"broker": {"secret": S}}
+        data.setdefault(setting.section, {})[setting.key] = value
+        return yaml.safe_dump(data)
+
+    for inside in (setting.lo, setting.hi):
+        value = parse(document(inside))
+        for name in setting.field.split("."):
+            value = getattr(value, name)
+        assert value == inside
+    for outside in (setting.lo - step, setting.hi + step):
+        error = error_of(document(outside))
+        assert error.key == setting.name and "must be" in error.reason
+
+
+def test_the_fields_of_config_are_the_rows_of_the_table():
+    names = [f.name for f in fields(Config)]
+    assert names[:len(SETTINGS) - 3] == [s.field for s in SETTINGS if "." not in s.field]
+    assert names[len(SETTINGS) - 3:] == ["ops", "agents", "backend_sections", "ignored_keys",
+                                         "warnings", "base_dir"]
+    assert [f.name for f in fields(OpsConfig)] == ["listen", "tokens", "token_file"]
+    assert all(f.default is MISSING for f in fields(Config) + fields(OpsConfig))
+
+
+def test_the_restart_list_comes_from_the_table():
+    assert RESTART_KEYS == (
+        ("broker.listen", "listen"),
+        ("broker.tlsClientCA", "tls_client_ca"),
+        ("broker.maxConnections", "max_connections"),
+        ("broker.requestReadSeconds", "request_read_seconds"),
+        ("broker.opsListen", "ops.listen"),
+        ("broker.storage", "storage_backend"),
+        ("broker.dataDir", "data_dir"),
+        ("broker.sync", "sync"),
+        ("broker.messageTtlDays (the sweep interval)", "message_ttl_days"),
+        ("broker.sweepSeconds", "sweep_seconds"),
+        ("broker.<backend> sections", "backend_sections"),
+    )
+    # host, port and persist wait too, through the value they make (listen, the backend)
+    named = {label.split(" ")[0] for label, _ in RESTART_KEYS}
+    assert {s.name for s in SETTINGS if s.restart} - named == {
+        "broker.host", "broker.port", "broker.persist"}
+    assert all(s.restart for s in BACKEND_SETTINGS)
+
+
+def test_the_running_broker_reports_the_restart_keys_of_the_table():
+    from relay import service
+
+    assert ({name for name, _ in service.RESTART_KEYS}
+            == {name for name, _ in RESTART_KEYS})
+
+
+def test_a_backend_section_is_read_by_its_table():
+    config = parse(f"broker: {{secret: {S}, sync: full}}")
+    assert sqlite.parse_options({}, config).sync == "full", "broker.sync when absent"
+    assert jsonl.parse_options({"sync": "OFF"}, config).sync == "off"
+    with pytest.raises(ConfigError) as info:
+        sqlite.parse_options({"sync": None}, config)
+    assert (info.value.key, info.value.reason) == ("broker.sqlite.sync",
+                                                   "must be a non-empty string")
+    with pytest.raises(ConfigError) as info:
+        memory.parse_options({"sync": "full"}, config)
+    assert info.value.key == "broker.memory.sync"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
 
 from relay.errors import ConfigError
 
@@ -25,13 +24,3 @@ def make_data_dir(data_dir: str) -> str:
             "{path} can be read by other users: the stored messages are in it "
             "(chmod 700 it)", path=data_dir)
     return data_dir
-
-
-def sync_option(section: Mapping[str, Any], backend: str, default: str) -> str:
-    """``broker.<backend>.sync`` (off, normal or full); ``broker.sync`` when absent."""
-    from relay.config import SYNC_LEVELS, read_str
-
-    sync = read_str(section, "sync", f"broker.{backend}", default).lower()
-    if sync not in SYNC_LEVELS:
-        raise ConfigError(f"broker.{backend}.sync", f"must be one of {', '.join(SYNC_LEVELS)}")
-    return sync

@@ -206,6 +206,8 @@ class IStoreFactory(Interface):
         :class:`relay.config.Config`; returns the options :meth:`open` takes.
 
         Raises :class:`relay.errors.ConfigError` naming ``broker.<name>.<key>``.
+        The built-in backends describe their keys as :class:`relay.config.Setting`
+        rows and read them with :func:`relay.config.read_settings`; a plugin may too.
         """
 
     def open(config, options, clock):

@@ -63,7 +63,7 @@ from twisted.internet.interfaces import IReactorThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-from relay.config import Config, check_keys, read_int
+from relay.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
 from relay.delivery import DEAD_REASONS, Message
 from relay.errors import ConfigError, RelayError
 from relay.files import FreeSpace, private_file
@@ -75,7 +75,7 @@ from relay.protocol import (
     iso_timestamp,
     parse_card,
 )
-from relay.store import make_data_dir, sync_option
+from relay.store import make_data_dir
 from relay.store.grouped import GroupCommit
 from relay.store.memory import MemoryRecords
 from relay.store.records import RecordStore
@@ -631,23 +631,30 @@ class JsonlStore(RecordStore):
         return succeed(None)
 
 
+# The keys of ``broker.jsonl`` (see relay.config.Setting); the section is read at start.
+SETTINGS = (
+    Setting("broker.jsonl", "sync", "sync", "choice", choices=SYNC_LEVELS, restart=True,
+            default_from="sync"),
+    Setting("broker.jsonl", "compactMinRecords", "compact_min_records", "int",
+            COMPACT_MIN_RECORDS, 100, 2**31 - 1, restart=True),
+)
+
+
 @dataclass(frozen=True)
 class JsonlOptions:
-    """``broker.jsonl``: ``sync`` (``broker.sync`` when absent) and
-    ``compactMinRecords``, the fewest records a log holds before it may be compacted."""
+    """``broker.jsonl``: ``sync``, and ``compactMinRecords``, the fewest records a log
+    holds before it may be compacted."""
 
-    sync: str = "normal"
-    compact_min_records: int = COMPACT_MIN_RECORDS
+    sync: str
+    compact_min_records: int
 
 
 def parse_options(section: Mapping[str, Any], config: Config) -> JsonlOptions:
     """Validate ``broker.jsonl`` (the IStoreFactory entry point)."""
-    check_keys(section, "broker.jsonl", frozenset({"sync", "compactMinRecords"}), frozenset())
-    return JsonlOptions(
-        sync=sync_option(section, "jsonl", config.sync),
-        compact_min_records=read_int(section, "compactMinRecords", "broker.jsonl",
-                                     COMPACT_MIN_RECORDS, 100, 2**31 - 1),
-    )
+    check_keys(section, "broker.jsonl", table_keys(SETTINGS), frozenset())
+    values = read_settings(SETTINGS, section, config=config)
+    return JsonlOptions(sync=values["sync"],
+                        compact_min_records=values["compact_min_records"])
 
 
 def open_store(config: Config, options: JsonlOptions, clock: IReactorTime) -> JsonlStore:

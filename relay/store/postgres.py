@@ -71,7 +71,7 @@ from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
 from relay import delivery, errors
-from relay.config import Config, check_keys, read_int, read_str
+from relay.config import Config, Setting, check_keys, read_settings, table_keys
 from relay.delivery import Changes, Message, Rules, Transition
 from relay.errors import ConfigError, RelayError
 from relay.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STATUSES
@@ -1310,30 +1310,37 @@ class PostgresLockouts:
 # -- configuration and opening -----------------------------------------------------------
 
 
+# The keys of ``broker.postgres`` (see relay.config.Setting); the section is read at start.
+SETTINGS = (
+    Setting("broker.postgres", "dsn", "dsn", "text", None,
+            shown="— (required with `storage: postgres`)", restart=True),
+    Setting("broker.postgres", "poolSize", "pool_size", "int", DEFAULT_POOL_SIZE, 1, 200,
+            restart=True),
+    Setting("broker.postgres", "listenDsn", "listen_dsn", "text", None, shown="`dsn`",
+            restart=True),
+)
+
+
 @dataclass(frozen=True)
 class PostgresOptions:
-    """``broker.postgres``: ``dsn`` (libpq), ``poolSize``, ``listenDsn`` (``dsn`` when absent)."""
+    """``broker.postgres``: ``dsn`` (libpq), ``poolSize``, ``listenDsn`` (``dsn`` when None)."""
 
     dsn: str
-    pool_size: int = DEFAULT_POOL_SIZE
-    listen_dsn: Optional[str] = None
+    pool_size: int
+    listen_dsn: Optional[str]
 
 
 def parse_options(section: Mapping[str, Any], config: Config) -> PostgresOptions:
     """Validate ``broker.postgres`` (the IStoreFactory entry point); needs no driver."""
     prefix = "broker.postgres"
-    check_keys(section, prefix, frozenset({"dsn", "poolSize", "listenDsn"}), frozenset())
-    dsn = read_str(section, "dsn", prefix, None)
-    if dsn is None:
+    check_keys(section, prefix, table_keys(SETTINGS), frozenset())
+    values = read_settings(SETTINGS, section)
+    if values["dsn"] is None:
         if config.storage_backend == "postgres":
             raise ConfigError(f"{prefix}.dsn", "is required with broker.storage: postgres "
                               "(a libpq connection string, e.g. postgresql://relay@db/relay)")
-        dsn = ""
-    return PostgresOptions(
-        dsn=dsn,
-        pool_size=read_int(section, "poolSize", prefix, DEFAULT_POOL_SIZE, 1, 200),
-        listen_dsn=read_str(section, "listenDsn", prefix, None),
-    )
+        values["dsn"] = ""
+    return PostgresOptions(**values)
 
 
 def _driver() -> Any:

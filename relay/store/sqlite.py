@@ -56,12 +56,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from relay import delivery
-from relay.config import Config, check_keys
+from relay.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
 from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
 from relay.files import FreeSpace, private_file
 from relay.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
-from relay.store import make_data_dir, sync_option
+from relay.store import make_data_dir
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
 from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
@@ -847,17 +847,25 @@ def open_database(path: str, data_dir: str, sync: str, now: float) -> sqlite3.Co
     return db
 
 
+# The keys of ``broker.sqlite`` (see relay.config.Setting); the section is read at start.
+SETTINGS = (
+    Setting("broker.sqlite", "sync", "sync", "choice", choices=SYNC_LEVELS, restart=True,
+            default_from="sync"),
+)
+
+
 @dataclass(frozen=True)
 class SQLiteOptions:
-    """``broker.sqlite``: ``sync`` (``broker.sync`` when absent)."""
+    """``broker.sqlite``: ``sync``."""
 
-    sync: str = "normal"
+    sync: str
 
 
 def parse_options(section: Mapping[str, Any], config: Config) -> SQLiteOptions:
     """Validate ``broker.sqlite`` (the IStoreFactory entry point)."""
-    check_keys(section, "broker.sqlite", frozenset({"sync"}), frozenset())
-    return SQLiteOptions(sync=sync_option(section, "sqlite", config.sync))
+    check_keys(section, "broker.sqlite", table_keys(SETTINGS), frozenset())
+    values = read_settings(SETTINGS, section, config=config)
+    return SQLiteOptions(sync=values["sync"])
 
 
 def open_store(config: Config, options: SQLiteOptions, clock: IReactorTime) -> SQLiteStore:
