@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
@@ -34,21 +34,20 @@ log = Logger(namespace="relay.broker")
 
 @dataclass(frozen=True)
 class Policy:
-    """The broker's delivery policy: what ``broker.*`` and ``agents.*`` decide."""
+    """The broker's delivery policy: what ``broker.*``, ``security.*`` and ``agents.*``
+    decide (:meth:`from_config`; the defaults are the config table's)."""
 
-    lease_seconds: float = 600.0
-    rules: Rules = Rules()
-    message_ttl_seconds: float = 7 * 86400.0
+    lease_seconds: float
+    rules: Rules
+    message_ttl_seconds: float
     # sender -> the agents it may send to; a sender without an entry may send to anyone
-    allowed_targets: Mapping[str, FrozenSet[str]] = field(default_factory=dict)
-    # spec §2: a recipient must have registered (404 no_such_agent otherwise)
-    registered_recipients: bool = True
+    allowed_targets: Mapping[str, FrozenSet[str]]
     # EXTENSIONS.md §9: requests without a signed nonce are refused
-    require_nonce: bool = False
+    require_nonce: bool
     # a new agent beyond this many registered ones is refused (0: no limit)
-    max_agents: int = 10_000
+    max_agents: int
     # sends are refused (503 busy) while the store's disk has less free space (0: never)
-    min_free_disk_bytes: int = 64 * 1024 * 1024
+    min_free_disk_bytes: int
 
     @classmethod
     def from_config(cls, config) -> Policy:
@@ -85,11 +84,11 @@ class Policy:
 class Broker:
     """Every operation of the relay over one store, under one policy and one clock."""
 
-    def __init__(self, store, clock: IReactorTime, policy: Optional[Policy] = None,
+    def __init__(self, store, clock: IReactorTime, policy: Policy,
                  waiters: Optional[Waiters] = None, counters: Optional[Counters] = None) -> None:
         self.store = store
         self.clock = clock
-        self.policy = policy if policy is not None else Policy()
+        self.policy = policy
         self.waiters = waiters if waiters is not None else Waiters(clock)
         # What the operations completed add up to (/metrics, the dashboard).
         self.counters = counters if counters is not None else Counters()
@@ -227,8 +226,6 @@ class Broker:
         self.policy.check_route(agent, recipient)
         message = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds,
                                         delay_seconds)
-        if not self.policy.registered_recipients:
-            return self.store.add(message, self.policy.rules).addErrback(self._count_refusal)
         registered = self.store.is_registered(recipient)
         if isinstance(registered, Deferred):  # a store that answers asynchronously
             registered.addCallback(self._add_if_registered, message)

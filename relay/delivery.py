@@ -363,15 +363,16 @@ RouteCheck = Callable[[str, str], None]
 
 @dataclass(frozen=True)
 class Rules:
-    """The delivery policy the transitions apply (broker config, read by the broker)."""
+    """The delivery policy the transitions apply: ``broker.*`` keys of the same names,
+    read by the broker (their defaults are the config table's)."""
 
-    max_attempts: int = 3
-    max_deliveries: int = 10  # 0: no limit
-    notify_failures: bool = True
+    max_attempts: int
+    max_deliveries: int  # 0: no limit
+    notify_failures: bool
     # The most messages (and body bytes) waiting for one recipient — queued or
     # leased — before a send to it is refused (429 inbox_full); 0: no limit.
-    inbox_max_messages: int = 10_000
-    inbox_max_bytes: int = 100 * 1024 * 1024
+    inbox_max_messages: int
+    inbox_max_bytes: int
 
 
 @dataclass(frozen=True)

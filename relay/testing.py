@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest_twisted
@@ -35,6 +36,14 @@ def make_config(base_dir: str = "/tmp", agents: Optional[Dict[str, Any]] = None,
     if security is not None:
         data["security"] = security
     return parse_config(data, base_dir)
+
+
+def make_rules(**changes: Any) -> Rules:
+    """The delivery rules of a config that sets nothing (the config table's defaults),
+    with ``changes``."""
+    from relay.broker import Policy
+
+    return replace(Policy.from_config(make_config()).rules, **changes)
 
 
 def new_message(sender: str, to: str, now: float, ttl_seconds: Optional[int] = None,
@@ -120,7 +129,7 @@ def make_api(clock: Optional[Clock] = None, store=None, config: Optional[Config]
     return api, SignedClient(api, clock), clock
 
 
-RULES = Rules(max_attempts=3)
+RULES = make_rules(max_attempts=3)
 
 
 async def _error(d) -> errors.RelayError:
@@ -621,7 +630,7 @@ class StoreContract(_Contract):
         (second,) = await store.pull("beta", 1, self.LEASE, START, RULES)
         await ack(store, first.id, "beta", first.lease_id, "completed", None, START)
         await ack(store, second.id, "beta", second.lease_id, "retry", "x", START,
-                  Rules(max_attempts=0))
+                  make_rules(max_attempts=0))
         (d,) = await store.pull("delta", 1, self.LEASE, START, RULES)
         await ack(store, d.id, "delta", d.lease_id, "completed", None, START)
         (g,) = await store.pull("gamma", 1, self.LEASE, START, RULES)
@@ -680,7 +689,7 @@ class QuotaContract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_a_full_inbox_refuses_new_messages_until_one_is_taken(self, store):
-        rules = Rules(inbox_max_messages=2)
+        rules = make_rules(inbox_max_messages=2)
         assert await self.put(store, rules, id="a") is True
         assert await self.put(store, rules, id="b") is True
         refused = await self.put(store, rules, id="c")
@@ -700,7 +709,7 @@ class QuotaContract(_Contract):
         one = new_message("alpha", "beta", START, body={"t": "\U0001F600" * 10})
         size = one.body_bytes()
         assert size == len('{"t":""}') + 40, "UTF-8, not escapes"
-        rules = Rules(inbox_max_bytes=2 * size)
+        rules = make_rules(inbox_max_bytes=2 * size)
         assert await self.put(store, rules, id="x", body=one.body) is True
         assert await self.put(store, rules, id="y", body=one.body) is True, "up to the limit"
         assert (await self.put(store, rules, id="z", body={})).code == "inbox_full"
@@ -710,7 +719,7 @@ class QuotaContract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_expiry_frees_the_inbox(self, store):
-        rules = Rules(inbox_max_messages=2)
+        rules = make_rules(inbox_max_messages=2)
         assert await self.put(store, rules, id="old") is True
         assert await store.add(new_message("alpha", "beta", START, id="brief",
                                            ttl_seconds=10), rules) is True
@@ -723,7 +732,7 @@ class QuotaContract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_a_reply_into_a_full_inbox_is_refused_and_changes_nothing(self, store):
-        rules = Rules(inbox_max_messages=1)
+        rules = make_rules(inbox_max_messages=1)
         assert await self.put(store, rules, id="ask", kind="request") is True
         assert await store.add(new_message("gamma", "alpha", START, id="fill"), rules) is True
         (m,) = await store.pull("beta", 1, self.LEASE, START, rules)
@@ -737,7 +746,7 @@ class QuotaContract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_failure_notices_are_stored_into_a_full_inbox(self, store):
-        rules = Rules(inbox_max_messages=1)
+        rules = make_rules(inbox_max_messages=1)
         assert await self.put(store, rules, id="ask", kind="request") is True
         assert await store.add(new_message("gamma", "alpha", START, id="fill"), rules) is True
         (m,) = await store.pull("beta", 1, self.LEASE, START, rules)
@@ -883,14 +892,14 @@ class ExtensionContract(_Contract):
         await self.send(store, id="req", kind="request")
         await settle(store, "req", delivery.cancel("alpha", None), START)
         assert await self.notice_of(store, "req") is None
-        quiet = Rules(max_attempts=3, notify_failures=False)
+        quiet = make_rules(max_attempts=3, notify_failures=False)
         m = await self.leased(store, id="quiet", kind="request")
         await ack(store, "quiet", "beta", m.lease_id, "reject", None, START, quiet)
         assert await self.notice_of(store, "quiet") is None
 
     @pytest_twisted.ensureDeferred
     async def test_retry_past_max_attempts_notifies_with_the_acks_error(self, store):
-        rules = Rules(max_attempts=0)
+        rules = make_rules(max_attempts=0)
         m = await self.leased(store, id="q", kind="request")
         result = await ack(store, "q", "beta", m.lease_id, "retry", "tool crashed", START, rules)
         assert result == {"ok": True, "status": FAILED, "attempts": 1}
@@ -904,7 +913,7 @@ class ExtensionContract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_max_deliveries_fails_a_message_whose_leases_keep_lapsing(self, store):
-        rules = Rules(max_attempts=3, max_deliveries=2)
+        rules = make_rules(max_attempts=3, max_deliveries=2)
         await self.send(store, id="crash", kind="request")
         now = START
         for _ in range(2):
@@ -920,7 +929,7 @@ class ExtensionContract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_an_exhausted_lapse_is_failed_by_an_ack_too(self, store):
-        rules = Rules(max_attempts=3, max_deliveries=1)
+        rules = make_rules(max_attempts=3, max_deliveries=1)
         m = await self.leased(store, id="x", kind="request")
         e = await _error(ack(store, "x", "beta", m.lease_id, "completed", None,
                              START + self.LEASE, rules))

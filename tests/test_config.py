@@ -511,6 +511,26 @@ def test_the_fields_of_config_are_the_rows_of_the_table():
     assert all(f.default is MISSING for f in fields(Config) + fields(OpsConfig))
 
 
+def test_policy_and_rules_take_every_value_from_the_config():
+    from relay.broker import Policy
+    from relay.delivery import Rules
+
+    assert [f.name for f in fields(Rules) if f.default is not MISSING] == []
+    assert [f.name for f in fields(Policy) if f.default is not MISSING
+            or f.default_factory is not MISSING] == []
+    config = parse(yaml.safe_dump({"broker": {
+        "secret": S, "leaseSeconds": 31, "maxAttempts": 4, "maxDeliveries": 5,
+        "notifyFailures": False, "messageTtlDays": 2, "inboxMaxMessages": 6,
+        "inboxMaxBytes": 7, "minFreeDiskMB": 8, "maxAgents": 9},
+        "security": {"requireNonce": True}, "agents": {"alpha": {"allowed_targets": ["beta"]}}}))
+    assert Policy.from_config(config) == Policy(
+        lease_seconds=31, message_ttl_seconds=2 * 86400.0,
+        rules=Rules(max_attempts=4, max_deliveries=5, notify_failures=False,
+                    inbox_max_messages=6, inbox_max_bytes=7),
+        allowed_targets={"alpha": frozenset({"beta"})}, require_nonce=True, max_agents=9,
+        min_free_disk_bytes=8 * 1024 * 1024)
+
+
 def test_the_restart_list_comes_from_the_table():
     assert RESTART_KEYS == (
         ("broker.listen", "listen"),

@@ -16,13 +16,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from relay import delivery
-from relay.delivery import Rules
 from relay.errors import RelayError
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store.memory import MemoryStore
-from relay.testing import START, new_message
+from relay.testing import START, make_rules, new_message
 
-RULES = Rules(max_attempts=2, max_deliveries=2)
+RULES = make_rules(max_attempts=2, max_deliveries=2)
 
 
 def result_of(d):

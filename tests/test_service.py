@@ -15,13 +15,12 @@ from twisted.logger import capturedLogs
 from twisted.plugin import IPlugin, getPlugins
 from zope.interface.verify import verifyObject
 
-from relay.delivery import Rules
 from relay.service import RelayService
 from relay.store.interface import IMessageStore, IStoreFactory
 from relay.store.memory import MemoryStore
 from relay.store.plugins import find_store_factory, store_factories
 from relay.tap import Options, makeService
-from relay.testing import RULES, START, make_config, new_message
+from relay.testing import RULES, START, make_config, make_rules, new_message
 
 
 def test_twistd_plugins_are_found():
@@ -149,7 +148,7 @@ def test_lease_sweep_requeues_and_wakes_waiters():
     service, clock = make_service(store, leaseSeconds=10)
     service.startService()
     store.add(new_message("alpha", "beta", START, id="m1"), RULES)
-    store.pull("beta", 1, 10, clock.seconds(), Rules())
+    store.pull("beta", 1, 10, clock.seconds(), make_rules())
     woken = []
     service.broker.waiters.wake = woken.append
     clock.advance(5)

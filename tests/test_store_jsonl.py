@@ -11,12 +11,11 @@ from twisted.internet import reactor
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
-from relay.delivery import Rules
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store import jsonl as backend
 from relay.store.grouped import GroupCommit
 from relay.store.plugins import open_configured_store
-from relay.testing import RULES, START, ack, make_config, new_message
+from relay.testing import RULES, START, ack, make_config, make_rules, new_message
 
 LEASE = 60
 MARKER = "body-marker-7f3a"
@@ -142,7 +141,8 @@ async def churn(store, rounds: int) -> None:
                         RULES)
         (m,) = await store.pull("delta", 1, LEASE, START, RULES)
         outcome = "completed" if r % 3 else "retry"
-        await ack(store, m.id, "delta", m.lease_id, outcome, None, START, Rules(max_attempts=0))
+        await ack(store, m.id, "delta", m.lease_id, outcome, None, START,
+                  make_rules(max_attempts=0))
 
 
 @pytest_twisted.ensureDeferred

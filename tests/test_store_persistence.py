@@ -8,11 +8,10 @@ import pytest
 import pytest_twisted
 
 from relay import delivery
-from relay.delivery import Rules
 from relay.errors import RelayError
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store.jsonl import snapshot_record
-from relay.testing import RULES, START, ack, new_message
+from relay.testing import RULES, START, ack, make_rules, new_message
 from tests.conftest import open_backend
 
 LEASE = 60
@@ -50,7 +49,7 @@ async def populate(store) -> Dict[str, str]:
     assert sorted(leased) == ["m0", "m1", "m2"]
     await ack(store, "m0", "beta", leased["m0"], "completed", None, START, RULES)
     await ack(store, "m1", "beta", leased["m1"], "retry", "busy", START, RULES)
-    await ack(store, "m2", "beta", leased["m2"], "retry", "e2", START, Rules(max_attempts=0))
+    await ack(store, "m2", "beta", leased["m2"], "retry", "e2", START, make_rules(max_attempts=0))
     # a v1.0 cursor past every queued message; then m1 leased and expired -> recovery mark
     _, cursor = await store.poll("beta", None, 50, START, RULES)
     assert [m.id for m in await store.pull("beta", 1, LEASE, START, RULES)] == ["m1"]
@@ -105,7 +104,7 @@ async def test_restart_keeps_the_quota_counters(persistent, tmp_path):
     store = open_backend(persistent, tmp_path)
     try:
         assert {a: store.records.usage(a) for a in expected} == expected
-        full = Rules(inbox_max_messages=expected["beta"][0])
+        full = make_rules(inbox_max_messages=expected["beta"][0])
         with pytest.raises(RelayError) as refused:
             await store.add(new_message("alpha", "beta", START, id="over"), full)
         assert refused.value.code == "inbox_full"
@@ -171,7 +170,8 @@ async def test_state_changed_after_restart_survives_another(persistent, tmp_path
     for step in range(3):
         store = open_backend(persistent, tmp_path)
         (m,) = await store.pull("beta", 1, LEASE, START + step * LEASE * 2, RULES)
-        await ack(store, "a", "beta", m.lease_id, "retry", f"e{step}", START, Rules(max_attempts=5))
+        await ack(store, "a", "beta", m.lease_id, "retry", f"e{step}", START,
+                  make_rules(max_attempts=5))
         await store.close()
     store = open_backend(persistent, tmp_path)
     try:

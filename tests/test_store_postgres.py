@@ -19,12 +19,11 @@ from twisted.internet.task import deferLater
 
 from relay import delivery
 from relay.auth import Lockout
-from relay.delivery import Rules
 from relay.errors import ConfigError
 from relay.protocol import LEASED
 from relay.store import postgres
 from relay.store.plugins import open_configured_store
-from relay.testing import RULES, START, Recorder, make_config, new_message
+from relay.testing import RULES, START, Recorder, make_config, make_rules, new_message
 from tests.conftest import open_backend, postgres_dsn, reset_postgres
 
 # -- options (no driver, no server) ----------------------------------------------------
@@ -359,7 +358,7 @@ async def test_the_inbox_quota_holds_exactly_across_brokers(tmp_path, dsn):
     a = open_backend("postgres", tmp_path / "a")
     b = open_backend("postgres", tmp_path / "b")
     try:
-        rules = Rules(inbox_max_messages=25)
+        rules = make_rules(inbox_max_messages=25)
         sends = [store.add(new_message("alpha", "beta", START, id=f"q{i}-{n}"), rules)
                  for i in range(20) for n, store in enumerate((a, b))]
         results = await DeferredList(sends, consumeErrors=True)
@@ -440,7 +439,7 @@ async def test_racing_sweeps_leave_one_failure_notice_per_request(tmp_path, dsn)
     a = open_backend("postgres", tmp_path / "a")
     b = open_backend("postgres", tmp_path / "b")
     try:
-        rules = Rules(max_deliveries=1)
+        rules = make_rules(max_deliveries=1)
         lapsing = [f"lapse-{i}" for i in range(30)]
         expiring = [f"expire-{i}" for i in range(30)]
         for n, mid in enumerate(lapsing + expiring):
