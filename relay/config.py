@@ -114,6 +114,8 @@ class Setting:
     def __post_init__(self) -> None:
         if self.kind not in KIND_TYPES:
             raise ValueError(f"{self.name}: no kind {self.kind!r}")
+        if (self.kind == "choice") != bool(self.choices):
+            raise ValueError(f"{self.name}: choices go with the kind 'choice' and no other")
         if self.kind == "number" and self.default is not None:
             object.__setattr__(self, "default", float(self.default))
 
@@ -123,7 +125,7 @@ class Setting:
         return f"{self.section}.{self.key}"
 
     @property
-    def type(self) -> Any:
+    def field_type(self) -> Any:
         """The type of the field (Optional when the key may be left unset)."""
         kind = KIND_TYPES[self.kind]
         return Optional[kind] if self.default is None and not self.default_from else kind
@@ -286,7 +288,7 @@ def _settings_class(name: str, doc: str, prefix: str, extra: Sequence[Tuple[str,
                     namespace: Mapping[str, Any]) -> type:
     """A frozen dataclass with one field for each setting whose ``field`` is
     ``prefix`` + a name, then the ``extra`` fields."""
-    fields = [(s.field[len(prefix):], s.type) for s in SETTINGS
+    fields = [(s.field[len(prefix):], s.field_type) for s in SETTINGS
               if s.field.startswith(prefix) and "." not in s.field[len(prefix):]]
     return make_dataclass(name, fields + list(extra), frozen=True,
                           namespace=dict(namespace, __doc__=doc, __module__=__name__))
