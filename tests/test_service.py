@@ -482,3 +482,19 @@ def test_reload_changes_the_ops_tokens(tmp_path):
     service.reload()
     assert service.ops.tokens == ("t2-0123456789abcdef", "t1-0123456789abcdef")
 
+
+
+def test_no_store_imports_the_global_reactor():
+    """A store's time and threads come from the reactor IStoreFactory.open hands it."""
+    import pathlib
+    import re
+
+    import relay.store
+
+    found = []
+    for path in sorted(pathlib.Path(relay.store.__file__).parent.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if re.search(r"from twisted\.internet import[^\n]*\breactor\b|twisted\.internet\.reactor",
+                     text):
+            found.append(path.name)
+    assert found == []

@@ -71,6 +71,16 @@ def test_a_missing_driver_stops_the_start_with_the_install_command(monkeypatch):
     )
 
 
+def test_a_reactor_without_threads_is_refused_before_connecting():
+    """The store runs its operations in worker threads that land through the reactor it
+    is given; it takes no other reactor."""
+    from twisted.internet.task import Clock
+
+    config = make_config(storage="postgres", postgres={"dsn": "host=db"})
+    with pytest.raises(TypeError, match="IReactorThreads"):
+        open_configured_store(config, Clock())
+
+
 def test_an_unreachable_server_stops_the_start_with_one_line(tmp_path):
     postgres_dsn()  # the driver is there, or the test skips as every postgres test does
     from tests.broker_proc import free_port

@@ -709,3 +709,24 @@ async def test_the_leased_messages_kept_are_bounded(tmp_path, monkeypatch):
             assert (await store.find(m.id, START + 2)).status == DONE
     finally:
         await store.close()
+
+
+def test_a_store_opened_on_a_clock_checkpoints_on_that_clock(tmp_path):
+    """The store's time and threads are the reactor it is opened on: on a clock without
+    threads, the checkpoint runs inline when the clock says so, never on the global
+    reactor's thread pool."""
+    from twisted.internet.task import Clock
+
+    clock = Clock()
+    clock.advance(START)
+    store = open_configured_store(make_config(storage="sqlite", dataDir=str(tmp_path)), clock)
+    try:
+        d = store.add(new_message("alpha", "beta", START, id="m"), RULES)
+        clock.advance(0)  # the group commit
+        assert d.result is True
+        assert store.checkpointer.checkpoints == 0
+        clock.advance(backend.CHECKPOINT_SECONDS)
+        assert store.checkpointer.checkpoints == 1
+    finally:
+        store.close()
+        clock.advance(0)

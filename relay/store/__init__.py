@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
+
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
 
 from relay.errors import ConfigError
 
@@ -24,3 +29,11 @@ def make_data_dir(data_dir: str) -> str:
             "{path} can be read by other users: the stored messages are in it "
             "(chmod 700 it)", path=data_dir)
     return data_dir
+
+
+def off_the_reactor(reactor: Any, work: Callable[[], Any]) -> Deferred:
+    """Run ``work()`` in ``reactor``'s thread pool when the reactor provides
+    ``IReactorThreads``, else at once (a test clock); fires with its result."""
+    if IReactorThreads.providedBy(reactor):
+        return deferToThreadPool(reactor, reactor.getThreadPool(), work)
+    return maybeDeferred(work)

@@ -210,8 +210,15 @@ class IStoreFactory(Interface):
         rows and read them with :func:`relay.config.read_settings`; a plugin may too.
         """
 
-    def open(config, options, clock):
+    def open(config, options, reactor):
         """Open a store with the :meth:`parse_options` result; returns an IMessageStore.
+
+        ``reactor`` is the store's only source of time and threads: it provides
+        ``IReactorTime`` (group commits, timers, background work) and, in a running
+        broker, ``IReactorThreads``. A backend that can do its background work
+        inline does so when ``reactor`` has no threads (a
+        :class:`twisted.internet.task.Clock` in tests); one that cannot raises
+        TypeError. No store imports the global reactor.
 
         Raises :class:`relay.errors.ConfigError` (with the path and the reason)
         when the store cannot be opened.

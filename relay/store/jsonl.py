@@ -59,8 +59,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Dict, List, Mapping, Optional
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.interfaces import IReactorThreads, IReactorTime
-from twisted.internet.threads import deferToThreadPool
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from relay.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
@@ -75,7 +74,7 @@ from relay.protocol import (
     iso_timestamp,
     parse_card,
 )
-from relay.store import make_data_dir
+from relay.store import make_data_dir, off_the_reactor
 from relay.store.grouped import GroupCommit
 from relay.store.memory import MemoryRecords
 from relay.store.records import RecordStore
@@ -473,11 +472,11 @@ class JsonlStore(RecordStore):
 
     name = "jsonl"
 
-    def __init__(self, path: str, file: IO[bytes], clock: IReactorTime, sync: str,
+    def __init__(self, path: str, file: IO[bytes], reactor: IReactorTime, sync: str,
                  log_records: int = 0) -> None:
         self.path = path
         self.file = file
-        self.clock = clock
+        self.reactor = reactor
         self.fsync = sync == "full"
         self.log_records = log_records
         self.compact_min_records = COMPACT_MIN_RECORDS
@@ -487,8 +486,8 @@ class JsonlStore(RecordStore):
         self._buffer: List[bytes] = []
         self._torn = False
         self._closed = False
-        super().__init__(LoggedRecords(self._append), GroupCommit(clock, self._write, "jsonl"))
-        self.space_left = FreeSpace(os.path.dirname(path), clock)
+        super().__init__(LoggedRecords(self._append), GroupCommit(reactor, self._write, "jsonl"))
+        self.space_left = FreeSpace(os.path.dirname(path), reactor)
 
     # -- the log ---------------------------------------------------------------------
 
@@ -517,7 +516,7 @@ class JsonlStore(RecordStore):
         if self.compaction is not None:
             self.compaction.written(data, count)
         elif self._should_compact():
-            self.clock.callLater(0, self._start_compaction)
+            self.reactor.callLater(0, self._start_compaction)
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
@@ -555,7 +554,7 @@ class JsonlStore(RecordStore):
             return None
         log.info("compacting {path}: {records} records, {live} live",
                  path=self.path, records=self.log_records, live=self.records.live_records())
-        self.compaction.call = self.clock.callLater(0, self._compact_step)
+        self.compaction.call = self.reactor.callLater(0, self._compact_step)
         return self.compaction
 
     def _compact_step(self) -> None:
@@ -569,18 +568,9 @@ class JsonlStore(RecordStore):
             self._compaction_failed(e)
             return
         if not finished:
-            compaction.call = self.clock.callLater(0, self._compact_step)
+            compaction.call = self.reactor.callLater(0, self._compact_step)
             return
-        if IReactorThreads.providedBy(self.clock):
-            d = deferToThreadPool(self.clock, self.clock.getThreadPool(), compaction.sync)
-        else:
-            d = Deferred()
-            try:
-                compaction.sync()
-            except OSError:
-                d.errback()
-            else:
-                d.callback(None)
+        d = off_the_reactor(self.reactor, compaction.sync)
         d.addCallbacks(lambda _: self._compact_finish(compaction),
                        lambda f: self._compaction_failed(f.value))
 
@@ -657,19 +647,21 @@ def parse_options(section: Mapping[str, Any], config: Config) -> JsonlOptions:
                         compact_min_records=values["compact_min_records"])
 
 
-def open_store(config: Config, options: JsonlOptions, clock: IReactorTime) -> JsonlStore:
-    """Replay ``dataDir/messages.jsonl`` and open it for appending (the factory entry point)."""
+def open_store(config: Config, options: JsonlOptions, reactor: IReactorTime) -> JsonlStore:
+    """Replay ``dataDir/messages.jsonl`` and open it for appending (the factory entry
+    point). ``reactor`` times the group commits and compactions, and runs a
+    compaction's fsync in its thread pool when it provides ``IReactorThreads``."""
     data_dir = make_data_dir(config.data_dir)
     path = os.path.join(data_dir, LOG_NAME)
     try:
         if os.path.exists(path + COMPACT_SUFFIX):
             os.unlink(path + COMPACT_SUFFIX)  # an unfinished compaction; the log is whole
-        loaded = read_log(path, clock.seconds()) if os.path.exists(path) else LoadedLog()
+        loaded = read_log(path, reactor.seconds()) if os.path.exists(path) else LoadedLog()
         private_file(path)
         file = open(path, "ab", buffering=0)  # noqa: SIM115 (the store's log)
     except OSError as e:
         raise ConfigError("broker.dataDir", f"cannot open {path}: {e.strerror}") from None
-    store = JsonlStore(path, file, clock, options.sync, loaded.records + loaded.skipped)
+    store = JsonlStore(path, file, reactor, options.sync, loaded.records + loaded.skipped)
     store.compact_min_records = options.compact_min_records
     _restore(store, loaded)
     if not loaded.ends_with_newline:

@@ -432,6 +432,6 @@ def parse_options(section: Mapping[str, Any], config) -> None:
         raise ConfigError(f"broker.memory.{key}", "unknown key (the memory backend has no options)")
 
 
-def open_store(config, options, clock) -> MemoryStore:
-    """Open an empty memory store (the IStoreFactory entry point)."""
+def open_store(config, options, reactor) -> MemoryStore:
+    """Open an empty memory store (the IStoreFactory entry point); it needs no reactor."""
     return MemoryStore()

@@ -19,7 +19,7 @@ from relay.store.interface import IStoreFactory
 @implementer(IPlugin, IStoreFactory)
 class ModuleStoreFactory:
     """A store factory whose backend module has ``parse_options(section, config)`` and
-    ``open_store(config, options, clock)``."""
+    ``open_store(config, options, reactor)``."""
 
     def __init__(self, name: str, module: str, description: str) -> None:
         self.name = name
@@ -29,8 +29,8 @@ class ModuleStoreFactory:
     def parse_options(self, section: Mapping[str, Any], config) -> Any:
         return importlib.import_module(self.module).parse_options(section, config)
 
-    def open(self, config, options, clock):
-        return importlib.import_module(self.module).open_store(config, options, clock)
+    def open(self, config, options, reactor):
+        return importlib.import_module(self.module).open_store(config, options, reactor)
 
     def __repr__(self) -> str:
         return f"<store factory {self.name!r} ({self.module})>"
@@ -64,10 +64,11 @@ def find_store_factory(name: str,
         ) from None
 
 
-def open_configured_store(config, clock,
+def open_configured_store(config, reactor,
                           factories: Optional[Mapping[str, IStoreFactory]] = None):
-    """Open the store ``config`` names, after every backend section in the config
-    (``broker.<backend>``) was validated by its factory; ConfigError otherwise."""
+    """Open the store ``config`` names on ``reactor`` (see :meth:`IStoreFactory.open`),
+    after every backend section in the config (``broker.<backend>``) was validated by
+    its factory; ConfigError otherwise."""
     if factories is None:
         factories = store_factories()
     factory = find_store_factory(config.storage_backend, factories)
@@ -77,4 +78,4 @@ def open_configured_store(config, clock,
     }
     if factory.name not in options:
         options[factory.name] = factory.parse_options({}, config)
-    return factory.open(config, options[factory.name], clock)
+    return factory.open(config, options[factory.name], reactor)

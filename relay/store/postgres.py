@@ -64,8 +64,9 @@ from importlib import resources
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IReactorThreads, IReactorTime
 from twisted.internet.task import LoopingCall
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
@@ -883,8 +884,8 @@ class PostgresStore:
     name = "postgres"
 
     def __init__(self, conninfo: str, listen_conninfo: str, pool_size: int,
-                 clock: IReactorTime, reactor: Any) -> None:
-        self.clock = clock
+                 reactor: Any) -> None:
+        self.clock = reactor
         self.reactor = reactor
         self.token = os.urandom(8).hex()
         self.connections = Connections(conninfo, pool_size, self.token)
@@ -901,7 +902,7 @@ class PostgresStore:
         # Nobody waits before the broker serves; from the first LISTEN on, nothing is missed.
         self.listener.up.wait(LISTEN_START_SECONDS)
         self.fallback = LoopingCall(self._look)
-        self.fallback.clock = clock
+        self.fallback.clock = reactor
         self.fallback.start(FALLBACK_SECONDS, now=False)
 
     # -- running operations -------------------------------------------------------------
@@ -1119,13 +1120,12 @@ class PostgresStore:
             self.fallback.stop()
         if self.lockouts is not None:
             self.lockouts.stop()
-        from twisted.internet import threads
 
         def shut() -> None:
             self.listener.stop()
             self.connections.close()
 
-        return threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), shut)
+        return deferToThreadPool(self.reactor, self.reactor.getThreadPool(), shut)
 
     # -- ISharedLockouts ------------------------------------------------------------------
 
@@ -1354,14 +1354,18 @@ def _driver() -> Any:
     return psycopg
 
 
-def open_store(config: Config, options: PostgresOptions, clock: IReactorTime) -> PostgresStore:
+def open_store(config: Config, options: PostgresOptions, reactor: Any) -> PostgresStore:
     """Connect, migrate the schema, start the workers and the listener (the
-    IStoreFactory entry point); ConfigError with the reason when impossible."""
-    psycopg = _driver()
-    from twisted.internet import reactor as global_reactor
-    from twisted.internet.interfaces import IReactorThreads
+    IStoreFactory entry point); ConfigError with the reason when impossible.
 
-    reactor = clock if IReactorThreads.providedBy(clock) else global_reactor
+    ``reactor`` provides ``IReactorTime`` and ``IReactorThreads``: the operations
+    run in the store's own worker threads and land on the reactor thread through
+    ``callFromThread``; TypeError when it does not.
+    """
+    if not (IReactorTime.providedBy(reactor) and IReactorThreads.providedBy(reactor)):
+        raise TypeError("the postgres store needs a reactor providing IReactorTime and "
+                        "IReactorThreads")
+    psycopg = _driver()
     try:
         conninfo = conninfo_with_defaults(options.dsn)
         listen_conninfo = conninfo_with_defaults(options.listen_dsn or options.dsn)
@@ -1385,7 +1389,7 @@ def open_store(config: Config, options: PostgresOptions, clock: IReactorTime) ->
                           ) from None
     finally:
         conn.close()
-    return PostgresStore(conninfo, listen_conninfo, options.pool_size, clock, reactor)
+    return PostgresStore(conninfo, listen_conninfo, options.pool_size, reactor)
 
 
 __all__ = ["PostgresStore", "PostgresRecords", "PostgresOptions", "open_store", "parse_options",

@@ -61,7 +61,7 @@ from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
 from relay.files import FreeSpace, private_file
 from relay.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
-from relay.store import make_data_dir
+from relay.store import make_data_dir, off_the_reactor
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
 from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
@@ -347,14 +347,16 @@ def _state_row(message: Message) -> Tuple[Any, ...]:
 
 
 class Checkpointer:
-    """Passive WAL checkpoints on a second connection, in a worker thread.
+    """Passive WAL checkpoints on a second connection, in a worker thread of
+    ``reactor`` (inline when it has no threads, as a test clock).
 
     Runs every ``CHECKPOINT_SECONDS`` while ``commits`` grows; at most one
     checkpoint is in flight. The reactor thread only ever appends to the WAL.
     """
 
-    def __init__(self, path: str, sync: str, clock: IReactorTime,
+    def __init__(self, path: str, sync: str, reactor: IReactorTime,
                  commits: Callable[[], int]) -> None:
+        self.reactor = reactor
         self.path = path
         self.sync = sync
         self.commits = commits
@@ -363,7 +365,7 @@ class Checkpointer:
         self._db: Optional[sqlite3.Connection] = None
         self._running: Optional[Deferred] = None
         self._loop = LoopingCall(self.tick)
-        self._loop.clock = clock
+        self._loop.clock = reactor
 
     def start(self) -> None:
         self._loop.start(CHECKPOINT_SECONDS, now=False)
@@ -373,9 +375,7 @@ class Checkpointer:
         if self._running is not None or commits == self._seen:
             return
         self._seen = commits
-        from twisted.internet import reactor, threads
-
-        d = threads.deferToThreadPool(reactor, reactor.getThreadPool(), self._checkpoint)
+        d = off_the_reactor(self.reactor, self._checkpoint)
         self._running = d
 
         def done(result: Any) -> None:
@@ -698,15 +698,15 @@ class SQLiteStore(RecordStore):
 
     name = "sqlite"
 
-    def __init__(self, db: sqlite3.Connection, clock: IReactorTime, path: str,
+    def __init__(self, db: sqlite3.Connection, reactor: IReactorTime, path: str,
                  sync: str = "normal") -> None:
         self.db = db
         self.path = path
-        commits = GroupCommit(clock, self._commit, "sqlite")
+        commits = GroupCommit(reactor, self._commit, "sqlite")
         super().__init__(SQLiteRecords(db, commits), commits)
-        self.checkpointer = Checkpointer(path, sync, clock, lambda: commits.commits)
+        self.checkpointer = Checkpointer(path, sync, reactor, lambda: commits.commits)
         self.checkpointer.start()
-        self.space_left = FreeSpace(os.path.dirname(path), clock)
+        self.space_left = FreeSpace(os.path.dirname(path), reactor)
 
     def _commit(self) -> None:
         self.records.commit()
@@ -868,15 +868,17 @@ def parse_options(section: Mapping[str, Any], config: Config) -> SQLiteOptions:
     return SQLiteOptions(sync=values["sync"])
 
 
-def open_store(config: Config, options: SQLiteOptions, clock: IReactorTime) -> SQLiteStore:
-    """Open ``dataDir/relay.db`` (the IStoreFactory entry point); ConfigError if impossible."""
+def open_store(config: Config, options: SQLiteOptions, reactor: IReactorTime) -> SQLiteStore:
+    """Open ``dataDir/relay.db`` (the IStoreFactory entry point); ConfigError if impossible.
+    ``reactor`` times the group commits and checkpoints, and runs the checkpoints in
+    its thread pool when it provides ``IReactorThreads``."""
     data_dir = make_data_dir(config.data_dir)
     path = os.path.join(data_dir, DB_NAME)
     try:
-        db = open_database(path, data_dir, options.sync, clock.seconds())
+        db = open_database(path, data_dir, options.sync, reactor.seconds())
     except sqlite3.Error as e:
         raise ConfigError("broker.dataDir", f"cannot open database {path}: {e}") from None
-    return SQLiteStore(db, clock, path, options.sync)
+    return SQLiteStore(db, reactor, path, options.sync)
 
 
 __all__ = ["SQLiteStore", "open_store", "open_database", "parse_options", "upgrade",
