@@ -226,16 +226,10 @@ class Broker:
         self.policy.check_route(agent, recipient)
         message = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds,
                                         delay_seconds)
-        registered = self.store.is_registered(recipient)
-        if isinstance(registered, Deferred):  # a store that answers asynchronously
-            registered.addCallback(self._add_if_registered, message)
-            return registered
-        return self._add_if_registered(registered, message)
-
-    def _add_if_registered(self, registered: bool, message: Message) -> Deferred:
-        if not registered:
-            raise errors.no_such_agent(f"recipient {message.to!r} has never registered")
-        return self.store.add(message, self.policy.rules).addErrback(self._count_refusal)
+        # The store checks that the recipient registered (spec §2) in the operation
+        # that adds: one store call per send, and no window between the two.
+        return self.store.add(message, self.policy.rules,
+                              registered_recipient=True).addErrback(self._count_refusal)
 
     def disk_low(self) -> Optional[str]:
         """Why new messages are refused for want of disk space, or None: the store's

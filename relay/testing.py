@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest_twisted
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
 from relay import delivery, errors
@@ -589,14 +589,31 @@ class StoreContract(_Contract):
     @pytest_twisted.ensureDeferred
     async def test_peers(self, store):
         assert await store.peers() == []
-        # A bool at once, or a Deferred firing with one (interface.py allows both).
-        assert await maybeDeferred(store.is_registered, "beta") is False
+        asked = store.is_registered("beta")
+        assert isinstance(asked, Deferred), "one shape: a Deferred, answered at once or not"
+        assert await asked is False
         await store.register("beta", START)
         await store.register("alpha", START + 5)
         await store.register("beta", START + 10)
         assert await store.peers() == [("alpha", int(START) + 5, None),
                                        ("beta", int(START) + 10, None)]
-        assert await maybeDeferred(store.is_registered, "beta") is True
+        assert await store.is_registered("beta") is True
+
+    @pytest_twisted.ensureDeferred
+    async def test_add_to_an_unregistered_recipient_is_refused_when_asked(self, store):
+        """The registered-recipient rule (spec §2) in the operation that adds: 404
+        ``no_such_agent`` before the duplicate and inbox checks, nothing stored."""
+        await store.register("alpha", START)
+        refused = await _error(store.add(new_message("alpha", "beta", START, id="early"),
+                                         RULES, True))
+        assert (refused.status, refused.code) == (404, "no_such_agent")
+        assert await store.find("early", START) is None
+        assert await store.add(new_message("beta", "alpha", START, id="back"), RULES,
+                               True) is True
+        await store.register("beta", START + 1)
+        assert await store.add(new_message("alpha", "beta", START, id="early"), RULES,
+                               True) is True
+        assert await store.add(new_message("alpha", "nobody", START, id="any"), RULES) is True
 
     # -- message TTL ---------------------------------------------------------------
 
@@ -776,12 +793,12 @@ class QuotaContract(_Contract):
         await ack(store, m.id, "holder", m.lease_id, "completed", None, START)
         assert sorted(await store.forget_peers(START + 50)) == ["idle", "sender"]
         assert [name for name, _, _ in await store.peers()] == ["holder", "recent"]
-        assert await maybeDeferred(store.is_registered, "idle") is False
-        assert await maybeDeferred(store.is_registered, "holder") is True
+        assert await store.is_registered("idle") is False
+        assert await store.is_registered("holder") is True
         assert await store.forget_peers(START + 50) == []
         await store.register("idle", START + 60)
         assert [name for name, _, _ in await store.peers()] == ["holder", "idle", "recent"]
-        assert await maybeDeferred(store.is_registered, "idle") is True
+        assert await store.is_registered("idle") is True
         await store.sweep_expired(START + 1, START + 200, RULES)
         assert await store.forget_peers(START + 50) == ["holder"], "its messages are gone"
 

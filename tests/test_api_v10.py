@@ -306,6 +306,31 @@ async def test_a_store_answering_is_registered_with_a_deferred_is_honoured():
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_send_checks_its_recipient_in_the_stores_add_alone():
+    """One store operation per send: the registered-recipient rule is decided by
+    ``add`` itself, never by a separate ``is_registered`` question."""
+    from relay.store.memory import MemoryStore
+
+    class CountingStore(MemoryStore):
+        calls: list = []
+
+        def is_registered(self, agent):
+            self.calls.append("is_registered")
+            return super().is_registered(agent)
+
+        def add(self, message, rules, registered_recipient=False):
+            self.calls.append(("add", registered_recipient))
+            return super().add(message, rules, registered_recipient)
+
+    b = Broker(store=CountingStore())
+    await b.register("alpha", "beta")
+    assert_error(await b.post("alpha", "/messages", {"to": "nobody", "id": "lost"}),
+                 404, "no_such_agent")
+    assert (await b.post("alpha", "/messages", {"to": "beta", "id": "kept"})).code == 201
+    assert b.store.calls == [("add", True), ("add", True)]
+
+
+@pytest_twisted.ensureDeferred
 async def test_registered_offline_recipient_still_receives():
     b = await two_agents()
     b.clock.advance(10_000)

@@ -138,7 +138,7 @@ async def test_restart_keeps_leases_dedup_recovery_and_order(persistent, tmp_pat
         assert await store.add(fresh, RULES) is True
         seqs = [m.seq for m in await store.recent("beta", 200, START, RULES)]
         assert seqs == sorted(seqs, reverse=True) and seqs[0] == fresh.seq
-        assert store.is_registered("gamma") is True
+        assert await store.is_registered("gamma") is True
     finally:
         await store.close()
 

@@ -248,7 +248,7 @@ async def test_a_version_1_database_is_brought_to_the_newest_version(tmp_path):
             "SELECT name, sql FROM sqlite_master WHERE type = 'index'")}
         assert "(sender, seq)" in indexes["messages_outbox"]
         assert (await store.find("kept", START)).body == {"text": "hello"}
-        assert store.is_registered("beta")
+        assert store.is_registered("beta").result is True
         await store.add(new_message("alpha", "beta", START, id="after"), RULES)
         leased = await store.pull("beta", 10, LEASE, START, RULES)
         assert [m.id for m in leased] == ["kept", "after"]
@@ -487,7 +487,7 @@ async def test_imports_the_jsonl_backends_own_log(tmp_path):
     await jsonl.close()
     store = open_sqlite(tmp_path)
     try:
-        assert store.is_registered("beta") is True
+        assert store.is_registered("beta").result is True
         j1 = await store.find("j1", START)
         assert (j1.status, j1.lease_id) == (LEASED, leased.lease_id)
         assert (await store.find("j2", START)).status == QUEUED

@@ -4,8 +4,10 @@ Backends are found with :func:`twisted.plugin.getPlugins` as
 :class:`IStoreFactory` plugins (see ``twisted/plugins/relay_stores.py``); the
 broker opens the one whose ``name`` equals ``broker.storage``.
 
-Every :class:`IMessageStore` method returns a Deferred (``is_registered``
-excepted), also in memory, so a networked backend fits the same contract. The
+Each :class:`IMessageStore` method has one return shape: every one that reads
+or writes records returns a Deferred, also in memory, so a networked backend
+fits the same contract (``space_left`` answers at once; ``subscribe``,
+``observe_commits`` register a listener). The
 delivery rules themselves (spec §5.1) are the transitions of
 :mod:`relay.delivery`; a store keeps the records and indexes, applies the
 transitions it is handed, and reports what its committed changes mean for
@@ -52,12 +54,14 @@ class IMessageStore(Interface):
         every change once it is durable: this store's own, and, for a store shared
         by several brokers, those another broker made."""
 
-    def add(message, rules):
+    def add(message, rules, registered_recipient=False):
         """Store a new message (a :class:`relay.delivery.Message` without a seq).
 
         The store assigns the next sequence number. Fires with True when stored,
         False when a message with that id already exists (deduplication); fires
-        only once the message is durable. Errbacks 429 ``inbox_full`` when the
+        only once the message is durable. With ``registered_recipient``, errbacks
+        404 ``no_such_agent`` first when ``message.to`` never registered (spec §2),
+        decided in the same operation. Errbacks 429 ``inbox_full`` when the
         recipient's pending (queued or leased) messages would exceed a limit of
         ``rules`` (:func:`relay.delivery.inbox_full`), counted exactly (also
         across brokers sharing the store) from counters, never by a scan.
@@ -135,10 +139,8 @@ class IMessageStore(Interface):
         broker cannot tell (a store in memory, a database server's disk)."""
 
     def is_registered(agent):
-        """True when ``agent`` has ever registered. Answered at once with a bool by the
-        built-in stores (they keep the names in memory, and every send asks); a
-        Deferred firing with the bool is also accepted, for a store that must ask
-        elsewhere."""
+        """Fires with True when ``agent`` has ever registered (and not been forgotten).
+        A send does not ask it: :meth:`add` checks its recipient itself."""
 
     def peers():
         """Fires with ``[(agent, last_seen_seconds, card or None)]`` sorted by name."""

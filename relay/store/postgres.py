@@ -532,8 +532,12 @@ class PostgresRecords(Records):
         self.registered.add(agent)
 
     def is_registered(self, agent: str) -> bool:
+        """Asks the shared table; an agent found is remembered as registered."""
         self.cursor.execute(STATEMENTS["is_registered"], (agent,))
-        return self.cursor.fetchone() is not None
+        if self.cursor.fetchone() is None:
+            return False
+        self.registered.add(agent)
+        return True
 
     def peers(self) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
         self.cursor.execute(STATEMENTS["peers"])
@@ -1014,8 +1018,12 @@ class PostgresStore:
     def subscribe(self, listener: Callable[[Changes], None]) -> None:
         self._listeners.append(listener)
 
-    def add(self, message: Message, rules: Rules) -> Deferred:
-        return self._run(ops.add, message, rules)
+    def add(self, message: Message, rules: Rules,
+            registered_recipient: bool = False) -> Deferred:
+        """A recipient this broker knows registered is not looked up again."""
+        if registered_recipient and message.to in self._registered:
+            registered_recipient = False
+        return self._run(ops.add, message, rules, registered_recipient)
 
     def find(self, message_id: str, now: float) -> Deferred:
         return self._run(ops.find, message_id, now)
@@ -1065,20 +1073,12 @@ class PostgresStore:
         """None: the database's disk is the database server's to watch."""
         return None
 
-    def is_registered(self, agent: str):
-        """True at once for an agent known to have registered (until some broker
-        forgets agents); otherwise a Deferred that asks the shared table."""
+    def is_registered(self, agent: str) -> Deferred:
+        """Fires at once with True for an agent known to have registered (until some
+        broker forgets agents); otherwise after asking the shared table."""
         if agent in self._registered:
-            return True
-        d = self._run(is_registered, agent)
-
-        def answer(found: bool) -> bool:
-            if found:
-                self._registered.add(agent)
-            return found
-
-        d.addCallback(answer)
-        return d
+            return succeed(True)
+        return self._run(is_registered, agent)
 
     def peers(self) -> Deferred:
         return self._run(ops.peers)

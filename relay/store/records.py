@@ -175,9 +175,14 @@ def _refuse_if_full(records: Records, message: Message, rules: Rules) -> None:
             "try again once it has taken some")
 
 
-def add(records: Records, message: Message, rules: Rules) -> bool:
-    """Store a new message unless its recipient's inbox is full (429 ``inbox_full``);
-    a duplicate id is answered as a duplicate, full inbox or not."""
+def add(records: Records, message: Message, rules: Rules,
+        registered_recipient: bool = False) -> bool:
+    """Store a new message unless its recipient never registered while
+    ``registered_recipient`` asks it to have (404 ``no_such_agent``) or its inbox is
+    full (429 ``inbox_full``); a duplicate id is answered as a duplicate, full inbox
+    or not."""
+    if registered_recipient and not records.is_registered(message.to):
+        raise errors.no_such_agent(f"recipient {message.to!r} has never registered")
     _refuse_if_full(records, message, rules)
     if not records.insert(message):
         return False
@@ -362,8 +367,9 @@ class RecordStore:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def add(self, message: Message, rules: Rules) -> Deferred:
-        return self._run(add, message, rules)
+    def add(self, message: Message, rules: Rules,
+            registered_recipient: bool = False) -> Deferred:
+        return self._run(add, message, rules, registered_recipient)
 
     def find(self, message_id: str, now: float) -> Deferred:
         return self._run(find, message_id, now)
@@ -406,8 +412,9 @@ class RecordStore:
         """None: a store in memory has no disk to fill."""
         return None
 
-    def is_registered(self, agent: str) -> bool:
-        return self.records.is_registered(agent)
+    def is_registered(self, agent: str) -> Deferred:
+        """Answered at once: the records know their agents before the commit."""
+        return succeed(self.records.is_registered(agent))
 
     def peers(self) -> Deferred:
         return self._run(peers)
