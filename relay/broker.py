@@ -265,23 +265,16 @@ class Broker:
             "sendsRefused": self.disk_low(),
         }
 
-    @inlineCallbacks
-    def receipt(self, agent: str, message_id: str, raw_body: bytes):
+    def receipt(self, agent: str, message_id: str, raw_body: bytes) -> Deferred:
         """The v1.0 receipt ``POST /messages/<id>/ack``: stores a ``type: "ack"``
-        envelope back to the sender; fires with the receipt's id. The body is read
-        only once the target is known to be the caller's (404 and 403 come first)."""
-        target = yield self.store.find(message_id, self.clock.seconds())
-        if target is None:
-            raise errors.no_such_message()
-        if target.to != agent:
-            raise errors.forbidden("only the recipient may acknowledge this message")
-        body = protocol.parse_json_body(raw_body)
-        envelope = protocol.ack_receipt({"id": target.id, "from": target.sender}, agent, body)
-        self.policy.check_route(agent, envelope["to"])
-        self._check_disk()
-        yield self.store.add(Message.from_envelope(envelope, self.clock.seconds()),
-                             self.policy.rules)
-        return envelope["id"]
+        envelope back to the sender (:func:`relay.delivery.receipt`, one store
+        operation); fires with the receipt's id. The body is read only once the
+        target is known to be the caller's (404 and 403 come first)."""
+        transition = delivery.receipt(agent, raw_body, self.policy.check_route,
+                                      self.disk_low())
+        d = self.store.settle(message_id, transition, self.clock.seconds(), self.policy.rules)
+        d.addErrback(self._count_disk_refusal)
+        return d
 
     def poll(self, agent: str, since: Optional[str], limit: int, wait: int) -> Deferred:
         """The v1.0 poll; fires with ``(envelopes, cursor)`` (each envelope JSON text).
@@ -329,51 +322,24 @@ class Broker:
         """Settle a lease (``/v1/ack``): every outcome, retry-after, and the atomic
         reply; fires with ``{ok, status, attempts}`` (+ ``replyId``, ``duplicate``)."""
         rules = self.policy.rules
+        reply = request.reply
         transition = delivery.ack(agent, request.lease_id, request.outcome, request.error,
-                                  rules, request.retry_after, request.reply,
-                                  self.policy.check_route)
-        if request.reply is None:
-            d = self.store.settle(request.message_id, transition, self.clock.seconds(), rules)
-        else:
-            d = self._ack_with_reply(agent, request, transition)
+                                  rules, request.retry_after, reply, self.policy.check_route,
+                                  None if reply is None else self.disk_low())
+        d = self.store.settle(request.message_id, transition, self.clock.seconds(), rules)
+        if reply is not None:
+            d.addErrback(self._count_disk_refusal)
         d.addCallback(self._acked, request.outcome)
         return d
+
+    def _count_disk_refusal(self, failure):
+        if failure.check(delivery.NewMessagesRefused):
+            self.counters.send_refused("disk_full")
+        return failure
 
     def _acked(self, result: Dict[str, Any], outcome: str) -> Dict[str, Any]:
         self.counters.message_acked(outcome)
         return result
-
-    @inlineCallbacks
-    def _ack_with_reply(self, agent: str, request: protocol.AckRequest, transition):
-        """A reply already stored for this message by this caller, with the message
-        done, is the same ack retried after a lost answer: ``duplicate: true``."""
-        repeated = yield self._repeated_reply(agent, request)
-        if repeated is not None:
-            return repeated
-        self._check_disk()
-        try:
-            result = yield self.store.settle(request.message_id, transition,
-                                             self.clock.seconds(), self.policy.rules)
-        except delivery.IdConflict:
-            repeated = yield self._repeated_reply(agent, request)  # stored meanwhile
-            if repeated is not None:
-                return repeated
-            raise
-        return result
-
-    @inlineCallbacks
-    def _repeated_reply(self, agent: str, request: protocol.AckRequest):
-        now = self.clock.seconds()
-        reply_id = request.reply["id"]
-        stored = yield self.store.find(reply_id, now)
-        if (stored is None or stored.sender != agent
-                or request.message_id not in (stored.parent_id, stored.reply_to)):
-            return None
-        target = yield self.store.find(request.message_id, now)
-        if target is None or target.status != protocol.DONE:
-            return None
-        return {"ok": True, "status": target.status, "attempts": target.attempts,
-                "replyId": reply_id, "duplicate": True}
 
     def renew(self, agent: str, message_id: str, lease_id: str,
               lease_seconds: Optional[int]) -> Deferred:

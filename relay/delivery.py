@@ -31,10 +31,19 @@ import os
 import uuid
 from dataclasses import dataclass
 from json.encoder import encode_basestring
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from relay import errors
-from relay.protocol import DONE, FAILED, LEASED, QUEUED, compact_json, iso_timestamp
+from relay.protocol import (
+    DONE,
+    FAILED,
+    LEASED,
+    QUEUED,
+    ack_receipt,
+    compact_json,
+    iso_timestamp,
+    parse_json_body,
+)
 
 _UNDECODED = object()  # Message._body before its stored JSON text is read
 _new_message = object.__new__
@@ -362,6 +371,16 @@ RouteCheck = Callable[[str, str], None]
 
 
 @dataclass(frozen=True)
+class WithStored:
+    """A transition that decides on a second stored message too: the store reads the
+    message ``other_id`` (None when unknown or expired) in the same transaction as
+    the message it settles, and applies ``decide(message, other, now)``."""
+
+    other_id: str
+    decide: Callable[[Message, Optional[Message], float], Outcome]
+
+
+@dataclass(frozen=True)
 class Rules:
     """The delivery policy the transitions apply: ``broker.*`` keys of the same names,
     read by the broker (their defaults are the config table's)."""
@@ -392,6 +411,14 @@ class IdConflict(errors.RelayError):
     def __init__(self, message_id: str) -> None:
         super().__init__(409, "id_conflict", "reply.id is used by another message")
         self.message_id = message_id
+
+
+class NewMessagesRefused(errors.RelayError):
+    """A transition that would store a new message while the broker refuses them (its
+    disk is nearly full): 503 ``busy`` with the broker's reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, "busy", reason)
 
 
 class Changes:
@@ -651,7 +678,8 @@ def reply_message(message: Message, agent: str, fields: Dict[str, Any], now: flo
 
 def ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Rules,
         retry_after: Optional[int] = None, reply: Optional[Dict[str, Any]] = None,
-        check_route: Optional[RouteCheck] = None) -> Transition:
+        check_route: Optional[RouteCheck] = None, refuse_new: Optional[str] = None
+        ) -> Union[Transition, WithStored]:
     """The ``/v1/ack`` transition (§5.1, v1.2 §2 and §6). Results
     ``{ok, status, attempts}``; with ``reply`` also ``replyId`` and ``duplicate``.
 
@@ -659,7 +687,44 @@ def ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Ru
     ``max_attempts`` -> failed); ``release`` -> queued; ``reject`` -> failed.
     ``retry_after`` holds a requeued message back that many seconds.
     ``check_route(sender, recipient)`` applies the routing ACL to the reply.
+
+    With ``reply``, a :class:`WithStored` transition that sees the stored message
+    of the reply's id: the same ack retried after its answer was lost is answered
+    by :func:`repeated_reply` (``duplicate: true``) before anything else is
+    checked; otherwise ``refuse_new`` (why new messages are refused now, None when
+    they are not) is :class:`NewMessagesRefused`, and then the ack applies.
     """
+    settle = _ack(agent, lease_id, outcome, error, rules, retry_after, reply, check_route)
+    if reply is None:
+        return settle
+
+    def decide(message: Message, stored: Optional[Message], now: float) -> Outcome:
+        repeated = repeated_reply(message, stored, agent)
+        if repeated is not None:
+            return Outcome(repeated)
+        if refuse_new is not None:
+            raise NewMessagesRefused(refuse_new)
+        return settle(message, now)
+
+    return WithStored(reply["id"], decide)
+
+
+def repeated_reply(message: Message, stored: Optional[Message], agent: str
+                   ) -> Optional[Dict[str, Any]]:
+    """The answer to an ack with a reply whose id is stored already, when that ack is
+    the same one retried (its answer was lost): ``stored`` was sent by ``agent`` in
+    answer to ``message``, and ``message`` is done. None when it is not."""
+    if (stored is None or stored.sender != agent
+            or message.id not in (stored.parent_id, stored.reply_to)
+            or message.status != DONE):
+        return None
+    return {"ok": True, "status": message.status, "attempts": message.attempts,
+            "replyId": stored.id, "duplicate": True}
+
+
+def _ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Rules,
+         retry_after: Optional[int], reply: Optional[Dict[str, Any]],
+         check_route: Optional[RouteCheck]) -> Transition:
 
     def transition(message: Message, now: float) -> Outcome:
         check_lease(message, agent, lease_id)
@@ -691,6 +756,31 @@ def ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Ru
         if answer is not None:
             value.update(replyId=answer.id, duplicate=False)
         return Outcome(value, notices, answer)
+
+    return transition
+
+
+def receipt(agent: str, raw_body: bytes, check_route: Optional[RouteCheck] = None,
+            refuse_new: Optional[str] = None) -> Transition:
+    """The v1.0 receipt ``POST /messages/<id>/ack`` (§4): a ``type: "ack"`` message from
+    the recipient back to the sender, stored as the outcome's reply; the acked
+    message does not change. Results the receipt's id.
+
+    403 when ``agent`` is not the recipient; then the body (``raw_body``, read only
+    now) is parsed (400), ``check_route`` applied to the receipt, and
+    ``refuse_new`` (why new messages are refused now) is :class:`NewMessagesRefused`.
+    """
+
+    def transition(message: Message, now: float) -> Outcome:
+        if message.to != agent:
+            raise errors.forbidden("only the recipient may acknowledge this message")
+        envelope = ack_receipt({"id": message.id, "from": message.sender}, agent,
+                               parse_json_body(raw_body))
+        if check_route is not None:
+            check_route(agent, envelope["to"])
+        if refuse_new is not None:
+            raise NewMessagesRefused(refuse_new)
+        return Outcome(envelope["id"], reply=Message.from_envelope(envelope, now))
 
     return transition
 

@@ -774,3 +774,22 @@ async def test_api_works_under_a_plain_site_body_limit_included():
     code, body, _ = await client.post("alpha", "/messages",
                                       raw=_sized_envelope(MAX_BODY_BYTES + 1))
     assert (code, body["error"]["code"]) == (400, "bad_request")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_receipt_is_one_store_operation():
+    from tests.test_api_v12 import logged_store
+
+    b = Broker(store=logged_store())
+    await b.register("alpha", "beta")
+    await b.message("alpha", "beta", id="m1")
+    del b.store.operations[:]
+    reply = await b.post("beta", "/messages/m1/ack", {"status": "ok"})
+    assert reply.code == 201
+    assert b.store.operations == ["settle"]
+    del b.store.operations[:]
+    assert_error(await b.post("alpha", "/messages/m1/ack", {"status": "ok"}), 403, "forbidden")
+    assert_error(await b.post("beta", "/messages/m1/ack", {"status": "maybe"}), 400,
+                 "bad_request")
+    assert_error(await b.post("beta", "/messages/none/ack", {}), 404, "no_such_message")
+    assert b.store.operations == ["settle"] * 3

@@ -533,3 +533,71 @@ async def test_card_lengths_count_code_points():
     b = await two_agents()
     card = {"description": "☃" * 2000, "skills": ["é" * 100] * 50}
     assert (await b.post("beta", "/register", {"card": card})).code == 200
+
+
+def logged_store():
+    """A memory store that notes the store operations requests make (``operations``)."""
+    from relay.store.memory import MemoryStore
+
+    class Logged(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.operations: list = []
+
+        def find(self, *args, **kwargs):
+            self.operations.append("find")
+            return super().find(*args, **kwargs)
+
+        def add(self, *args, **kwargs):
+            self.operations.append("add")
+            return super().add(*args, **kwargs)
+
+        def settle(self, *args, **kwargs):
+            self.operations.append("settle")
+            return super().settle(*args, **kwargs)
+
+    return Logged()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_ack_with_a_reply_is_one_settle_also_when_retried():
+    """The reply, the completion and the duplicate rule are one store operation."""
+    store = logged_store()
+    b = await two_agents(store=store)
+    leased = await lease(b, kind="request")
+    del store.operations[:]
+    body = {"messageId": leased["id"], "leaseId": leased["leaseId"], "outcome": "completed",
+            "reply": {"id": "r1", "body": {"n": 1}}}
+    assert (await b.post("beta", "/v1/ack", body)).json["duplicate"] is False
+    assert store.operations == ["settle"]
+    del store.operations[:]
+    assert (await b.post("beta", "/v1/ack", body)).json["duplicate"] is True
+    assert store.operations == ["settle"]
+    del store.operations[:]
+    await b.message("alpha", "beta", id="other")
+    (other,) = await b.pull("beta", limit=1)
+    del store.operations[:]
+    clash = dict(body, messageId="other", leaseId=other["leaseId"])
+    assert_error(await b.post("beta", "/v1/ack", clash), 409, "id_conflict")
+    assert store.operations == ["settle"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reply_is_refused_on_a_nearly_full_disk_but_a_retry_is_still_a_duplicate():
+    store = logged_store()
+    b = await two_agents(store=store)
+    leased = await lease(b, kind="request")
+    body = {"messageId": leased["id"], "leaseId": leased["leaseId"], "outcome": "completed",
+            "reply": {"id": "r1", "body": {"n": 1}}}
+    assert (await b.post("beta", "/v1/ack", body)).json["duplicate"] is False
+    await b.message("alpha", "beta", id="next")
+    (other,) = await b.pull("beta", limit=1)
+    store.space_left = lambda: 0
+    assert (await b.post("beta", "/v1/ack", body)).json["duplicate"] is True
+    refused = await b.post("beta", "/v1/ack", dict(body, messageId="next",
+                                                   leaseId=other["leaseId"],
+                                                   reply={"id": "r2", "body": {}}))
+    assert_error(refused, 503, "busy")
+    assert "disk is nearly full" in refused.json["error"]["message"]
+    assert b.broker.counters.refused == {"disk_full": 1}
+    assert (await b.store.find("next", START)).status == "leased", "nothing was settled"

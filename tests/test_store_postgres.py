@@ -307,6 +307,59 @@ def test_a_save_that_lost_a_race_conflicts(dsn):
         two.close()
 
 
+def test_a_reply_another_broker_stored_after_the_duplicate_rule_read_runs_the_ack_again(dsn):
+    """Two brokers settle the same ack with a reply at once: the one whose rule read
+    no reply, and whose insert then met the other's committed one, is run again and
+    answered as the duplicate it is, not 409."""
+    from relay.store import records as ops
+
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn)
+        _records(conn).insert(new_message("alpha", "beta", START, id="q", kind="request"))
+        (leased,) = ops.pull(_records(conn), "beta", 1, 60, START, RULES)
+    transition = delivery.ack("beta", leased.lease_id, "completed", None, RULES,
+                              reply={"id": "r1", "body": {}, "ack": False, "kind": "reply"})
+    one, two = connect(dsn), connect(dsn)
+    try:
+        def overtaken(message, stored, now):
+            assert stored is None
+            first = ops.settle(_records(one), "q", transition, now, RULES)
+            one.commit()  # the other broker's ack commits between the read and the insert
+            assert first["duplicate"] is False
+            return transition.decide(message, stored, now)
+
+        with pytest.raises(ops.Raced):
+            ops.settle(_records(two), "q", delivery.WithStored("r1", overtaken), START, RULES)
+        two.rollback()
+        again = ops.settle(_records(two), "q", transition, START, RULES)
+        assert again == {"ok": True, "status": "done", "attempts": 0, "replyId": "r1",
+                         "duplicate": True}
+    finally:
+        one.close()
+        two.close()
+
+
+def test_an_operation_that_raced_is_run_again_in_a_new_transaction(dsn):
+    from relay.store import records as ops
+
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn)
+    connections = postgres.Connections(postgres.conninfo_with_defaults(dsn), 1, "token")
+    tries = []
+
+    def operation(records):
+        tries.append(1)
+        if len(tries) == 1:
+            raise ops.Raced("r1")
+        return "answered"
+
+    try:
+        assert connections.interact(None, operation, ()).result == "answered"
+        assert len(tries) == 2
+    finally:
+        connections.close()
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_claim_gives_the_lease_of_delivery_lease(tmp_path, dsn):
     store = open_backend("postgres", tmp_path)

@@ -94,7 +94,11 @@ class IMessageStore(Interface):
         :mod:`relay.delivery` transition) to the message of that id, in one
         transaction: its changes, the failure notices of its
         :class:`~relay.delivery.Outcome` (one per request: an existing notice id is
-        not stored again) and its reply. What ``catch_up`` changed is kept also when
+        not stored again) and its reply. A :class:`relay.delivery.WithStored`
+        transition is applied as ``decide(message, other, now)``, ``other`` the
+        message ``other_id`` as read in the same transaction (None when unknown or
+        expired): an ack with a reply, its duplicate rule included, and a v1.0
+        receipt are each one settle. What ``catch_up`` changed is kept also when
         the transition raises. Fires with the outcome's value.
 
         Errbacks with :class:`relay.errors.RelayError`: 404 ``no_such_message``

@@ -61,7 +61,19 @@ import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.interfaces import IReactorThreads, IReactorTime
@@ -73,7 +85,7 @@ from zope.interface import implementer
 
 from relay import delivery, errors
 from relay.config import Config, Setting, check_keys, read_settings, table_keys
-from relay.delivery import Changes, Message, Rules, Transition
+from relay.delivery import Changes, Message, Rules, Transition, WithStored
 from relay.errors import ConfigError, RelayError
 from relay.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STATUSES
 from relay.store import records as ops
@@ -721,7 +733,7 @@ class Connections:
                     started = time.monotonic()
                     conn.commit()
                 return _Outcome(result, error, records, time.monotonic() - started)
-            except (Conflict, psycopg.errors.TransactionRollback):
+            except (Conflict, ops.Raced, psycopg.errors.TransactionRollback):
                 # another broker won a race, or PostgreSQL broke a deadlock: run it again
                 self._rollback(conn)
                 if attempt + 1 < MAX_TRIES:
@@ -1036,7 +1048,7 @@ class PostgresStore:
              parent_id: Optional[str] = None) -> Deferred:
         return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id)
 
-    def settle(self, message_id: str, transition: Transition, now: float,
+    def settle(self, message_id: str, transition: Union[Transition, WithStored], now: float,
                rules: Rules) -> Deferred:
         return self._run(ops.settle, message_id, transition, now, rules)
 

@@ -12,13 +12,24 @@ through a :class:`~relay.store.grouped.GroupCommit` (the persistent backends).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
 from zope.interface import implementer
 
 from relay import delivery, errors
-from relay.delivery import Changes, Message, Rules, Transition
+from relay.delivery import Changes, Message, Rules, Transition, WithStored
 from relay.protocol import KEEP_CARD
 from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore, QueueDepth
@@ -29,6 +40,12 @@ EXPIRE_BATCH = 2000
 RESPONSE_BUDGET_BYTES = 4 * 1024 * 1024
 
 Listener = Callable[[Changes], None]
+
+
+class Raced(Exception):
+    """A message an operation read as absent was stored by another writer before the
+    operation stored its own under that id: the operation is run again on fresh rows.
+    Only a store that several brokers write can meet it (``relay.store.postgres``)."""
 
 
 class Records:
@@ -224,15 +241,23 @@ def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: fl
     return messages
 
 
-def settle(records: Records, message_id: str, transition: Transition, now: float,
-           rules: Rules) -> Any:
+def settle(records: Records, message_id: str,
+           transition: Union[Transition, WithStored], now: float, rules: Rules) -> Any:
+    """One transition of one message, with what it stores, in one operation; a
+    :class:`~relay.delivery.WithStored` transition sees its second message as read in
+    the same operation."""
     message = records.get(message_id)
     if message is None or delivery.expired(message, now):
         raise errors.no_such_message()
     before = message.state()
     notices = list(delivery.catch_up(message, now, rules))
+    seen: Optional[Message] = None
     try:
-        outcome = transition(message, now)
+        if type(transition) is WithStored:
+            seen = find(records, transition.other_id, now)
+            outcome = transition.decide(message, seen, now)
+        else:
+            outcome = transition(message, now)
     except errors.RelayError:
         if message.state() != before:
             _saved(records, [before], [message])
@@ -241,8 +266,11 @@ def settle(records: Records, message_id: str, transition: Transition, now: float
     reply = outcome.reply
     if reply is not None:
         _refuse_if_full(records, reply, rules)
-        if not records.insert(reply):
-            raise delivery.IdConflict(reply.id)  # nothing was written
+        if not records.insert(reply):  # nothing was written
+            if (type(transition) is WithStored and seen is None
+                    and transition.other_id == reply.id):
+                raise Raced(reply.id)  # decided on a read another writer overtook
+            raise delivery.IdConflict(reply.id)
         delivery.wakes(records.changes, None, reply)
     if message.state() != before:
         _saved(records, [before], [message])
@@ -382,7 +410,7 @@ class RecordStore:
              parent_id: Optional[str] = None) -> Deferred:
         return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id)
 
-    def settle(self, message_id: str, transition: Transition, now: float,
+    def settle(self, message_id: str, transition: Union[Transition, WithStored], now: float,
                rules: Rules) -> Deferred:
         return self._run(settle, message_id, transition, now, rules)
 
