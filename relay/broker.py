@@ -24,8 +24,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from relay import __version__, delivery, errors, protocol
+from relay.counters import Counters
 from relay.delivery import Changes, Message, Rules
-from relay.ops.counters import Counters
 from relay.protocol import HEARTBEAT_TTL_SECONDS, KEEP_CARD, MAX_WAIT_SECONDS
 from relay.waiters import Waiters
 
@@ -181,7 +181,7 @@ class Broker:
                 "peerCards": True,
                 "signedNonce": {"required": self.policy.require_nonce},
             },
-            "storage": self.store.name,
+            "storage": self.storage(),
         }
 
     def register(self, agent: str, card: Any = KEEP_CARD) -> Deferred:
@@ -261,7 +261,7 @@ class Broker:
             "inboxMaxBytes": rules.inbox_max_bytes,
             "maxAgents": self.policy.max_agents,
             "minFreeDiskBytes": self.policy.min_free_disk_bytes,
-            "diskFreeBytes": self.store.space_left(),
+            "diskFreeBytes": self.disk_free(),
             "sendsRefused": self.disk_low(),
         }
 
@@ -419,6 +419,19 @@ class Broker:
                      count=len(agents))
 
     # -- operators (the ops listener) ------------------------------------------------
+
+    def storage(self) -> str:
+        """The store's name (``GET /``'s ``storage``)."""
+        return self.store.name
+
+    def disk_free(self) -> Optional[int]:
+        """The bytes free where the store writes, or None when the broker cannot tell."""
+        return self.store.space_left()
+
+    def waiting(self) -> int:
+        """How many requests wait for messages now (``/v1/pull`` ``waitSeconds`` and
+        ``GET /messages`` ``wait``)."""
+        return self.waiters.count()
 
     def queue_depths(self) -> Deferred:
         """Fires with the store's :class:`relay.store.interface.QueueDepth` list."""

@@ -16,9 +16,9 @@ from twisted.logger import Logger
 from relay.auth import Authenticator, RateLimiter
 from relay.broker import Broker, Policy
 from relay.config import Config
+from relay.counters import SAMPLE_SECONDS, Counters
 from relay.errors import ConfigError
 from relay.http import RelaySite
-from relay.ops.counters import SAMPLE_SECONDS, Counters
 from relay.ops.web import OpsAPI
 from relay.store.interface import ISharedLockouts, ISharedNonces
 from relay.tls import server_endpoints

@@ -17,9 +17,9 @@ from twisted.internet.defer import succeed
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
+from relay.counters import FLOW_SAMPLES, MAX_FLOW_PAIRS, OTHER, Counters, Histogram
 from relay.http import RelayRequest, RelaySite
 from relay.ops import metrics
-from relay.ops.counters import FLOW_SAMPLES, MAX_FLOW_PAIRS, OTHER, Counters, Histogram
 from relay.ops.web import OpsAPI
 from relay.store.interface import QueueDepth
 from relay.store.memory import MemoryStore
@@ -322,6 +322,37 @@ async def test_a_waiting_pull_is_a_gauge():
     assert value(f["relay_pull_waiting"]) == 1
     b.advance(5)
     assert waiting.result.code == 200 and b.broker.waiters.count() == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_broker_answers_what_ops_asks_of_it():
+    from tests.http_support import Broker
+
+    b = Broker()
+    await b.register("beta")
+    assert (b.broker.storage(), b.broker.disk_free(), b.broker.waiting()) == ("memory", None, 0)
+    b.store.space_left = lambda: 12345
+    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 5})
+    assert (b.broker.disk_free(), b.broker.waiting()) == (12345, 1)
+    b.advance(5)
+    assert waiting.result.code == 200 and b.broker.waiting() == 0
+
+
+def test_ops_asks_the_broker_and_the_broker_imports_nothing_of_ops():
+    """Layers point down: relay/ops reads the broker's answers, never its store or
+    waiters, and the broker (with its counters) knows nothing of relay/ops."""
+    import re
+
+    import relay
+
+    root = Path(relay.__file__).parent
+    reaching = [f"{path.name}: {m.group(0)}" for path in sorted((root / "ops").glob("*.py"))
+                for m in re.finditer(r"\.(store|waiters)\b(?!\.interface)",
+                                     path.read_text(encoding="utf-8"))]
+    assert reaching == []
+    for name in ("broker.py", "counters.py"):
+        text = (root / name).read_text(encoding="utf-8")
+        assert not re.search(r"^\s*(from|import) relay\.ops", text, re.MULTILINE), name
 
 
 def test_per_agent_series_are_capped_and_the_rest_summed():

@@ -1,6 +1,6 @@
 """``GET /metrics``: the broker's figures in the Prometheus text format.
 
-Counters and histograms come from :class:`relay.ops.counters.Counters`; the
+Counters and histograms come from :class:`relay.counters.Counters`; the
 queue gauges from the store's :class:`~relay.store.interface.QueueDepth` list,
 read once per scrape. Per-agent series exist only for agents with messages
 queued, leased, delayed or failed, at most :data:`MAX_AGENT_SERIES` of them
@@ -22,8 +22,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 
 from relay.auth import FAILURE_REASONS
+from relay.counters import OTHER, REFUSALS, Counters
 from relay.delivery import DEAD_REASONS
-from relay.ops.counters import OTHER, REFUSALS, Counters
 from relay.protocol import OUTCOMES
 from relay.store.interface import QueueDepth
 

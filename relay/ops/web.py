@@ -33,11 +33,11 @@ from werkzeug.routing import RequestRedirect
 
 from relay import __version__, errors, protocol
 from relay.broker import Broker
+from relay.counters import Counters
 from relay.delivery import Message
 from relay.errors import RelayError
 from relay.http import host_name
 from relay.ops import metrics
-from relay.ops.counters import Counters
 from relay.protocol import FAILED, LEASED, is_loopback_host
 from relay.web import check_body_size, raw_body, write_json
 
@@ -205,9 +205,9 @@ class OpsAPI:
         d = self.health()
 
         def answer(reason: Optional[str]) -> bytes:
-            document = {"ok": reason is None, "storage": self.broker.store.name,
+            document = {"ok": reason is None, "storage": self.broker.storage(),
                         "version": __version__,
-                        "diskFreeBytes": self.broker.store.space_left()}
+                        "diskFreeBytes": self.broker.disk_free()}
             if reason is not None:
                 document["reason"] = reason
             return write_json(request, 200 if reason is None else 503, document)
@@ -236,12 +236,12 @@ class OpsAPI:
         scrape = metrics.Scrape(
             now=self.clock.seconds(),
             depths=depths,
-            pull_waiting=self.broker.waiters.count(),
+            pull_waiting=self.broker.waiting(),
             agents_online=sum(1 for peer in peers if peer["online"]),
             version=__version__,
-            storage=self.broker.store.name,
+            storage=self.broker.storage(),
             agents_registered=len(peers),
-            disk_free_bytes=self.broker.store.space_left(),
+            disk_free_bytes=self.broker.disk_free(),
         )
         body = metrics.render(self.counters, scrape, self.extra_collectors)
         request.setHeader(b"content-type", metrics.CONTENT_TYPE.encode("ascii"))
@@ -314,7 +314,7 @@ class OpsAPI:
         return {
             "broker": {
                 "version": __version__,
-                "storage": broker.store.name,
+                "storage": broker.storage(),
                 "now": now,
                 "startedAt": self.started,
                 "uptimeSeconds": round(now - self.started, 3),
@@ -335,7 +335,7 @@ class OpsAPI:
                 "authFailures": dict(counters.auth_failures),
                 "lockouts": counters.lockouts,
                 "sendsRefused": dict(counters.refused),
-                "pullWaiting": broker.waiters.count(),
+                "pullWaiting": broker.waiting(),
                 "agentsOnline": sum(1 for peer in peers if peer["online"]),
                 "queued": sum(d.queued for d in depths),
                 "leased": sum(d.leased for d in depths),
