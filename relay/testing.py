@@ -1103,6 +1103,56 @@ class ExtensionContract(_Contract):
         assert (found.status, found.lease_id) == (LEASED, m.lease_id), "the lease is intact"
         assert (await store.find("taken", START)).sender == "gamma"
 
+    @pytest_twisted.ensureDeferred
+    async def test_an_ack_with_a_reply_retried_is_a_duplicate_of_one_settle(self, store):
+        m = await self.leased(store, id="ask", kind="request")
+        reply = {"id": "ans", "body": {}, "kind": "reply", "ack": False}
+        transition = delivery.ack("beta", m.lease_id, "completed", None, RULES, reply=reply)
+        assert (await settle(store, "ask", transition, START))["duplicate"] is False
+        again = await settle(store, "ask", transition, START + 1)
+        assert again == {"ok": True, "status": DONE, "attempts": 0, "replyId": "ans",
+                         "duplicate": True}
+        other = delivery.ack("gamma", "whatever", "completed", None, RULES, reply=reply)
+        e = await _error(settle(store, "ask", other, START + 1))
+        assert (e.status, e.code) == (403, "forbidden"), "another sender's retry is no duplicate"
+        answers = await store.query("alpha", 10, {"parentId": "ask"}, START + 1, RULES)
+        assert [a.id for a in answers] == ["ans"], "stored once"
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_transition_with_a_stored_message_sees_it_in_its_settle(self, store):
+        await self.send(store, id="m")
+        await self.send(store, id="near", sender="gamma", to="delta")
+        await self.send(store, id="brief", ttl_seconds=5)
+        seen = []
+
+        def decide(message, other, now):
+            seen.append((message.id, None if other is None else (other.id, other.sender)))
+            message.error = "looked"
+            return delivery.Outcome("decided")
+
+        for other_id in ("near", "absent", "brief"):
+            result = await settle(store, "m", delivery.WithStored(other_id, decide), START + 10)
+            assert result == "decided"
+        assert seen == [("m", ("near", "gamma")), ("m", None), ("m", None)], \
+            "an expired message is not seen"
+        assert (await store.find("m", START + 10)).error == "looked"
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_receipt_is_one_settle_storing_an_ack_back_to_the_sender(self, store):
+        heard = Recorder()
+        store.subscribe(heard)
+        await self.send(store, id="m1")
+        heard.take()
+        receipt_id = await settle(store, "m1", delivery.receipt("beta", b'{"status": "ok"}'),
+                                  START + 1)
+        receipt = await store.find(receipt_id, START + 1)
+        assert (receipt.type, receipt.sender, receipt.to, receipt.reply_to, receipt.body) == (
+            "ack", "beta", "alpha", "m1", {"status": "ok"})
+        assert (await store.find("m1", START + 1)).status == QUEUED
+        assert heard.take() == ({"alpha"}, set())
+        e = await _error(settle(store, "m1", delivery.receipt("alpha", b"{}"), START + 1))
+        assert (e.status, e.code) == (403, "forbidden")
+
     # -- §7 TTL and delay ------------------------------------------------------------------
 
     @pytest_twisted.ensureDeferred
