@@ -253,7 +253,7 @@ def settle(records: Records, message_id: str,
     notices = list(delivery.catch_up(message, now, rules))
     seen: Optional[Message] = None
     try:
-        if type(transition) is WithStored:
+        if isinstance(transition, WithStored):
             seen = find(records, transition.other_id, now)
             outcome = transition.decide(message, seen, now)
         else:
@@ -267,7 +267,7 @@ def settle(records: Records, message_id: str,
     if reply is not None:
         _refuse_if_full(records, reply, rules)
         if not records.insert(reply):  # nothing was written
-            if (type(transition) is WithStored and seen is None
+            if (isinstance(transition, WithStored) and seen is None
                     and transition.other_id == reply.id):
                 raise Raced(reply.id)  # decided on a read another writer overtook
             raise delivery.IdConflict(reply.id)
