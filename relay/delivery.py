@@ -694,37 +694,6 @@ def ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Ru
     checked; otherwise ``refuse_new`` (why new messages are refused now, None when
     they are not) is :class:`NewMessagesRefused`, and then the ack applies.
     """
-    settle = _ack(agent, lease_id, outcome, error, rules, retry_after, reply, check_route)
-    if reply is None:
-        return settle
-
-    def decide(message: Message, stored: Optional[Message], now: float) -> Outcome:
-        repeated = repeated_reply(message, stored, agent)
-        if repeated is not None:
-            return Outcome(repeated)
-        if refuse_new is not None:
-            raise NewMessagesRefused(refuse_new)
-        return settle(message, now)
-
-    return WithStored(reply["id"], decide)
-
-
-def repeated_reply(message: Message, stored: Optional[Message], agent: str
-                   ) -> Optional[Dict[str, Any]]:
-    """The answer to an ack with a reply whose id is stored already, when that ack is
-    the same one retried (its answer was lost): ``stored`` was sent by ``agent`` in
-    answer to ``message``, and ``message`` is done. None when it is not."""
-    if (stored is None or stored.sender != agent
-            or message.id not in (stored.parent_id, stored.reply_to)
-            or message.status != DONE):
-        return None
-    return {"ok": True, "status": message.status, "attempts": message.attempts,
-            "replyId": stored.id, "duplicate": True}
-
-
-def _ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Rules,
-         retry_after: Optional[int], reply: Optional[Dict[str, Any]],
-         check_route: Optional[RouteCheck]) -> Transition:
 
     def transition(message: Message, now: float) -> Outcome:
         check_lease(message, agent, lease_id)
@@ -757,7 +726,31 @@ def _ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: R
             value.update(replyId=answer.id, duplicate=False)
         return Outcome(value, notices, answer)
 
-    return transition
+    if reply is None:
+        return transition
+
+    def decide(message: Message, stored: Optional[Message], now: float) -> Outcome:
+        repeated = repeated_reply(message, stored, agent)
+        if repeated is not None:
+            return Outcome(repeated)
+        if refuse_new is not None:
+            raise NewMessagesRefused(refuse_new)
+        return transition(message, now)
+
+    return WithStored(reply["id"], decide)
+
+
+def repeated_reply(message: Message, stored: Optional[Message], agent: str
+                   ) -> Optional[Dict[str, Any]]:
+    """The answer to an ack with a reply whose id is stored already, when that ack is
+    the same one retried (its answer was lost): ``stored`` was sent by ``agent`` in
+    answer to ``message``, and ``message`` is done. None when it is not."""
+    if (stored is None or stored.sender != agent
+            or message.id not in (stored.parent_id, stored.reply_to)
+            or message.status != DONE):
+        return None
+    return {"ok": True, "status": message.status, "attempts": message.attempts,
+            "replyId": stored.id, "duplicate": True}
 
 
 def receipt(agent: str, raw_body: bytes, check_route: Optional[RouteCheck] = None,
