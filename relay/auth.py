@@ -50,14 +50,18 @@ class RateLimiter:
 
     Each address costs one small tuple; the estimate weights the previous
     minute's count by how much of it still overlaps the sliding window.
+    ``on_refusal(address, key, limit)`` hears of the first refusal of an address
+    in each minute, with the config key whose limit it reached.
     """
 
     def __init__(
-        self, clock: IReactorTime, loopback: int, remote: int, max_tracked: int = MAX_TRACKED
+        self, clock: IReactorTime, loopback: int, remote: int, max_tracked: int = MAX_TRACKED,
+        on_refusal: Optional[Callable[[str, str, int], None]] = None,
     ) -> None:
         self.clock = clock
         self.loopback = loopback
         self.remote = remote
+        self.on_refusal = on_refusal
         self._windows: Bounded = Bounded(max_tracked)
         self._loopback_cache: Bounded = Bounded(1024)
 
@@ -80,19 +84,28 @@ class RateLimiter:
         limit = self.loopback if loop else self.remote
         now = self.clock.seconds()
         window = int(now // RATE_WINDOW_SECONDS)
+        # (minute, count of the minute before, count of this minute, minute of the
+        # last refusal)
         entry = self._windows.get(host)
-        if entry is None or entry[0] < window - 1:
-            previous, current = 0, 0
+        if entry is None:
+            previous, current, refused = 0, 0, -1
+        elif entry[0] < window - 1:
+            previous, current, refused = 0, 0, entry[3]
         elif entry[0] == window - 1:
-            previous, current = entry[2], 0
+            previous, current, refused = entry[2], 0, entry[3]
         else:
-            previous, current = entry[1], entry[2]
+            previous, current, refused = entry[1], entry[2], entry[3]
         elapsed = (now % RATE_WINDOW_SECONDS) / RATE_WINDOW_SECONDS
         estimate = previous * (1.0 - elapsed) + current
         if estimate >= limit:
-            self._windows.put(host, (window, previous, current))
-            raise errors.rate_limited()
-        self._windows.put(host, (window, previous, current + 1))
+            key = "rateLimitLoopback" if loop else "rateLimitRemote"
+            if refused != window and self.on_refusal is not None:
+                self.on_refusal(host, key, limit)
+            self._windows.put(host, (window, previous, current, window))
+            raise errors.rate_limited(
+                f"rate limit exceeded: broker.{key} allows {limit} requests a minute from "
+                "one address; slow down and retry")
+        self._windows.put(host, (window, previous, current + 1, refused))
 
     def tracked(self) -> int:
         """How many source addresses have a rate window (for tests and stats)."""

@@ -113,6 +113,12 @@ def _lock_reporter(counters: Counters) -> Callable[[str], None]:
     return locked
 
 
+def _log_rate_refusal(address: str, key: str, limit: int) -> None:
+    log.warn("rate limit: requests from {address} refused over broker.{key} ({limit} a "
+             "minute); further refusals of this address are not logged this minute",
+             address=address, key=key, limit=limit)
+
+
 def make_authenticator(config: Config, clock: IReactorTime, counters: Counters,
                        replacing: Optional[Authenticator] = None) -> Authenticator:
     """The authenticator of ``config``, reporting to ``counters``; it takes over the
@@ -132,7 +138,8 @@ def make_api(config: Config, store, clock: IReactorTime,
         auth.lockout.share(store.share_lockouts(auth.lockout))
     if ISharedNonces.providedBy(store):  # several brokers accept each signed nonce once
         auth.nonces.share(store)
-    limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote)
+    limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote,
+                          on_refusal=_log_rate_refusal)
     return RelayAPI(broker, auth, limiter, config.allowed_hosts)
 
 

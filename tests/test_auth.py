@@ -304,6 +304,41 @@ def test_rate_limit_per_address_per_minute(host, limit):
     assert refused(limiter.hit, host).code == "rate_limited"
 
 
+def test_a_429_names_the_key_and_the_limit():
+    limiter = RateLimiter(clock_at(60 * 1000), loopback=6, remote=3)
+    for host, key, limit in (("127.0.0.1", "rateLimitLoopback", 6),
+                             ("10.0.0.1", "rateLimitRemote", 3)):
+        for _ in range(limit):
+            limiter.hit(host)
+        assert refused(limiter.hit, host).message == (
+            f"rate limit exceeded: broker.{key} allows {limit} requests a minute from one "
+            "address; slow down and retry")
+
+
+def test_the_first_refusal_of_an_address_each_minute_is_reported():
+    clock = clock_at(60 * 1000)
+    heard = []
+    limiter = RateLimiter(clock, loopback=2, remote=2,
+                          on_refusal=lambda *refusal: heard.append(refusal))
+    for _ in range(2):
+        limiter.hit("10.0.0.1")
+        limiter.hit("2001:db8::1")
+    for _ in range(50):
+        refused(limiter.hit, "10.0.0.1")
+    refused(limiter.hit, "2001:db8::7")
+    assert heard == [("10.0.0.1", "rateLimitRemote", 2),
+                     ("2001:db8::/64", "rateLimitRemote", 2)]
+    clock.advance(59)
+    refused(limiter.hit, "10.0.0.1")
+    assert len(heard) == 2, "once a minute"
+    clock.advance(1)  # a new minute, the last one still weighs in full
+    refused(limiter.hit, "10.0.0.1")
+    assert heard[2:] == [("10.0.0.1", "rateLimitRemote", 2)]
+    clock.advance(120)
+    limiter.hit("10.0.0.1")
+    assert len(heard) == 3
+
+
 def test_rate_limit_default_budgets():
     clock = clock_at(60 * 1000)
     limiter = RateLimiter(clock, loopback=600, remote=120)

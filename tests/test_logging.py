@@ -113,3 +113,22 @@ async def test_a_lockout_is_logged_once_by_agent_name():
             await b.post("mallory", "/register", {}, secret="wrong")
     locks = [formatEvent(e) for e in events if "locked" in formatEvent(e)]
     assert locks == ["agent mallory is locked after repeated authentication failures"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_first_429_of_an_address_each_minute_is_logged_without_content():
+    marker = f"SECRET-MARKER-{uuid.uuid4().hex}"
+    b = Broker(rateLimitLoopback=3)
+    await b.register("alpha")
+    with capturedLogs() as events:
+        for _ in range(6):
+            reply = await b.post("alpha", "/messages", {"to": "alpha", "body": {"t": marker}})
+        assert_error(reply, 429, "rate_limited")
+        b.advance(60)  # the next minute: its first refusal is logged again
+        for _ in range(6):
+            reply = await b.post("alpha", "/messages", {"to": "alpha", "body": {"t": marker}})
+    limited = [formatEvent(e) for e in events if "rate limit" in formatEvent(e)]
+    assert limited == ["rate limit: requests from 127.0.0.1 refused over "
+                       "broker.rateLimitLoopback (3 a minute); further refusals of this "
+                       "address are not logged this minute"] * 2
+    assert marker not in rendered(events)
