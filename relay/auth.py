@@ -12,7 +12,18 @@ import heapq
 import hmac
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+)
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -112,23 +123,50 @@ class RateLimiter:
         return len(self._windows)
 
 
+# The key of an agent-wide lock: it refuses the agent from every address.
+EVERY_ADDRESS = "*"
+# Failures from this many addresses within one lock period lock the agent itself.
+AGENT_LOCK_ADDRESSES = 3
+# The failure counts kept per agent, one per address (the oldest are forgotten).
+MAX_ADDRESSES_PER_AGENT = 64
+
+
+class Counted(NamedTuple):
+    """What one authentication failure did: the lock it caused (an address, or
+    :data:`EVERY_ADDRESS`; None when it locked nothing), and, where brokers share
+    their counts, a Deferred that fires once the failure is counted in the shared
+    table (it never fails)."""
+
+    locked: Optional[str]
+    shared: Optional[Deferred]
+
+
 class SharedLockouts(Protocol):
     """Where a :class:`Lockout` also reports, when several brokers share its counts
-    (see :class:`relay.store.interface.ISharedLockouts`). Both calls return at once."""
+    (see :class:`relay.store.interface.ISharedLockouts`)."""
 
-    def failed(self, agent: str) -> None:
-        """Count a failure of ``agent`` for every broker."""
+    def failed(self, agent: str, address: str) -> Deferred:
+        """Count a failure of ``agent`` from ``address`` (an address group) for every
+        broker; fires once it is counted (and any lock it caused applied), never
+        fails."""
 
-    def succeeded(self, agent: str) -> None:
-        """``agent`` authenticated: reset its count for every broker."""
+    def succeeded(self, agent: str, address: str) -> None:
+        """``agent`` authenticated from ``address``: reset that count for every broker."""
 
 
 class Lockout:
-    """Consecutive authentication failures per agent, and the locks they cause.
+    """Authentication failures per agent and source address, and the locks they
+    cause (docs/SECURITY.md, "Brute force and the lockout").
+
+    ``after`` consecutive failures of an agent from one address lock that address
+    out for that agent for ``seconds``. The agent itself is locked (from every
+    address) once ``after`` of its failures within ``seconds`` of the first came
+    from at least :data:`AGENT_LOCK_ADDRESSES` addresses. Addresses are counted by
+    :func:`relay.protocol.address_group` (an IPv6 /64 is one address).
 
     Answers from its own tables, at once. With ``shared`` (brokers sharing one
-    store), failures and successes are also reported there, and locks decided
-    by another broker arrive through :meth:`lock`.
+    store), failures and successes are also reported there, and locks decided by
+    another broker arrive through :meth:`lock`. Every table is bounded.
     """
 
     def __init__(
@@ -140,61 +178,125 @@ class Lockout:
         self.seconds = seconds
         self.max_tracked = max_tracked
         self.shared = shared
+        # agent -> {address: consecutive failures}
         self._failures: Bounded = Bounded(max_tracked)
+        # agent -> (first failure of the period, failures, addresses (at most
+        # AGENT_LOCK_ADDRESSES of them))
+        self._spread: Bounded = Bounded(max_tracked)
+        # agent -> {address or EVERY_ADDRESS: the lock's end}
         self._locked: Bounded = Bounded(max_tracked)
+        self._groups: Bounded = Bounded(1024)
 
     def share(self, shared: SharedLockouts) -> None:
         """Report failures and successes to ``shared`` from now on."""
         self.shared = shared
 
-    def is_locked(self, agent: str) -> bool:
-        """True while ``agent`` is locked out."""
-        until = self._locked.get(agent)
-        if until is None:
-            return False
-        if self.clock.seconds() < until:
-            return True
-        del self._locked[agent]
-        return False
+    def address(self, source: str) -> str:
+        """The address a request from the client address ``source`` is counted under."""
+        group = self._groups.get(source)
+        if group is None:
+            group = address_group(source) if source else source
+            self._groups.put(source, group)
+        return group
 
-    def seconds_left(self, agent: str) -> float:
-        """How long ``agent`` stays locked (0 when it is not)."""
-        until = self._locked.get(agent)
-        return 0.0 if until is None else max(0.0, until - self.clock.seconds())
+    def seconds_left(self, agent: str, source: str) -> Tuple[float, str]:
+        """How long ``agent`` stays locked for requests from the client address
+        ``source`` (0 when it is not), and the lock's scope (the address, or
+        :data:`EVERY_ADDRESS`)."""
+        locks = self._locked.get(agent)
+        if locks is None:
+            return 0.0, EVERY_ADDRESS
+        now = self.clock.seconds()
+        for address in (EVERY_ADDRESS, self.address(source)):
+            until = locks.get(address)
+            if until is not None:
+                if now < until:
+                    return until - now, address
+                del locks[address]
+        if not locks:
+            del self._locked[agent]
+        return 0.0, EVERY_ADDRESS
 
-    def failed(self, agent: str) -> bool:
-        """Count a failure; the ``after``-th consecutive one locks the agent.
+    def is_locked(self, agent: str, source: str) -> bool:
+        """True while ``agent`` is locked for requests from ``source``."""
+        return self.seconds_left(agent, source)[0] > 0
 
-        Returns True when this failure locked the agent.
-        """
-        if self.shared is not None:
-            self.shared.failed(agent)
-        count = self._failures.get(agent, 0) + 1
-        if count >= self.after:
-            self._failures.pop(agent, None)
-            self._locked.put(agent, self.clock.seconds() + self.seconds)
-            return True
-        self._failures.put(agent, count)
-        return False
+    def failed(self, agent: str, source: str) -> Counted:
+        """Count a failure of ``agent`` from the client address ``source``."""
+        address = self.address(source)
+        shared = self.shared.failed(agent, address) if self.shared is not None else None
+        now = self.clock.seconds()
+        until = now + self.seconds
+        started, count, addresses = self._spread.get(agent) or (now, 0, ())
+        if now - started >= self.seconds:
+            started, count, addresses = now, 0, ()
+        if address not in addresses and len(addresses) < AGENT_LOCK_ADDRESSES:
+            addresses += (address,)
+        count += 1
+        if count >= self.after and len(addresses) >= AGENT_LOCK_ADDRESSES:
+            self._spread.pop(agent, None)
+            return Counted(self.lock(agent, until), shared)
+        self._spread.put(agent, (started, count, addresses))
+        counts = self._failures.get(agent)
+        if counts is None:
+            counts = {}
+            self._failures.put(agent, counts)
+        failures = counts.pop(address, 0) + 1
+        if failures >= self.after:
+            return Counted(self.lock(agent, until, address), shared)
+        counts[address] = failures
+        if len(counts) > MAX_ADDRESSES_PER_AGENT:
+            del counts[next(iter(counts))]
+        return Counted(None, shared)
 
-    def succeeded(self, agent: str) -> None:
-        """A valid request resets the agent's failure count."""
-        if agent in self._failures:
-            del self._failures[agent]
-        if self.shared is not None:
-            self.shared.succeeded(agent)
-
-    def lock(self, agent: str, until: float) -> None:
-        """Lock ``agent`` until ``until`` (epoch seconds): a lock another broker decided.
-        An existing lock that ends later stays."""
-        if until <= max(self._locked.get(agent, 0.0), self.clock.seconds()):
+    def succeeded(self, agent: str, source: str) -> None:
+        """A valid request resets the failure count of its agent and address."""
+        counts = self._failures.get(agent)
+        if counts is None and self.shared is None:
             return
-        self._failures.pop(agent, None)
-        self._locked.put(agent, until)
+        address = self.address(source)
+        if counts is not None and counts.pop(address, None) is not None and not counts:
+            del self._failures[agent]
+        if self.shared is not None:  # it knows whether another broker counted any
+            self.shared.succeeded(agent, address)
 
-    def clear(self, agent: str) -> None:
-        """Forget ``agent``'s failure count here only (another broker saw it succeed)."""
-        self._failures.pop(agent, None)
+    def lock(self, agent: str, until: float, address: str = EVERY_ADDRESS) -> Optional[str]:
+        """Lock ``agent`` from ``address`` (an address group, or every address)
+        until ``until`` (epoch seconds). An existing lock that ends later stays.
+        Returns ``address`` when this locked it, None when a lock held already."""
+        now = self.clock.seconds()
+        locks = self._locked.get(agent)
+        if locks is None:
+            locks = {}
+            self._locked.put(agent, locks)
+        for old in [a for a, end in locks.items() if end <= now]:
+            del locks[old]
+        if until <= max(locks.get(address, 0.0), now):
+            if not locks:
+                del self._locked[agent]
+            return None
+        locks[address] = until
+        counts = self._failures.get(agent)
+        if counts is not None:
+            counts.pop(address, None)
+            if address == EVERY_ADDRESS or not counts:
+                del self._failures[agent]
+        return address
+
+    def clear(self, agent: str, address: str) -> None:
+        """Forget ``agent``'s failure count from ``address`` here only (another
+        broker saw it succeed)."""
+        counts = self._failures.get(agent)
+        if counts is not None:
+            counts.pop(address, None)
+            if not counts:
+                del self._failures[agent]
+
+    def locks(self) -> List[Tuple[str, str, float]]:
+        """The locks in force: ``(agent, address or EVERY_ADDRESS, seconds left)``."""
+        now = self.clock.seconds()
+        return [(agent, address, until - now) for agent, locks in self._locked.items()
+                for address, until in locks.items() if until > now]
 
     def tracked(self) -> Tuple[int, int]:
         """How many agents have failure counts and locks (for tests and stats)."""
@@ -204,13 +306,27 @@ class Lockout:
 MAX_NONCES = 200_000
 
 
+class Signed(NamedTuple):
+    """A request whose signature verified: the agent that signed it, its nonce
+    (None without ``X-Relay-Nonce``), its timestamp, and the client address it came
+    from."""
+
+    agent: str
+    nonce: Optional[str]
+    timestamp: int
+    source: str = ""
+
+
 class SharedNonces(Protocol):
     """Where a :class:`NonceTable` also claims its nonces, when several brokers share
     them (see :class:`relay.store.interface.ISharedNonces`)."""
 
-    def claim_nonce(self, agent: str, nonce: str, timestamp: int) -> Deferred:
+    def claim_nonce(self, agent: str, nonce: str, timestamp: int,
+                    address: Optional[str] = None) -> Deferred:
         """Fires with True when no broker used ``nonce`` of ``agent`` within the skew
-        window, False when one did; errbacks (``503 busy``) when it cannot tell."""
+        window, False when one did; errbacks (``503 busy``) when it cannot tell.
+        Where lockouts are shared too, a lock of ``agent`` for ``address`` that any
+        broker set is applied to this broker's :class:`Lockout` before it fires."""
 
 
 class NonceTable:
@@ -291,7 +407,7 @@ class Authenticator:
         lock_after_failures: int = 5,
         lock_seconds: float = 300.0,
         max_tracked: int = MAX_TRACKED,
-        on_lock: Optional[Callable[[str], None]] = None,
+        on_lock: Optional[Callable[[str, str], None]] = None,
         require_nonce: bool = False,
         max_nonces: int = MAX_NONCES,
         shared_secrets: Sequence[str] = (),
@@ -320,11 +436,12 @@ class Authenticator:
 
     @classmethod
     def from_config(cls, config: Config, clock: IReactorTime,
-                    on_lock: Optional[Callable[[str], None]] = None,
+                    on_lock: Optional[Callable[[str, str], None]] = None,
                     replacing: Optional[Authenticator] = None,
                     on_failure: Optional[Callable[[str], None]] = None) -> Authenticator:
-        """An authenticator for the broker's settings; ``on_lock(agent)`` hears of new
-        locks. ``replacing`` is the authenticator it takes over from (a reload)."""
+        """An authenticator for the broker's settings; ``on_lock(agent, address)``
+        hears of new locks (``address`` is :data:`EVERY_ADDRESS` for the agent's own).
+        ``replacing`` is the authenticator it takes over from (a reload)."""
         return cls(
             clock,
             config.secret,
@@ -339,14 +456,23 @@ class Authenticator:
             on_failure=on_failure,
         )
 
+    @property
+    def shares_nonces(self) -> bool:
+        """True when a nonce accepted here must also be claimed from a table shared
+        with other brokers (:meth:`claim`)."""
+        return self.nonces.shared is not None
+
     def _refused(self, reason: str, error: errors.RelayError) -> errors.RelayError:
         if self.on_failure is not None:
             self.on_failure(reason)
         return error
 
-    def _failed(self, agent: str, reason: str, error: errors.RelayError) -> errors.RelayError:
-        if self.lockout.failed(agent) and self.on_lock is not None:
-            self.on_lock(agent)
+    def _failed(self, agent: str, source: str, reason: str,
+                error: errors.RelayError) -> errors.RelayError:
+        counted = self.lockout.failed(agent, source)
+        if counted.locked is not None and self.on_lock is not None:
+            self.on_lock(agent, counted.locked)
+        error.pending = counted.shared
         return self._refused(reason, error)
 
     def _keys_for(self, agent: str) -> Optional[Tuple[Any, ...]]:
@@ -354,7 +480,7 @@ class Authenticator:
             return self._shared
         return self._keys.get(agent)
 
-    def authenticate(
+    def verify(
         self,
         method: bytes,
         path: bytes,
@@ -363,17 +489,22 @@ class Authenticator:
         signature_header: Optional[bytes],
         raw_body: bytes,
         nonce_header: Optional[bytes] = None,
-    ) -> Union[str, Deferred]:
-        """The authenticated agent name, or a RelayError (401, 403 ``locked``, or 503
-        when the nonce table is full).
+        source: str = "",
+    ) -> Signed:
+        """The first step: check the §3 headers (and the §9 nonce) of a request from
+        the client address ``source``; returns who signed it. Raises a RelayError
+        on every failure: 401, 403 ``locked``, or 503 when the nonce table is full.
+
+        A failure that counts toward the lockout carries, in ``pending``, the
+        Deferred of its count in a table shared with other brokers (None when the
+        counts are not shared): answer the refusal once it fired, so that the
+        refusal that locks an agent means every broker refuses it.
 
         With ``X-Relay-Nonce`` the signing string covers the agent and the nonce,
-        and each nonce is accepted once; a replay is refused without counting
-        toward the lockout. ``require_nonce`` refuses requests without one.
-        When the nonces are shared with other brokers (:meth:`NonceTable.share`),
-        a nonce new to this broker gives a Deferred instead, firing with the agent
-        name once the shared table accepted it (or failing with the 401 of a
-        replay, or 503 when the shared table cannot tell).
+        and each nonce is accepted once by this broker; a replay is refused
+        without counting toward the lockout. ``require_nonce`` refuses requests
+        without one. Where nonces are shared (:attr:`shares_nonces`), a request
+        with a nonce is accepted only once :meth:`claim` succeeded too.
         """
         if not agent_header or not timestamp_header or not signature_header:
             raise self._refused("missing_headers",
@@ -400,15 +531,17 @@ class Authenticator:
         keys = self._keys_for(agent)
         if keys is None:
             raise self._refused("unknown_agent", errors.unknown_agent())
-        if self.lockout.is_locked(agent):
-            left = math.ceil(self.lockout.seconds_left(agent))
-            raise self._refused("locked", errors.locked(
-                f"agent is locked after repeated authentication failures; try again in {left} s"))
+        left, scope = self.lockout.seconds_left(agent, source)
+        if left > 0:
+            raise self._refused("locked", errors.locked(locked_message(agent, scope, left)))
         if not _is_integer(timestamp_header):
-            raise self._failed(agent, "bad_timestamp", errors.unauthenticated("invalid timestamp"))
+            raise self._failed(agent, source, "bad_timestamp",
+                               errors.unauthenticated("invalid timestamp"))
+        timestamp = int(timestamp_header)
         # Whole seconds on both sides: a fractional clock would make the window lopsided.
-        if abs(int(self.clock.seconds()) - int(timestamp_header)) > MAX_CLOCK_SKEW_SECONDS:
-            raise self._failed(agent, "clock_skew", errors.unauthenticated("timestamp skew"))
+        if abs(int(self.clock.seconds()) - timestamp) > MAX_CLOCK_SKEW_SECONDS:
+            raise self._failed(agent, source, "clock_skew",
+                               errors.unauthenticated("timestamp skew"))
         signed = signed_bytes(method, path, timestamp_header, raw_body, agent_header,
                               nonce_header)
         signature = signature_header.lower()
@@ -418,28 +551,57 @@ class Authenticator:
             if hmac.compare_digest(mac.hexdigest().encode("ascii"), signature):
                 break
         else:
-            raise self._failed(agent, "bad_signature", errors.unauthenticated(
+            raise self._failed(agent, source, "bad_signature", errors.unauthenticated(
                 "invalid signature; check the secret and the clock"))
         if nonce is not None:
-            nonces = self.nonces
             try:
-                nonces.use(agent, nonce, int(timestamp_header))
+                self.nonces.use(agent, nonce, timestamp)
             except errors.RelayError as error:
                 raise (self._refused("replayed", error) if error.status == 401 else error) from None
-            if nonces.shared is not None:
-                d = nonces.shared.claim_nonce(agent, nonce, int(timestamp_header))
-                d.addCallback(self._claimed, agent)
-                return d
-        self.lockout.succeeded(agent)
-        return agent
+            if self.nonces.shared is not None:  # the success is the claim's to count
+                return Signed(agent, nonce, timestamp, source)
+        self.lockout.succeeded(agent, source)
+        return Signed(agent, nonce, timestamp, source)
 
-    def _claimed(self, first: bool, agent: str) -> str:
-        """The end of :meth:`authenticate` once the shared table answered a claim."""
+    def claim(self, signed: Signed) -> Deferred:
+        """The second step, where :attr:`shares_nonces` and ``signed.nonce`` is not
+        None: claim the nonce from the table shared with other brokers. Fires with
+        the agent name once no broker had accepted it; fails with the 401 of a
+        replay (which counts toward no lockout), the 403 ``locked`` of a lock
+        another broker set meanwhile, or 503 ``busy`` when the shared table cannot
+        tell."""
+        shared = self.nonces.shared
+        if shared is None or signed.nonce is None:
+            raise ValueError("claim() is for a nonce of a broker sharing its nonces")
+        d = shared.claim_nonce(signed.agent, signed.nonce, signed.timestamp,
+                               self.lockout.address(signed.source))
+        d.addCallback(self._claimed, signed)
+        return d
+
+    def _claimed(self, first: bool, signed: Signed) -> str:
         if not first:
             raise self._refused("replayed", errors.unauthenticated(
                 "replayed request (this nonce was used)"))
-        self.lockout.succeeded(agent)
-        return agent
+        # A lock another broker set while this one verified (its notification on
+        # the way, or found by the claim itself) holds already.
+        left, scope = self.lockout.seconds_left(signed.agent, signed.source)
+        if left > 0:
+            raise self._refused("locked", errors.locked(
+                locked_message(signed.agent, scope, left)))
+        self.lockout.succeeded(signed.agent, signed.source)
+        return signed.agent
+
+
+def locked_message(agent: str, scope: str, seconds_left: float) -> str:
+    """The message of a ``403 locked``: what is locked, and for how long."""
+    if seconds_left >= 60:
+        left = f"{math.ceil(seconds_left / 60)} min"
+    else:
+        left = f"{max(1, math.ceil(seconds_left))} s"
+    what = (f"agent {agent} is locked after authentication failures from several addresses"
+            if scope == EVERY_ADDRESS else
+            f"agent {agent} is locked for this address after repeated authentication failures")
+    return f"{what}; try again in {left}"
 
 
 def _is_integer(value: bytes) -> bool:

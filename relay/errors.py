@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:
+    from twisted.internet.defer import Deferred
 
 
 class RelayError(Exception):
     """A protocol error: an HTTP status, a machine code (spec §6) and a human message.
 
     The message never carries message content: callers pass ids, field names and
-    limits only.
+    limits only. ``pending``, when set, is a Deferred the HTTP layer waits for
+    before it answers the error (a refused request whose failure is being counted
+    where brokers share their lockouts); it never fails.
     """
+
+    pending: Optional[Deferred] = None
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"{code} ({status}): {message}")

@@ -13,7 +13,7 @@ from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.auth import Authenticator, RateLimiter
+from relay.auth import EVERY_ADDRESS, Authenticator, RateLimiter
 from relay.broker import Broker, Policy
 from relay.config import Config
 from relay.counters import SAMPLE_SECONDS, Counters
@@ -105,9 +105,14 @@ class PeerWatch:
         self.online = online
 
 
-def _lock_reporter(counters: Counters) -> Callable[[str], None]:
-    def locked(agent: str) -> None:
-        log.warn("agent {agent} is locked after repeated authentication failures", agent=agent)
+def _lock_reporter(counters: Counters) -> Callable[[str, str], None]:
+    def locked(agent: str, address: str) -> None:
+        if address == EVERY_ADDRESS:
+            log.warn("agent {agent} is locked after authentication failures from several "
+                     "addresses", agent=agent)
+        else:
+            log.warn("agent {agent} is locked for address {address} after repeated "
+                     "authentication failures", agent=agent, address=address)
         counters.agent_locked(agent)
 
     return locked

@@ -14,7 +14,7 @@ import uuid
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 from klein import Klein
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
@@ -72,6 +72,16 @@ def message_list(envelopes: List[str], **fields: Any) -> bytes:
     tail = encode_json(fields)[1:] if fields else b"}"
     return b'{"messages":[' + ",".join(envelopes).encode("utf-8") + b"]" + (
         b"," + tail if fields else tail)
+
+
+def answer_error(request, error: RelayError) -> Union[bytes, Deferred]:
+    """The §6 answer of ``error``: its body, or, when the error has ``pending`` (a
+    refusal being counted where brokers share their lockouts), a Deferred of the
+    body firing once that is done."""
+    body = error.to_body()
+    if error.pending is None:
+        return write_json(request, error.status, body)
+    return error.pending.addBoth(lambda _: write_json(request, error.status, body))
 
 
 def check_body_size(request) -> None:
@@ -201,20 +211,29 @@ class RelayAPI:
         try:
             result = self._bound_app.execute_endpoint(endpoint, request)
         except Exception:
-            return self._answer(Failure(), request)
+            result = fail()  # its answer may wait (a refusal being counted)
         if not isinstance(result, Deferred):
             return result
         ready: List[bytes] = []
         pending = False
 
         def settled(value: Any) -> None:
+            if pending and (request.finished or getattr(request, "_disconnected", False)):
+                if isinstance(value, Failure) and not value.check(CancelledError):
+                    self.unexpected(request, value)  # logged by incident id; nobody to answer
+                return
+            answer = self._answer(value, request)
+            if isinstance(answer, Deferred):
+                answer.addCallback(deliver)
+            else:
+                deliver(answer)
+
+        def deliver(body: bytes) -> None:
             if not pending:
-                ready.append(self._answer(value, request))
+                ready.append(body)
             elif not (request.finished or getattr(request, "_disconnected", False)):
-                request.write(self._answer(value, request))
+                request.write(body)
                 request.finish()
-            elif isinstance(value, Failure) and not value.check(CancelledError):
-                self.unexpected(request, value)  # logged by incident id; nobody to answer
 
         result.addBoth(settled)
         if ready:
@@ -224,8 +243,9 @@ class RelayAPI:
             request.notifyFinish().addErrback(lambda _: result.cancel())
         return NOT_DONE_YET
 
-    def _answer(self, value: Any, request) -> bytes:
-        """The body answering ``request`` for a route's result or failure."""
+    def _answer(self, value: Any, request) -> Union[bytes, Deferred]:
+        """The body answering ``request`` for a route's result or failure (a Deferred
+        of it for an error to be answered later: see :meth:`relay_error`)."""
         if not isinstance(value, Failure):
             return value
         if value.check(RelayError):
@@ -239,10 +259,12 @@ class RelayAPI:
         request counts toward its address's rate limit, a refused one included.
         A Deferred firing with the agent (or failing) while a nonce new to this
         broker is claimed from the store it shares with other brokers."""
-        self.rate_limiter.hit(_peer_host(request))
+        source = _peer_host(request)
+        self.rate_limiter.hit(source)
         check_body_size(request)
         headers = request.requestHeaders
-        return self.auth.authenticate(
+        auth = self.auth
+        signed = auth.verify(
             request.method,
             request.uri,
             _header(headers, _AGENT),
@@ -250,7 +272,11 @@ class RelayAPI:
             _header(headers, _SIGNATURE),
             raw_body(request),
             _header(headers, _NONCE),
+            source,
         )
+        if signed.nonce is not None and auth.shares_nonces:
+            return auth.claim(signed)
+        return signed.agent
 
     def matches_as_sent(self, request, endpoint: str) -> bool:
         """True when the path as sent, before percent-decoding, matches ``endpoint``'s
@@ -264,9 +290,11 @@ class RelayAPI:
         return matched == endpoint
 
     @app.handle_errors(RelayError)
-    def relay_error(self, request, failure: Failure) -> bytes:
-        error = failure.value
-        return write_json(request, error.status, error.to_body())
+    def relay_error(self, request, failure: Failure) -> Union[bytes, Deferred]:
+        """The §6 body of a RelayError; for one with ``pending`` (a refusal being
+        counted in a table shared with other brokers), a Deferred of it, once the
+        count is done."""
+        return answer_error(request, failure.value)
 
     @app.handle_errors(NotFound, MethodNotAllowed, RequestRedirect)
     def no_route(self, request, failure: Failure) -> bytes:
@@ -275,7 +303,7 @@ class RelayAPI:
         try:
             agent = self.authenticate(request)
         except RelayError as error:
-            return write_json(request, error.status, error.to_body())
+            return answer_error(request, error)
         if agent.__class__ is not str:  # a shared nonce claim: a replay is 401 first
             return _no_route_for(agent, request).addErrback(self._refusal, request)
         return write_json(request, 404, _no_route(request).to_body())

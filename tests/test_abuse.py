@@ -22,6 +22,7 @@ import yaml
 from twisted.internet.task import Clock
 
 from relay.auth import Authenticator, RateLimiter
+from relay.errors import RelayError
 from relay.signing import sign
 from relay.testing import START
 from tests.broker_proc import BrokerProcess
@@ -384,15 +385,15 @@ def test_lockout_and_rate_tables_stay_bounded_for_thousands_of_names_and_address
     clock.advance(START)
     auth = Authenticator(clock, "s3cret", {}, max_tracked=1000)
     for i in range(20_000):
-        with pytest.raises(Exception):  # noqa: B017 (401 or 403, both RelayError)
-            auth.authenticate(b"GET", b"/peers", f"a{i}".encode(), b"%d" % int(START),
-                              b"00", b"")
+        with pytest.raises(RelayError):  # 401, or 403 once locked
+            auth.verify(b"GET", b"/peers", f"a{i}".encode(), b"%d" % int(START), b"00", b"",
+                        source=f"10.0.{i >> 8 & 255}.{i & 255}")
     failures, locks = auth.lockout.tracked()
     assert failures <= 1000 and locks <= 1000
     # A real agent is still served, and its own lock still works.
     ok = sign("s3cret", "GET", "/peers", int(START))
-    assert auth.authenticate(b"GET", b"/peers", b"alpha", b"%d" % int(START), ok.encode(),
-                             b"") == "alpha"
+    assert auth.verify(b"GET", b"/peers", b"alpha", b"%d" % int(START), ok.encode(),
+                       b"", source="10.0.0.1").agent == "alpha"
 
     limiter = RateLimiter(clock, 600, 120, max_tracked=1000)
     for i in range(50_000):

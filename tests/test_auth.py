@@ -9,6 +9,7 @@ import hmac
 from typing import Optional
 
 import pytest
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from relay.auth import Authenticator, Lockout, RateLimiter
@@ -39,13 +40,14 @@ def make_auth(clock: Clock, agents=None, after: int = 5, seconds: float = 300.0,
 
 def check(auth: Authenticator, agent: Optional[str] = "alpha", method: str = "POST",
           path: str = "/messages", body: bytes = BODY, timestamp: Optional[int] = None,
-          secret: str = SECRET, signature: Optional[str] = None) -> str:
+          secret: str = SECRET, signature: Optional[str] = None,
+          source: str = "10.0.0.1") -> str:
     ts = int(auth.clock.seconds()) if timestamp is None else timestamp
     sig = signature if signature is not None else sign(secret, method, path, ts, body)
-    return auth.authenticate(
+    return auth.verify(
         method.encode(), path.encode(), None if agent is None else agent.encode(),
-        str(ts).encode(), sig.encode(), body,
-    )
+        str(ts).encode(), sig.encode(), body, source=source,
+    ).agent
 
 
 def refused(f, *args, **kwargs) -> RelayError:
@@ -143,7 +145,7 @@ def test_skew_uses_the_clock():
 def test_malformed_timestamp_is_401(timestamp):
     auth = make_auth(clock_at())
     sig = sign(SECRET, "POST", "/messages", NOW, BODY).encode()
-    e = refused(auth.authenticate, b"POST", b"/messages", b"alpha", timestamp, sig, BODY)
+    e = refused(auth.verify, b"POST", b"/messages", b"alpha", timestamp, sig, BODY)
     assert (e.status, e.code) == (401, "unauthenticated")
 
 
@@ -157,7 +159,7 @@ def test_missing_or_empty_headers_are_401(missing, value):
     headers = {"agent": b"alpha", "timestamp": str(NOW).encode(),
                "signature": sign(SECRET, "POST", "/messages", NOW, BODY).encode()}
     headers[missing] = value
-    e = refused(auth.authenticate, b"POST", b"/messages", headers["agent"],
+    e = refused(auth.verify, b"POST", b"/messages", headers["agent"],
                 headers["timestamp"], headers["signature"], BODY)
     assert (e.status, e.code) == (401, "unauthenticated")
 
@@ -165,7 +167,7 @@ def test_missing_or_empty_headers_are_401(missing, value):
 @pytest.mark.parametrize("name", ["a" * 65, "bad name", "a/b", "ünï", "a\nb", "a:b", "*"])
 def test_bad_agent_names_are_401(name):
     auth = make_auth(clock_at())
-    e = refused(auth.authenticate, b"POST", b"/messages", name.encode("utf-8"),
+    e = refused(auth.verify, b"POST", b"/messages", name.encode("utf-8"),
                 str(NOW).encode(), sign(SECRET, "POST", "/messages", NOW, BODY).encode(), BODY)
     assert (e.status, e.code) == (401, "unauthenticated")
 
@@ -196,15 +198,98 @@ def test_unlock_after_lock_minutes():
     auth = make_auth(clock, seconds=300.0)
     for _ in range(5):
         refused(check, auth, secret="wrong")
-    assert refused(check, auth).message.endswith("; try again in 300 s")
+    assert refused(check, auth).message.endswith("; try again in 5 min")
     clock.advance(299.5)
     locked = refused(check, auth)
     assert locked.code == "locked"
     assert locked.message == (
-        "agent is locked after repeated authentication failures; try again in 1 s"
+        "agent alpha is locked for this address after repeated authentication failures; "
+        "try again in 1 s"
     )
     clock.advance(0.5)
     assert check(auth) == "alpha"
+
+
+def test_the_locked_message_counts_whole_minutes_up():
+    clock = clock_at()
+    auth = make_auth(clock, seconds=600.0)
+    for _ in range(5):
+        refused(check, auth, secret="wrong")
+    clock.advance(61)
+    assert refused(check, auth).message.endswith("try again in 9 min")  # 539 s left
+    clock.advance(480)
+    assert refused(check, auth).message.endswith("try again in 59 s")
+
+
+def test_a_lock_holds_for_the_failing_address_only():
+    """Five bad signatures from the attacker's address lock that address out for
+    the agent; the agent's own address is served as before."""
+    clock = clock_at()
+    auth = make_auth(clock)
+    for _ in range(5):
+        refused(check, auth, secret="wrong", source="203.0.113.66")
+    e = refused(check, auth, source="203.0.113.66")
+    assert (e.status, e.code) == (403, "locked") and "for this address" in e.message
+    assert check(auth, source="10.0.0.1") == "alpha"
+    assert check(auth, source="127.0.0.1") == "alpha"
+    assert auth.lockout.locks() == [("alpha", "203.0.113.66", 300.0)]
+
+
+def test_failures_from_several_addresses_lock_the_agent_everywhere():
+    clock = clock_at()
+    heard = []
+    auth = Authenticator(clock, SECRET, {}, on_lock=lambda *lock: heard.append(lock))
+    for source in ("203.0.113.1", "203.0.113.2", "203.0.113.1", "203.0.113.2"):
+        refused(check, auth, secret="wrong", source=source)
+    assert check(auth, source="10.0.0.1") == "alpha", "two addresses: no agent-wide lock"
+    refused(check, auth, secret="wrong", source="198.51.100.7")  # a third address, 5th failure
+    e = refused(check, auth, source="10.0.0.1")
+    assert (e.status, e.code) == (403, "locked")
+    assert e.message.startswith("agent alpha is locked after authentication failures from "
+                                "several addresses; try again in 5 min")
+    assert heard == [("alpha", "*")]
+    assert check(auth, agent="beta", source="10.0.0.1") == "beta", "the lock is per agent"
+    clock.advance(300)
+    assert check(auth, source="10.0.0.1") == "alpha"
+
+
+def test_the_agent_wide_count_covers_one_lock_period():
+    clock = clock_at()
+    auth = make_auth(clock)
+    for source in ("203.0.113.1", "203.0.113.2", "203.0.113.1", "203.0.113.2"):
+        refused(check, auth, secret="wrong", source=source)
+    clock.advance(300)  # the period of the first failure is over: the count starts again
+    refused(check, auth, secret="wrong", source="198.51.100.7")
+    assert check(auth, source="10.0.0.1") == "alpha"
+
+
+def test_failures_from_one_address_never_lock_the_agent_everywhere():
+    clock = clock_at()
+    auth = make_auth(clock, seconds=60.0)
+    for _ in range(10):  # an attacker that comes back as each lock ends
+        for _ in range(5):
+            refused(check, auth, secret="wrong", source="203.0.113.66")
+        assert refused(check, auth, source="203.0.113.66").code == "locked"
+        assert check(auth, source="10.0.0.1") == "alpha"
+        clock.advance(60)
+
+
+def test_lockout_counts_ipv6_addresses_per_64():
+    auth = make_auth(clock_at())
+    for i in range(5):
+        refused(check, auth, secret="wrong", source=f"2001:db8:1:2::{i + 1:x}")
+    assert refused(check, auth, source="2001:db8:1:2:ffff::9").code == "locked"
+    assert check(auth, source="2001:db8:1:3::1") == "alpha"
+    assert auth.lockout.locks()[0][1] == "2001:db8:1:2::/64"
+
+
+def test_a_success_resets_the_count_of_its_own_address_only():
+    auth = make_auth(clock_at())
+    for _ in range(4):
+        refused(check, auth, secret="wrong", source="203.0.113.66")
+    assert check(auth, source="10.0.0.1") == "alpha"
+    refused(check, auth, secret="wrong", source="203.0.113.66")
+    assert refused(check, auth, source="203.0.113.66").code == "locked"
 
 
 def test_a_bad_signature_says_what_to_check():
@@ -395,8 +480,25 @@ def test_failure_and_lock_tables_are_bounded():
 def test_default_tables_stay_bounded_for_100k_names():
     lockout = Lockout(clock_at(), after=5, seconds=300)
     for i in range(100_000):
-        lockout.failed(f"agent{i}")
+        lockout.failed(f"agent{i}", "10.0.0.1")
     assert lockout.tracked()[0] <= 50_000
+
+
+def test_the_addresses_counted_for_one_agent_are_bounded():
+    """An attacker cycling through addresses gets no table entry per address: after
+    five failures from three addresses the agent is locked, and its counts go."""
+    auth = make_auth(clock_at())
+    for i in range(10_000):
+        refused(check, auth, secret="wrong", source=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}")
+    assert auth.lockout.tracked() == (0, 1)
+    assert [(agent, address) for agent, address, _ in auth.lockout.locks()] == [("alpha", "*")]
+    lockout = Lockout(clock_at(), after=5, seconds=300)
+    for i in range(10_000):  # four from each address, two addresses a period
+        clock = lockout.clock
+        for _ in range(2):
+            lockout.failed("alpha", f"10.0.{i >> 8 & 255}.{i & 255}")
+        clock.advance(300)
+    assert all(len(counts) <= 64 for counts in lockout._failures.values())
 
 
 def test_rate_windows_are_bounded():
@@ -446,12 +548,12 @@ def test_any_of_an_agents_secrets_verifies_and_only_its_own():
 def test_every_refusal_names_its_reason():
     heard = []
     auth = Authenticator(clock_at(), SECRET, {}, lock_after_failures=2, on_failure=heard.append)
-    refused(auth.authenticate, b"GET", b"/peers", None, b"1", b"x", b"")
+    refused(auth.verify, b"GET", b"/peers", None, b"1", b"x", b"")
     refused(check, auth, "bad name")
     refused(check, auth, timestamp=NOW - 1000)
     refused(check, auth, signature="0" * 64)
     refused(check, auth)  # locked now
-    bad_ts = auth.authenticate
+    bad_ts = auth.verify
     refused(bad_ts, b"GET", b"/", b"beta", b"soon", b"x", b"")
     per_agent = Authenticator(clock_at(), SECRET, {"a": AgentConfig(secret="x")},
                               on_failure=heard.append)
@@ -480,8 +582,8 @@ def check_nonce(auth: Authenticator, agent: str = "alpha", nonce: str = NONCE,
                 timestamp: Optional[int] = None) -> str:
     ts = int(auth.clock.seconds()) if timestamp is None else timestamp
     sig = sign(secret, "POST", "/messages", ts, BODY, signed_agent or agent, nonce)
-    return auth.authenticate(b"POST", b"/messages", agent.encode(), str(ts).encode(),
-                             sig.encode(), BODY, nonce.encode())
+    return auth.verify(b"POST", b"/messages", agent.encode(), str(ts).encode(),
+                       sig.encode(), BODY, nonce.encode()).agent
 
 
 def test_the_nonce_signing_string_has_the_agent_and_the_nonce():
@@ -541,36 +643,41 @@ class Reports:
     def __init__(self) -> None:
         self.seen = []
 
-    def failed(self, agent: str) -> None:
-        self.seen.append(("failed", agent))
+    def failed(self, agent: str, address: str) -> Deferred:
+        self.seen.append(("failed", agent, address))
+        return succeed(None)
 
-    def succeeded(self, agent: str) -> None:
-        self.seen.append(("succeeded", agent))
+    def succeeded(self, agent: str, address: str) -> None:
+        self.seen.append(("succeeded", agent, address))
 
 
 def test_a_shared_lockout_reports_and_takes_locks_decided_elsewhere():
     clock = clock_at()
     shared = Reports()
     lockout = Lockout(clock, after=3, seconds=300, shared=shared)
-    lockout.failed("a")
-    lockout.succeeded("a")
-    assert shared.seen == [("failed", "a"), ("succeeded", "a")]
-    lockout.failed("b")
-    lockout.lock("b", clock.seconds() + 60)  # another broker's count reached 3
-    assert lockout.is_locked("b") and lockout.tracked() == (0, 1)
-    lockout.lock("b", clock.seconds() + 10)  # an earlier end changes nothing
-    lockout.lock("c", clock.seconds() - 1)  # nor a lock already over
+    assert lockout.failed("a", "::ffff:10.0.0.1").shared.called
+    lockout.succeeded("a", "10.0.0.1")
+    assert shared.seen == [("failed", "a", "10.0.0.1"), ("succeeded", "a", "10.0.0.1")]
+    lockout.failed("b", "10.0.0.1")
+    assert lockout.lock("b", clock.seconds() + 60) == "*"  # another broker locked b
+    assert lockout.is_locked("b", "10.9.9.9") and lockout.tracked() == (0, 1)
+    assert lockout.lock("b", clock.seconds() + 10) is None  # an earlier end changes nothing
+    assert lockout.lock("c", clock.seconds() - 1) is None  # nor a lock already over
+    assert lockout.lock("c", clock.seconds() + 30, "10.0.0.3") == "10.0.0.3"
+    assert lockout.is_locked("c", "10.0.0.3") and not lockout.is_locked("c", "10.0.0.4")
     clock.advance(59)
-    assert lockout.is_locked("b") and not lockout.is_locked("c")
+    assert lockout.is_locked("b", "10.0.0.1") and not lockout.is_locked("c", "10.0.0.3")
     clock.advance(1)
-    assert not lockout.is_locked("b")
-    lockout.failed("d")
-    lockout.failed("d")
-    lockout.clear("d")  # another broker saw d succeed: the count starts over here too
-    lockout.failed("d")
-    lockout.failed("d")
-    assert not lockout.is_locked("d")
-    assert ("succeeded", "d") not in shared.seen, "a remote success is not reported back"
+    assert not lockout.is_locked("b", "10.0.0.1")
+    lockout.failed("d", "10.0.0.1")
+    lockout.failed("d", "10.0.0.1")
+    lockout.clear("d", "10.0.0.1")  # another broker saw d succeed: the count starts over
+    lockout.failed("d", "10.0.0.1")
+    lockout.failed("d", "10.0.0.1")
+    assert not lockout.is_locked("d", "10.0.0.1")
+    assert ("succeeded", "d", "10.0.0.1") not in shared.seen, "a remote success is not reported"
+    lockout.succeeded("e", "::ffff:10.0.0.5")  # no count here: another broker may have one
+    assert shared.seen[-1] == ("succeeded", "e", "10.0.0.5")
 
 
 def test_a_replacement_authenticator_remembers_the_nonces_seen():
@@ -586,8 +693,8 @@ def test_a_replacement_authenticator_remembers_the_nonces_seen():
     signature = sign(config.secret, "GET", "/peers", ts, b"", "alpha", nonce)
 
     def send(auth):
-        return auth.authenticate(b"GET", b"/peers", b"alpha", str(ts).encode(),
-                                 signature.encode(), b"", nonce.encode())
+        return auth.verify(b"GET", b"/peers", b"alpha", str(ts).encode(),
+                           signature.encode(), b"", nonce.encode()).agent
 
     assert send(old) == "alpha"
     new = Authenticator.from_config(config, clock, replacing=old, on_failure=heard.append)

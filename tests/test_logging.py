@@ -112,7 +112,8 @@ async def test_a_lockout_is_logged_once_by_agent_name():
         for _ in range(7):
             await b.post("mallory", "/register", {}, secret="wrong")
     locks = [formatEvent(e) for e in events if "locked" in formatEvent(e)]
-    assert locks == ["agent mallory is locked after repeated authentication failures"]
+    assert locks == ["agent mallory is locked for address 127.0.0.1 after repeated "
+                     "authentication failures"]
 
 
 @pytest_twisted.ensureDeferred

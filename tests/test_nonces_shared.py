@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import pytest_twisted
@@ -36,10 +36,13 @@ class Shared:
 
     def __init__(self) -> None:
         self.claims: List[Tuple[str, str, int]] = []
+        self.addresses: List[Optional[str]] = []
         self.pending: List[Deferred] = []
 
-    def claim_nonce(self, agent: str, nonce: str, timestamp: int) -> Deferred:
+    def claim_nonce(self, agent: str, nonce: str, timestamp: int,
+                    address: Optional[str] = None) -> Deferred:
         self.claims.append((agent, nonce, timestamp))
+        self.addresses.append(address)
         d: Deferred = Deferred()
         self.pending.append(d)
         return d
@@ -58,11 +61,15 @@ def clock_at(now: float = START) -> Clock:
 
 
 def nonce_request(auth: Authenticator, agent: str = "alpha", nonce: str = NONCE):
+    """The agent, or the Deferred of the shared claim: the HTTP layer's two steps."""
     ts = int(auth.clock.seconds())
     headers = auth_headers(SECRET, agent, "GET", "/peers", ts, b"", nonce)
-    return auth.authenticate(b"GET", b"/peers", agent.encode(), str(ts).encode(),
-                             headers["X-Relay-Signature"].encode(), b"",
-                             nonce.encode())
+    signed = auth.verify(b"GET", b"/peers", agent.encode(), str(ts).encode(),
+                         headers["X-Relay-Signature"].encode(), b"", nonce.encode())
+    assert signed == (agent, nonce, ts, "")
+    if auth.shares_nonces and signed.nonce is not None:
+        return auth.claim(signed)
+    return signed.agent
 
 
 def refused(d: Deferred) -> RelayError:
@@ -128,14 +135,18 @@ def test_a_shared_table_that_cannot_tell_is_503_and_counts_nothing():
 
 def test_requests_without_a_nonce_or_without_sharing_are_answered_at_once():
     auth = Authenticator(clock_at(), SECRET, {})
-    assert nonce_request(auth) == "alpha", "not shared: a str, no Deferred"
+    assert not auth.shares_nonces
+    assert nonce_request(auth) == "alpha", "not shared: no claim"
     shared = Shared()
     auth.nonces.share(shared)
+    assert auth.shares_nonces
     ts = int(START)
     headers = auth_headers(SECRET, "alpha", "GET", "/peers", ts, b"")
-    agent = auth.authenticate(b"GET", b"/peers", b"alpha", str(ts).encode(),
-                              headers["X-Relay-Signature"].encode(), b"")
-    assert agent == "alpha" and shared.claims == [], "no nonce, nothing to claim"
+    signed = auth.verify(b"GET", b"/peers", b"alpha", str(ts).encode(),
+                         headers["X-Relay-Signature"].encode(), b"")
+    assert signed == ("alpha", None, ts, "") and shared.claims == [], "no nonce, no claim"
+    with pytest.raises(ValueError):
+        auth.claim(signed)
 
 
 def test_a_reload_keeps_claiming_from_the_shared_table():

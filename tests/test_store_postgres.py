@@ -464,24 +464,57 @@ async def test_lockout_counts_are_shared(tmp_path, dsn):
         lockout_a.share(a.share_lockouts(lockout_a))
         lockout_b.share(b.share_lockouts(lockout_b))
         await _settle()
-        lockout_a.failed("x")
-        lockout_b.failed("x")
+        await lockout_a.failed("x", "10.0.0.1").shared
+        await lockout_b.failed("x", "10.0.0.1").shared
         await _settle()
-        lockout_a.failed("x")  # the third failure, counted on two brokers
+        # the third failure from one address, counted on two brokers: A knows of the
+        # lock once the count is done
+        await lockout_a.failed("x", "10.0.0.1").shared
+        assert lockout_a.is_locked("x", "10.0.0.1")
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not lockout_b.is_locked("x"):
+        while time.monotonic() < deadline and not lockout_b.is_locked("x", "10.0.0.1"):
             await _settle(0.02)
-        assert lockout_a.is_locked("x") and lockout_b.is_locked("x")
+        assert lockout_b.is_locked("x", "10.0.0.1")
+        assert not lockout_a.is_locked("x", "10.0.0.2") and not lockout_b.is_locked("x", "::1")
         # a success on one broker resets the count the other one started
-        lockout_a.failed("y")
-        lockout_a.failed("y")
+        await lockout_a.failed("y", "10.0.0.1").shared
+        await lockout_a.failed("y", "10.0.0.1").shared
         await _settle()
-        lockout_b.succeeded("y")
+        lockout_b.succeeded("y", "10.0.0.1")
         await _settle()
-        lockout_a.clear("y")
-        lockout_b.failed("y")
+        lockout_a.clear("y", "10.0.0.1")
+        await lockout_b.failed("y", "10.0.0.1").shared
+        assert not lockout_a.is_locked("y", "10.0.0.1")
+        assert not lockout_b.is_locked("y", "10.0.0.1")
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_failures_from_three_addresses_through_two_brokers_lock_the_agent(tmp_path, dsn):
+    """The shared count follows Lockout's rules: five failures from three addresses,
+    spread over two brokers that each saw fewer, lock the agent on both."""
+    a = open_backend("postgres", tmp_path / "a")
+    b = open_backend("postgres", tmp_path / "b")
+    try:
+        lockout_a = Lockout(reactor, after=5, seconds=300)
+        lockout_b = Lockout(reactor, after=5, seconds=300)
+        lockout_a.share(a.share_lockouts(lockout_a))
+        lockout_b.share(b.share_lockouts(lockout_b))
         await _settle()
-        assert not lockout_a.is_locked("y") and not lockout_b.is_locked("y")
+        for lockout, address in ((lockout_a, "10.0.0.1"), (lockout_b, "10.0.0.2"),
+                                 (lockout_a, "10.0.0.1"), (lockout_b, "10.0.0.2")):
+            await lockout.failed("x", address).shared
+        assert not lockout_a.is_locked("x", "10.9.9.9")
+        counted = lockout_a.failed("x", "2001:db8::1")
+        assert counted.locked is None, "A saw three failures: no lock of its own"
+        await counted.shared
+        assert lockout_a.is_locked("x", "10.9.9.9"), "the shared count locked x everywhere"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not lockout_b.is_locked("x", "10.9.9.9"):
+            await _settle(0.02)
+        assert lockout_b.is_locked("x", "10.9.9.9")
     finally:
         await a.close()
         await b.close()
@@ -572,24 +605,27 @@ async def test_a_lock_decided_on_one_brokers_own_count_holds_on_the_others(tmp_p
         lockout_a.share(a.share_lockouts(lockout_a))
         lockout_b.share(b.share_lockouts(lockout_b))
         await _settle()
-        lockout_a.failed("x")
-        lockout_a.failed("x")
+        await lockout_a.failed("x", "10.0.0.1").shared
+        await lockout_a.failed("x", "10.0.0.1").shared
         await _settle()
         import psycopg
 
         with psycopg.connect(dsn, autocommit=True) as conn:  # B's reset, before A hears it
             conn.execute("DELETE FROM relay_lockouts WHERE agent = 'x'")
-        assert lockout_a.failed("x") is True, "A's own third failure locks it"
+        counted = lockout_a.failed("x", "10.0.0.1")
+        assert counted.locked == "10.0.0.1", "A's own third failure locks it"
+        await counted.shared
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not lockout_b.is_locked("x"):
+        while time.monotonic() < deadline and not lockout_b.is_locked("x", "10.0.0.1"):
             await _settle(0.02)
-        assert lockout_b.is_locked("x")
+        assert lockout_b.is_locked("x", "10.0.0.1")
         lockout_c = Lockout(reactor, after=3, seconds=300)
         c = open_backend("postgres", tmp_path / "c")
         try:
             lockout_c.share(c.share_lockouts(lockout_c))
             await _settle()
-            assert lockout_c.is_locked("x"), "a broker started later loads the lock"
+            assert lockout_c.is_locked("x", "10.0.0.1"), "a broker started later loads the lock"
+            assert not lockout_c.is_locked("x", "10.0.0.2")
         finally:
             await c.close()
     finally:

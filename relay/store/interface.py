@@ -183,8 +183,10 @@ class ISharedLockouts(Interface):
 
     def share_lockouts(lockout):
         """Count the failures of ``lockout`` (a :class:`relay.auth.Lockout`) for every
-        broker and apply to it the locks other brokers decide; returns the object
-        ``lockout`` reports to (:class:`relay.auth.SharedLockouts`)."""
+        broker, by its rules, and apply to it the locks other brokers decide;
+        returns the object ``lockout`` reports to (:class:`relay.auth.SharedLockouts`).
+        Its ``failed`` fires once the failure is counted and a lock it caused
+        applied to ``lockout``: the HTTP layer answers the refusal after that."""
 
 
 class ISharedNonces(Interface):
@@ -192,13 +194,16 @@ class ISharedNonces(Interface):
     too (EXTENSIONS.md §9), so the fleet accepts each ``(agent, nonce)`` once within
     the skew window, as one broker does, rather than once per broker."""
 
-    def claim_nonce(agent, nonce, timestamp):
+    def claim_nonce(agent, nonce, timestamp, address=None):
         """Record that ``agent`` used ``nonce`` in a request signed at ``timestamp``
         (epoch seconds, an int); fires with True when no broker sharing the store
         used it within the skew window, False when one did. Errbacks 503 ``busy``
         when the store cannot tell (a request is never accepted unchecked). Seen
         nonces are forgotten once the window is over, by :meth:`IMessageStore.sweep_expired`
-        at the latest: the table stays bounded."""
+        at the latest: the table stays bounded. A store that shares lockouts too
+        (:class:`ISharedLockouts`) applies a lock of ``agent`` in force for
+        ``address`` (a client address group) to the shared lockout before firing,
+        so a lock any broker set holds here at once."""
 
 
 class IStoreFactory(Interface):

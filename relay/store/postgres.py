@@ -84,6 +84,7 @@ from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
 from relay import delivery, errors
+from relay.auth import AGENT_LOCK_ADDRESSES, EVERY_ADDRESS
 from relay.config import Config, Setting, check_keys, read_settings, table_keys
 from relay.delivery import Changes, Message, Rules, Transition, WithStored
 from relay.errors import ConfigError, RelayError
@@ -94,7 +95,7 @@ from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 CHANNEL = "relay_changes"
 INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
 
@@ -298,24 +299,42 @@ STATEMENTS = {
         " FROM agents AS a WHERE a.recipient IS NOT NULL"
         ") SELECT recipient FROM agents WHERE recipient IS NOT NULL"
     ),
+    # One failure of an agent from every address: a period older than the lock
+    # time starts again.
+    "lockout_spread": (
+        "INSERT INTO relay_lockouts AS l (agent, source, failures, locked_until, updated, failed) "
+        "VALUES (%(agent)s, '*', 1, NULL, %(now)s, %(now)s) ON CONFLICT (agent, source) DO UPDATE "
+        "SET failures = CASE WHEN coalesce(l.failed, l.updated) <= %(period)s THEN 1 "
+        "ELSE l.failures + 1 END, "
+        "failed = CASE WHEN coalesce(l.failed, l.updated) <= %(period)s THEN %(now)s "
+        "ELSE l.failed END, updated = excluded.updated RETURNING failures, failed"
+    ),
     "lockout_failed": (
-        "INSERT INTO relay_lockouts AS l (agent, failures, locked_until, updated) "
-        "VALUES (%s, 1, NULL, %s) ON CONFLICT (agent) DO UPDATE "
-        "SET failures = l.failures + 1, updated = excluded.updated RETURNING failures"
+        "INSERT INTO relay_lockouts AS l (agent, source, failures, locked_until, updated, failed) "
+        "VALUES (%(agent)s, %(address)s, 1, NULL, %(now)s, %(now)s) "
+        "ON CONFLICT (agent, source) DO UPDATE "
+        "SET failures = l.failures + 1, updated = excluded.updated, failed = excluded.failed "
+        "RETURNING failures"
+    ),
+    # How many addresses an agent's failures came from since the period's start.
+    "lockout_addresses": (
+        "SELECT count(*) FROM relay_lockouts WHERE agent = %s AND source <> '*' AND failed >= %s"
     ),
     "lockout_lock": (
-        "UPDATE relay_lockouts SET failures = 0, locked_until = %s, updated = %s WHERE agent = %s"
+        "UPDATE relay_lockouts SET failures = 0, locked_until = %s, updated = %s "
+        "WHERE agent = %s AND source = %s"
     ),
     # A lock this broker decided on its own count: it holds on every broker.
     "lockout_impose": (
-        "INSERT INTO relay_lockouts AS l (agent, failures, locked_until, updated) "
-        "VALUES (%s, 0, %s, %s) ON CONFLICT (agent) DO UPDATE SET failures = 0, "
+        "INSERT INTO relay_lockouts AS l (agent, source, failures, locked_until, updated) "
+        "VALUES (%s, %s, 0, %s, %s) ON CONFLICT (agent, source) DO UPDATE SET failures = 0, "
         "locked_until = greatest(l.locked_until, excluded.locked_until), "
         "updated = excluded.updated"
     ),
-    "lockout_reset": "DELETE FROM relay_lockouts WHERE agent = %s AND locked_until IS NULL",
-    "lockout_clear": "UPDATE relay_lockouts SET failures = 0 WHERE agent = %s",
-    "lockout_load": "SELECT agent, failures, locked_until FROM relay_lockouts",
+    "lockout_reset": (
+        "UPDATE relay_lockouts SET failures = 0, updated = %s WHERE agent = %s AND source = %s"
+    ),
+    "lockout_load": "SELECT agent, source, failures, locked_until FROM relay_lockouts",
     "lockout_forget": (
         "DELETE FROM relay_lockouts WHERE updated < %s "
         "AND (locked_until IS NULL OR locked_until < %s)"
@@ -329,6 +348,20 @@ STATEMENTS = {
         "INSERT INTO relay_nonces AS n (agent, nonce, expires) SELECT %s, %s, %s FROM quick "
         "ON CONFLICT (agent, nonce) DO UPDATE SET expires = excluded.expires "
         "WHERE n.expires < %s RETURNING 1"
+    ),
+    # The same claim, and the agent's lock in force for the request's address (or
+    # its own), in one statement: the lock another broker set just now holds here
+    # before its notification arrives.
+    "nonce_claim_locked": (
+        "WITH quick AS (SELECT set_config('synchronous_commit', 'off', true)), "
+        "claimed AS (INSERT INTO relay_nonces AS n (agent, nonce, expires) "
+        "SELECT %(agent)s, %(nonce)s, %(expires)s FROM quick "
+        "ON CONFLICT (agent, nonce) DO UPDATE SET expires = excluded.expires "
+        "WHERE n.expires < %(now)s RETURNING 1) "
+        "SELECT (SELECT count(*) FROM claimed), l.source, l.locked_until "
+        "FROM (SELECT 1) AS one LEFT JOIN LATERAL (SELECT source, locked_until "
+        "FROM relay_lockouts WHERE agent = %(agent)s AND source IN (%(address)s, '*') "
+        "AND locked_until > %(now)s ORDER BY locked_until DESC LIMIT 1) AS l ON true"
     ),
     "nonce_forget": "DELETE FROM relay_nonces WHERE expires < %s",
 }
@@ -1148,11 +1181,25 @@ class PostgresStore:
 
     # -- ISharedNonces --------------------------------------------------------------------
 
-    def claim_nonce(self, agent: str, nonce: str, timestamp: int) -> Deferred:
+    def claim_nonce(self, agent: str, nonce: str, timestamp: int,
+                    address: Optional[str] = None) -> Deferred:
         """True when no broker on this database used ``nonce`` of ``agent`` within the
-        skew window, False when one did; 503 ``busy`` when the database cannot tell."""
-        return self._run(nonce_claim, agent, nonce, timestamp + MAX_CLOCK_SKEW_SECONDS,
-                         int(self.clock.seconds()))
+        skew window, False when one did; 503 ``busy`` when the database cannot tell.
+        With ``address`` and shared lockouts, a lock of the agent in force for that
+        address (set by any broker) is applied to this broker's lockout first."""
+        expires, now = timestamp + MAX_CLOCK_SKEW_SECONDS, int(self.clock.seconds())
+        lockouts = self.lockouts
+        if address is None or lockouts is None:
+            return self._run(nonce_claim, agent, nonce, expires, now)
+
+        def claimed(outcome: Tuple[bool, Optional[str], Optional[float]]) -> bool:
+            first, scope, until = outcome
+            if scope is not None and until is not None:
+                lockouts.lockout.lock(agent, until, scope)
+            return first
+
+        d = self._run(nonce_claim_locked, agent, nonce, expires, now, address)
+        return d.addCallback(claimed)
 
 
 def _failed(error: BaseException) -> Deferred:
@@ -1168,33 +1215,44 @@ def _ignore_unavailable(failure) -> None:
 # -- shared lockouts --------------------------------------------------------------------
 
 
-def lockout_failed(records: PostgresRecords, agent: str, now: float, after: int,
-                   seconds: float) -> Optional[float]:
-    """Count a failure of ``agent`` for every broker; the lock's end when it locked."""
-    records.cursor.execute(STATEMENTS["lockout_failed"], (agent, now))
-    (failures,) = records.cursor.fetchone()
-    if failures < after:
-        records.notice["fail"] = agent
+def lockout_failed(records: PostgresRecords, agent: str, address: str, now: float, after: int,
+                   seconds: float) -> Optional[Tuple[str, float]]:
+    """Count a failure of ``agent`` from ``address`` for every broker, by the rules of
+    :class:`relay.auth.Lockout`; the lock it caused (its address, or ``*`` for the
+    agent's own, and its end), or None."""
+    cursor = records.cursor
+    cursor.execute(STATEMENTS["lockout_spread"],
+                   {"agent": agent, "now": now, "period": now - seconds})
+    count, started = cursor.fetchone()
+    cursor.execute(STATEMENTS["lockout_failed"], {"agent": agent, "address": address, "now": now})
+    (failures,) = cursor.fetchone()
+    cursor.execute(STATEMENTS["lockout_addresses"], (agent, started))
+    (addresses,) = cursor.fetchone()
+    if count >= after and addresses >= AGENT_LOCK_ADDRESSES:
+        address = EVERY_ADDRESS
+    elif failures < after:
+        records.notice["fail"] = [agent, address]
         return None
     until = now + seconds
-    records.cursor.execute(STATEMENTS["lockout_lock"], (until, now, agent))
-    records.notice["lock"] = [agent, until]
-    return until
+    cursor.execute(STATEMENTS["lockout_lock"], (until, now, agent, address))
+    records.notice["lock"] = [agent, until, address]
+    return address, until
 
 
-def lockout_impose(records: PostgresRecords, agent: str, until: float, now: float) -> None:
-    """Lock ``agent`` until ``until`` on every broker."""
-    records.cursor.execute(STATEMENTS["lockout_impose"], (agent, until, now))
-    records.notice["lock"] = [agent, until]
+def lockout_impose(records: PostgresRecords, agent: str, address: str, until: float,
+                   now: float) -> None:
+    """Lock ``agent`` from ``address`` (``*``: every address) until ``until`` on every
+    broker."""
+    records.cursor.execute(STATEMENTS["lockout_impose"], (agent, address, until, now))
+    records.notice["lock"] = [agent, until, address]
 
 
-def lockout_succeeded(records: PostgresRecords, agent: str) -> None:
-    records.cursor.execute(STATEMENTS["lockout_reset"], (agent,))
-    records.cursor.execute(STATEMENTS["lockout_clear"], (agent,))
-    records.notice["reset"] = agent
+def lockout_succeeded(records: PostgresRecords, agent: str, address: str, now: float) -> None:
+    records.cursor.execute(STATEMENTS["lockout_reset"], (now, agent, address))
+    records.notice["reset"] = [agent, address]
 
 
-def lockout_load(records: PostgresRecords) -> List[Tuple[str, int, Optional[float]]]:
+def lockout_load(records: PostgresRecords) -> List[Tuple[str, str, int, Optional[float]]]:
     records.cursor.execute(STATEMENTS["lockout_load"])
     return [tuple(row) for row in records.cursor.fetchall()]
 
@@ -1215,6 +1273,17 @@ def nonce_claim(records: PostgresRecords, agent: str, nonce: str, expires: int,
     return records.cursor.fetchone() is not None
 
 
+def nonce_claim_locked(records: PostgresRecords, agent: str, nonce: str, expires: int,
+                       now: int, address: str) -> Tuple[bool, Optional[str], Optional[float]]:
+    """:func:`nonce_claim`, and the lock of ``agent`` in force at ``now`` for
+    ``address`` or every address: ``(first, its address or "*", its end)``, Nones
+    for no lock."""
+    records.cursor.execute(STATEMENTS["nonce_claim_locked"], {
+        "agent": agent, "nonce": nonce, "expires": expires, "now": now, "address": address})
+    count, scope, until = records.cursor.fetchone()
+    return count > 0, scope, until
+
+
 def nonce_forget(records: PostgresRecords, now: int) -> int:
     """Delete the nonces whose window ended before ``now``; returns how many."""
     records.cursor.execute(STATEMENTS["nonce_forget"], (now,))
@@ -1224,21 +1293,24 @@ def nonce_forget(records: PostgresRecords, now: int) -> int:
 class PostgresLockouts:
     """Lockout counters shared by every broker on the database.
 
-    The authentication path stays synchronous: it reads the broker's own
-    :class:`relay.auth.Lockout`. Each failure is also counted in
-    ``relay_lockouts`` (one atomic upsert), and the broker whose count reaches
-    ``lockAfterFailures`` sets the lock there and notifies the others, which
-    apply it to their own ``Lockout``: N brokers give an attacker the attempts
-    of one, give or take the requests in flight during one notification.
-    A success resets the shared count when some broker counted failures; a
-    broker whose own count locks an agent (the shared one was reset meanwhile)
-    sets that lock for every broker too.
+    The authentication path reads the broker's own :class:`relay.auth.Lockout`,
+    at once. Each failure is also counted in ``relay_lockouts`` (one transaction,
+    by the same rules), and the refusal is answered only once that is done
+    (:attr:`relay.errors.RelayError.pending`): the broker whose count reaches a
+    lock sets it there, applies it to its own ``Lockout`` before answering, and
+    notifies the others, which apply it to theirs when PostgreSQL delivers the
+    notification (sent at the commit, before the refusal is answered). N brokers
+    give an attacker the attempts of one. A success resets the shared count of
+    its address when some broker counted failures there; a broker whose own
+    count locks an agent (the shared one was reset meanwhile) sets that lock for
+    every broker too.
     """
 
     def __init__(self, store: PostgresStore, lockout: Any) -> None:
         self.store = store
         self.lockout = lockout
-        self.failing: Dict[str, None] = {}
+        # (agent, address) with failures counted on some broker
+        self.failing: Dict[Tuple[str, str], None] = {}
         self.sweep = LoopingCall(self._forget)
         self.sweep.clock = store.clock
 
@@ -1251,16 +1323,16 @@ class PostgresLockouts:
         if self.sweep.running:
             self.sweep.stop()
 
-    def _loaded(self, rows: List[Tuple[str, int, Optional[float]]]) -> None:
+    def _loaded(self, rows: List[Tuple[str, str, int, Optional[float]]]) -> None:
         now = self.store.clock.seconds()
-        for agent, failures, until in rows:
+        for agent, address, failures, until in rows:
             if until is not None and until > now:
-                self.lockout.lock(agent, until)
-            if failures:
-                self._note(agent)
+                self.lockout.lock(agent, until, address)
+            if failures and address != EVERY_ADDRESS:
+                self._note(agent, address)
 
-    def _note(self, agent: str) -> None:
-        self.failing[agent] = None
+    def _note(self, agent: str, address: str) -> None:
+        self.failing[(agent, address)] = None
         if len(self.failing) > self.lockout.max_tracked:
             del self.failing[next(iter(self.failing))]
 
@@ -1270,53 +1342,71 @@ class PostgresLockouts:
 
     # -- what relay.auth.Lockout reports ---------------------------------------------------
 
-    def failed(self, agent: str) -> None:
-        self._note(agent)
+    def failed(self, agent: str, address: str) -> Deferred:
+        self._note(agent, address)
         now = self.store.clock.seconds()
-        d = self.store._run(lockout_failed, agent, now, self.lockout.after, self.lockout.seconds)
+        d = self.store._run(lockout_failed, agent, address, now, self.lockout.after,
+                            self.lockout.seconds)
 
-        def counted(until: Optional[float]) -> None:
-            if until is not None:
-                self.failing.pop(agent, None)
-                self.lockout.lock(agent, until)
-                log.warn("agent {agent} is locked after repeated authentication failures "
-                         "(counted on every broker)", agent=agent)
-            elif self.lockout.is_locked(agent):
-                # Locked here on this broker's own count while the shared one was
-                # reset meanwhile (a success on another broker between the failures):
-                # the lock holds on every broker all the same.
-                self.failing.pop(agent, None)
-                ends = self.store.clock.seconds() + self.lockout.seconds_left(agent)
-                self.store._run(lockout_impose, agent, ends, now).addErrback(self._warn)
+        def counted(locked: Optional[Tuple[str, float]]) -> Optional[Deferred]:
+            if locked is not None:
+                scope, until = locked
+                self.failing.pop((agent, address), None)
+                if self.lockout.lock(agent, until, scope) is not None:
+                    log.warn("agent {agent} is locked {scope} after repeated authentication "
+                             "failures (counted on every broker)", agent=agent,
+                             scope="from every address" if scope == EVERY_ADDRESS
+                             else f"for address {scope}")
+                return None
+            # Locked here on this broker's own count while the shared one was reset
+            # meanwhile (a success on another broker between the failures): the
+            # lock holds on every broker all the same.
+            left, scope = self.lockout.seconds_left(agent, address)
+            if left > 0:
+                self.failing.pop((agent, address), None)
+                ends = self.store.clock.seconds() + left
+                return self.store._run(lockout_impose, agent, scope, ends, now)
+            return None
 
-        d.addCallbacks(counted, self._warn)
+        d.addCallback(counted)
+        d.addErrback(self._warn)
+        return d
 
-    def succeeded(self, agent: str) -> None:
-        if agent not in self.failing:
+    def succeeded(self, agent: str, address: str) -> None:
+        if (agent, address) not in self.failing:
             return
-        del self.failing[agent]
-        self.store._run(lockout_succeeded, agent).addErrback(self._warn)
+        del self.failing[(agent, address)]
+        d = self.store._run(lockout_succeeded, agent, address, self.store.clock.seconds())
+        d.addErrback(self._warn)
 
     # -- what other brokers report ---------------------------------------------------------
 
     def heard(self, notice: Mapping[str, Any]) -> None:
         lock = notice.get("lock")
-        if (isinstance(lock, list) and len(lock) == 2 and isinstance(lock[0], str)
-                and isinstance(lock[1], (int, float))):
-            self.failing.pop(lock[0], None)
-            self.lockout.lock(lock[0], float(lock[1]))
-        failed = notice.get("fail")
-        if isinstance(failed, str):
-            self._note(failed)
-        reset = notice.get("reset")
-        if isinstance(reset, str):
+        if (isinstance(lock, list) and len(lock) == 3 and isinstance(lock[0], str)
+                and isinstance(lock[1], (int, float)) and isinstance(lock[2], str)):
+            self.failing.pop((lock[0], lock[2]), None)
+            self.lockout.lock(lock[0], float(lock[1]), lock[2])
+        failed = _pair(notice.get("fail"))
+        if failed is not None:
+            self._note(*failed)
+        reset = _pair(notice.get("reset"))
+        if reset is not None:
             self.failing.pop(reset, None)
-            self.lockout.clear(reset)
+            self.lockout.clear(*reset)
 
     def _forget(self) -> Deferred:
         d = self.store._run(lockout_forget, self.store.clock.seconds())
         d.addErrback(self._warn)
         return d
+
+
+def _pair(value: Any) -> Optional[Tuple[str, str]]:
+    """``(agent, address)`` of a notification, or None for anything else."""
+    if (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+            and isinstance(value[1], str)):
+        return value[0], value[1]
+    return None
 
 
 # -- configuration and opening -----------------------------------------------------------
