@@ -153,6 +153,10 @@ class SharedLockouts(Protocol):
     def succeeded(self, agent: str, address: str) -> None:
         """``agent`` authenticated from ``address``: reset that count for every broker."""
 
+    def unlocked(self, agent: str) -> Deferred:
+        """An operator cleared ``agent``'s locks and counts: for every broker. Fires
+        once the shared table is cleared; fails (``503 busy``) when it cannot be."""
+
 
 class Lockout:
     """Authentication failures per agent and source address, and the locks they
@@ -291,6 +295,22 @@ class Lockout:
             counts.pop(address, None)
             if not counts:
                 del self._failures[agent]
+
+    def unlock(self, agent: str) -> Tuple[int, Optional[Deferred]]:
+        """An operator's clearing: ``agent``'s locks and failure counts are
+        forgotten, here and (with ``shared``) on every broker. Returns how many
+        locks were in force here, and the shared clearing's Deferred."""
+        now = self.clock.seconds()
+        live = sum(1 for until in (self._locked.get(agent) or {}).values() if until > now)
+        self.forget(agent)
+        return live, self.shared.unlocked(agent) if self.shared is not None else None
+
+    def forget(self, agent: str) -> None:
+        """Drop ``agent``'s failure counts and locks here only (an operator cleared
+        them on another broker)."""
+        self._failures.pop(agent, None)
+        self._spread.pop(agent, None)
+        self._locked.pop(agent, None)
 
     def locks(self) -> List[Tuple[str, str, float]]:
         """The locks in force: ``(agent, address or EVERY_ADDRESS, seconds left)``."""
@@ -593,7 +613,8 @@ class Authenticator:
 
 
 def locked_message(agent: str, scope: str, seconds_left: float) -> str:
-    """The message of a ``403 locked``: what is locked, and for how long."""
+    """The message of a ``403 locked``: what is locked, for how long, and how an
+    operator clears it."""
     if seconds_left >= 60:
         left = f"{math.ceil(seconds_left / 60)} min"
     else:
@@ -601,7 +622,8 @@ def locked_message(agent: str, scope: str, seconds_left: float) -> str:
     what = (f"agent {agent} is locked after authentication failures from several addresses"
             if scope == EVERY_ADDRESS else
             f"agent {agent} is locked for this address after repeated authentication failures")
-    return f"{what}; try again in {left}"
+    return (f"{what}; try again in {left}, or an operator clears it with "
+            f"`relay unlock {agent}` or the dashboard")
 
 
 def _is_integer(value: bytes) -> bool:

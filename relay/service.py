@@ -231,7 +231,8 @@ class RelayService(MultiService):
             from prometheus_client import ProcessCollector
 
             self.ops = OpsAPI(self.broker, self.clock, config.ops.tokens,
-                              extra_collectors=[ProcessCollector(registry=None)])
+                              extra_collectors=[ProcessCollector(registry=None)],
+                              lockout=self.api.auth.lockout)
             self.ops_site = RelaySite(self.ops.resource(),
                                       request_read_seconds=config.request_read_seconds)
             for endpoint in _ops_endpoints(reactor, config.ops.listen):

@@ -5,7 +5,8 @@ Headless Chromium, driven by Playwright with ``executable_path`` (Playwright
 downloads no browser), loads the ops listener's page of a real broker with an
 ops token (sent as HTTP Basic, as a person's browser would after its prompt):
 it shows two agents after they register, its counts change after messages
-flow, a dead letter appears and is requeued from the page.
+flow, a dead letter appears and is requeued from the page, and a locked agent is
+unlocked from it.
 """
 
 from __future__ import annotations
@@ -85,3 +86,23 @@ def test_the_dashboard_follows_the_broker(broker, page, tmp_path):
     expect(page.locator("#t-queued")).to_have_text("3")
     code, status = broker.request("alpha", "POST", "/v1/status", {"messageIds": [lease["id"]]})
     assert status["messages"][0]["status"] == "queued"
+
+
+def test_an_operator_unlocks_an_agent_from_the_dashboard(broker, page):
+    page.goto(f"http://127.0.0.1:{broker.ops_port}/")
+    expect(page.locator("#locks tbody")).to_contain_text("no agent is locked", timeout=WAIT_MS)
+    assert broker.request("alpha", "POST", "/register", {})[0] == 200
+    good, broker.secret = broker.secret, "wrong-secret-0123456789"
+    try:
+        for _ in range(5):
+            assert broker.request("alpha", "GET", "/peers")[0] == 401
+    finally:
+        broker.secret = good
+    status, body = broker.request("alpha", "GET", "/peers")
+    assert status == 403 and "the dashboard" in body["error"]["message"]
+    lock = row(page, "locks", "alpha")
+    expect(lock).to_contain_text("127.0.0.1", timeout=WAIT_MS)
+    lock.get_by_role("button", name="unlock").click()
+    expect(page.locator("#unlock-action")).to_have_text("unlocked alpha", timeout=WAIT_MS)
+    expect(page.locator("#locks tbody")).to_contain_text("no agent is locked", timeout=WAIT_MS)
+    assert broker.request("alpha", "GET", "/peers")[0] == 200

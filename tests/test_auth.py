@@ -198,13 +198,13 @@ def test_unlock_after_lock_minutes():
     auth = make_auth(clock, seconds=300.0)
     for _ in range(5):
         refused(check, auth, secret="wrong")
-    assert refused(check, auth).message.endswith("; try again in 5 min")
+    assert "; try again in 5 min, " in refused(check, auth).message
     clock.advance(299.5)
     locked = refused(check, auth)
     assert locked.code == "locked"
     assert locked.message == (
         "agent alpha is locked for this address after repeated authentication failures; "
-        "try again in 1 s"
+        "try again in 1 s, or an operator clears it with `relay unlock alpha` or the dashboard"
     )
     clock.advance(0.5)
     assert check(auth) == "alpha"
@@ -216,9 +216,9 @@ def test_the_locked_message_counts_whole_minutes_up():
     for _ in range(5):
         refused(check, auth, secret="wrong")
     clock.advance(61)
-    assert refused(check, auth).message.endswith("try again in 9 min")  # 539 s left
+    assert "try again in 9 min, " in refused(check, auth).message  # 539 s left
     clock.advance(480)
-    assert refused(check, auth).message.endswith("try again in 59 s")
+    assert "try again in 59 s, " in refused(check, auth).message
 
 
 def test_a_lock_holds_for_the_failing_address_only():
@@ -290,6 +290,21 @@ def test_a_success_resets_the_count_of_its_own_address_only():
     assert check(auth, source="10.0.0.1") == "alpha"
     refused(check, auth, secret="wrong", source="203.0.113.66")
     assert refused(check, auth, source="203.0.113.66").code == "locked"
+
+
+def test_an_operator_unlock_clears_every_lock_and_count_of_the_agent():
+    clock = clock_at()
+    auth = make_auth(clock)
+    for source in ("203.0.113.1", "203.0.113.2", "198.51.100.7", "203.0.113.1", "203.0.113.2"):
+        refused(check, auth, secret="wrong", source=source)
+    for _ in range(4):
+        refused(check, auth, agent="beta", secret="wrong")
+    assert refused(check, auth).code == "locked"
+    assert auth.lockout.unlock("alpha") == (1, None)
+    assert check(auth) == "alpha"
+    assert auth.lockout.unlock("alpha") == (0, None)
+    refused(check, auth, agent="beta", secret="wrong")
+    assert refused(check, auth, agent="beta").code == "locked", "beta's count stays"
 
 
 def test_a_bad_signature_says_what_to_check():
@@ -650,6 +665,10 @@ class Reports:
     def succeeded(self, agent: str, address: str) -> None:
         self.seen.append(("succeeded", agent, address))
 
+    def unlocked(self, agent: str) -> Deferred:
+        self.seen.append(("unlocked", agent))
+        return succeed(None)
+
 
 def test_a_shared_lockout_reports_and_takes_locks_decided_elsewhere():
     clock = clock_at()
@@ -678,6 +697,9 @@ def test_a_shared_lockout_reports_and_takes_locks_decided_elsewhere():
     assert ("succeeded", "d", "10.0.0.1") not in shared.seen, "a remote success is not reported"
     lockout.succeeded("e", "::ffff:10.0.0.5")  # no count here: another broker may have one
     assert shared.seen[-1] == ("succeeded", "e", "10.0.0.5")
+    live, cleared = lockout.unlock("d")
+    assert live == 0 and cleared.called
+    assert shared.seen[-1] == ("unlocked", "d")
 
 
 def test_a_replacement_authenticator_remembers_the_nonces_seen():

@@ -89,3 +89,36 @@ def test_ops_urls_of_endpoint_strings():
     assert ops_url("tcp:port=9:interface=\\:\\:1") == "http://[::1]:9"
     with pytest.raises(UsageError):
         ops_url("unix:/run/ops.sock")
+
+
+# -- relay unlock -------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_unlock_clears_an_agents_lock_with_the_ops_token(tmp_path):
+    api, client, clock = make_api()
+    ops = OpsAPI(api.broker, clock, ("t",), lockout=api.auth.lockout)
+    for _ in range(5):
+        assert (await client.get("alpha", "/peers", secret="wrong"))[0] == 401
+    code, body, _ = await client.get("alpha", "/peers")
+    assert code == 403 and "relay unlock alpha" in body["error"]["message"]
+    env = {"DSH_RELAY_OPS": "http://127.0.0.1:19122", "DSH_RELAY_OPS_TOKEN": "t"}
+    outcome = await run_cli(["unlock", "alpha"], tmp_path, env=env,
+                            http=StubTreq(ops.resource()))
+    assert (outcome.status, outcome.out) == (0, "alpha: unlocked (1 lock cleared)\n"), outcome.err
+    assert (await client.get("alpha", "/peers"))[0] == 200
+    outcome = await run_cli(["unlock", "alpha", "--json"], tmp_path, env=env,
+                            http=StubTreq(ops.resource()))
+    assert json.loads(outcome.out) == {"agent": "alpha", "unlocked": 0}
+
+
+@pytest_twisted.ensureDeferred
+async def test_unlock_without_the_token_or_of_a_bad_name_is_an_error(tmp_path):
+    api, client, clock = make_api()
+    ops = OpsAPI(api.broker, clock, ("t",), lockout=api.auth.lockout)
+    outcome = await run_cli(["unlock", "alpha", "--ops", "http://127.0.0.1:19122"], tmp_path,
+                            http=StubTreq(ops.resource()))
+    assert outcome.status == 1 and "unauthenticated" in outcome.err
+    outcome = await run_cli(["unlock", "no/such", "--ops", "http://127.0.0.1:19122",
+                             "--ops-token", "t"], tmp_path, http=StubTreq(ops.resource()))
+    assert outcome.status == 1 and "agent must be an agent name" in outcome.err

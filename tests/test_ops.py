@@ -34,7 +34,7 @@ class Ops:
     def __init__(self, tokens=(), store=None, **broker: Any) -> None:
         self.api, self.client, self.clock = make_api(store=store, **broker)
         self.broker = self.api.broker
-        self.ops = OpsAPI(self.broker, self.clock, tokens)
+        self.ops = OpsAPI(self.broker, self.clock, tokens, lockout=self.api.auth.lockout)
         self.http = StubTreq(self.ops.resource())
 
     async def get(self, path: str, headers: Optional[Dict[str, str]] = None,
@@ -531,3 +531,36 @@ async def test_actions_are_json_posts_from_the_listeners_own_origin():
     own = dict(auth, Origin="http://127.0.0.1:19122", Host="127.0.0.1:19122", **JSON)
     assert (await ops.get("/api/requeue", own, "POST", body))[0] == 200
     assert (await ops.get("/api/requeue", dict(auth), "GET"))[0] == 404
+
+
+# -- authentication locks ---------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_operator_lists_and_clears_an_agents_locks():
+    ops = Ops(tokens=(TOKEN,))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    c = ops.client
+    for _ in range(5):
+        assert (await c.get("alpha", "/peers", secret="wrong"))[0] == 401
+    code, body, _ = await c.get("alpha", "/peers")
+    assert (code, body["error"]["code"]) == (403, "locked")
+    assert "`relay unlock alpha`" in body["error"]["message"]
+    ops.clock.advance(60)
+    code, listed, _ = await ops.get("/api/locks", auth)
+    assert (code, listed) == (200, {"locks": [{"agent": "alpha", "address": "127.0.0.1",
+                                               "secondsLeft": 240.0}]})
+    unlock = dict(auth, **JSON)
+    assert (await ops.get("/api/unlock", JSON, "POST", b'{"agent": "alpha"}'))[0] == 401
+    code, answer, _ = await ops.get("/api/unlock", unlock, "POST", b'{"agent": "alpha"}')
+    assert (code, answer) == (200, {"agent": "alpha", "unlocked": 1})
+    assert (await c.get("alpha", "/peers"))[0] == 200
+    assert (await ops.get("/api/locks", auth))[1] == {"locks": []}
+    code, answer, _ = await ops.get("/api/unlock", unlock, "POST", b'{"agent": "alpha"}')
+    assert (code, answer) == (200, {"agent": "alpha", "unlocked": 0}), "nothing to clear"
+    for bad in (b'{"agent": "no such/name"}', b'{}', b'{"agent": 5}'):
+        code, answer, _ = await ops.get("/api/unlock", unlock, "POST", bad)
+        assert (code, answer["error"]["code"]) == (400, "bad_request")
+    foreign = dict(unlock, Origin="http://evil.example")
+    assert (await ops.get("/api/unlock", foreign, "POST", b'{"agent": "alpha"}'))[0] == 403
+

@@ -494,7 +494,8 @@ async def test_lockout_counts_are_shared(tmp_path, dsn):
 @pytest_twisted.ensureDeferred
 async def test_failures_from_three_addresses_through_two_brokers_lock_the_agent(tmp_path, dsn):
     """The shared count follows Lockout's rules: five failures from three addresses,
-    spread over two brokers that each saw fewer, lock the agent on both."""
+    spread over two brokers that each saw fewer, lock the agent on both; an
+    operator's unlock on one clears it on both."""
     a = open_backend("postgres", tmp_path / "a")
     b = open_backend("postgres", tmp_path / "b")
     try:
@@ -515,9 +516,25 @@ async def test_failures_from_three_addresses_through_two_brokers_lock_the_agent(
         while time.monotonic() < deadline and not lockout_b.is_locked("x", "10.9.9.9"):
             await _settle(0.02)
         assert lockout_b.is_locked("x", "10.9.9.9")
+        live, cleared = lockout_b.unlock("x")
+        assert live == 1
+        await cleared
+        assert not lockout_b.is_locked("x", "10.9.9.9")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and lockout_a.is_locked("x", "10.9.9.9"):
+            await _settle(0.02)
+        assert not lockout_a.is_locked("x", "10.9.9.9")
+        assert _rows(dsn, "SELECT count(*) FROM relay_lockouts WHERE agent = 'x'") == [(0,)]
     finally:
         await a.close()
         await b.close()
+
+
+def _rows(dsn: str, sql: str) -> list:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql).fetchall()
 
 
 async def _settle(seconds: float = 0.3) -> None:

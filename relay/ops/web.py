@@ -24,7 +24,7 @@ from importlib import resources
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from klein import Klein
-from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -32,6 +32,7 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from werkzeug.routing import RequestRedirect
 
 from relay import __version__, errors, protocol
+from relay.auth import EVERY_ADDRESS, Lockout
 from relay.broker import Broker
 from relay.counters import Counters
 from relay.delivery import Message
@@ -119,14 +120,17 @@ def message_view(message: Message, now: float) -> Dict[str, Any]:
 
 
 class OpsAPI:
-    """The ops listener's routes over one broker and its counters."""
+    """The ops listener's routes over one broker and its counters, and the
+    authentication ``lockout`` (its locks listed and cleared) when given."""
 
     app = Klein()
 
     def __init__(self, broker: Broker, clock: IReactorTime, tokens: Sequence[str] = (),
-                 started: Optional[float] = None, extra_collectors: Iterable = ()) -> None:
+                 started: Optional[float] = None, extra_collectors: Iterable = (),
+                 lockout: Optional[Lockout] = None) -> None:
         self.broker = broker
         self.clock = clock
+        self.lockout = lockout
         self.tokens = tuple(tokens)
         self.started = clock.seconds() if started is None else started
         self.extra_collectors = tuple(extra_collectors)
@@ -390,3 +394,38 @@ class OpsAPI:
     def _done(self, request, action: str, message_id: str, result: Dict[str, Any]) -> bytes:
         log.info("operator {action} message {id}", action=action, id=message_id)
         return write_json(request, 200, result)
+
+    # -- authentication lockouts -------------------------------------------------------
+
+    def _lockout(self) -> Lockout:
+        if self.lockout is None:
+            raise errors.not_found("this ops listener has no lockouts to show")
+        return self.lockout
+
+    @app.route("/api/locks", methods=["GET"])
+    @guarded
+    def locks(self, request) -> bytes:
+        """The authentication locks in force: the agent, the address it is locked
+        for (null: every address) and the seconds left, the longest first."""
+        found = self.lockout.locks() if self.lockout is not None else []
+        locks = sorted(found, key=lambda lock: (-lock[2], lock[0], lock[1]))
+        return write_json(request, 200, {"locks": [
+            {"agent": agent, "address": None if address == EVERY_ADDRESS else address,
+             "secondsLeft": round(left, 3)}
+            for agent, address, left in locks[:MAX_LIST]]})
+
+    @app.route("/api/unlock", methods=["POST"])
+    @guarded
+    def unlock(self, request) -> Deferred:
+        """Clear an agent's authentication locks and failure counts, from every
+        address (and on every broker sharing the store); answered once done."""
+        agent = self.check_post(request).get("agent")
+        if not isinstance(agent, str) or not protocol.is_valid_agent_name(agent):
+            raise errors.bad_request("agent must be an agent name")
+        live, shared = self._lockout().unlock(agent)
+
+        def done(_: Any) -> bytes:
+            log.info("operator unlocked agent {agent} ({locks} locks)", agent=agent, locks=live)
+            return write_json(request, 200, {"agent": agent, "unlocked": live})
+
+        return (shared if shared is not None else succeed(None)).addCallback(done)

@@ -183,10 +183,11 @@ class ISharedLockouts(Interface):
 
     def share_lockouts(lockout):
         """Count the failures of ``lockout`` (a :class:`relay.auth.Lockout`) for every
-        broker, by its rules, and apply to it the locks other brokers decide;
-        returns the object ``lockout`` reports to (:class:`relay.auth.SharedLockouts`).
-        Its ``failed`` fires once the failure is counted and a lock it caused
-        applied to ``lockout``: the HTTP layer answers the refusal after that."""
+        broker, by its rules, and apply to it the locks other brokers decide and the
+        unlocks operators make; returns the object ``lockout`` reports to
+        (:class:`relay.auth.SharedLockouts`). Its ``failed`` fires once the failure
+        is counted and a lock it caused applied to ``lockout``: the HTTP layer
+        answers the refusal after that."""
 
 
 class ISharedNonces(Interface):

@@ -334,6 +334,7 @@ STATEMENTS = {
     "lockout_reset": (
         "UPDATE relay_lockouts SET failures = 0, updated = %s WHERE agent = %s AND source = %s"
     ),
+    "lockout_unlock": "DELETE FROM relay_lockouts WHERE agent = %s",
     "lockout_load": "SELECT agent, source, failures, locked_until FROM relay_lockouts",
     "lockout_forget": (
         "DELETE FROM relay_lockouts WHERE updated < %s "
@@ -1252,6 +1253,12 @@ def lockout_succeeded(records: PostgresRecords, agent: str, address: str, now: f
     records.notice["reset"] = [agent, address]
 
 
+def lockout_unlock(records: PostgresRecords, agent: str) -> None:
+    """An operator cleared ``agent``'s locks and counts, for every broker."""
+    records.cursor.execute(STATEMENTS["lockout_unlock"], (agent,))
+    records.notice["unlock"] = agent
+
+
 def lockout_load(records: PostgresRecords) -> List[Tuple[str, str, int, Optional[float]]]:
     records.cursor.execute(STATEMENTS["lockout_load"])
     return [tuple(row) for row in records.cursor.fetchall()]
@@ -1303,7 +1310,7 @@ class PostgresLockouts:
     give an attacker the attempts of one. A success resets the shared count of
     its address when some broker counted failures there; a broker whose own
     count locks an agent (the shared one was reset meanwhile) sets that lock for
-    every broker too.
+    every broker too. An operator's unlock clears the agent everywhere.
     """
 
     def __init__(self, store: PostgresStore, lockout: Any) -> None:
@@ -1379,6 +1386,11 @@ class PostgresLockouts:
         d = self.store._run(lockout_succeeded, agent, address, self.store.clock.seconds())
         d.addErrback(self._warn)
 
+    def unlocked(self, agent: str) -> Deferred:
+        for key in [key for key in self.failing if key[0] == agent]:
+            del self.failing[key]
+        return self.store._run(lockout_unlock, agent)
+
     # -- what other brokers report ---------------------------------------------------------
 
     def heard(self, notice: Mapping[str, Any]) -> None:
@@ -1394,6 +1406,11 @@ class PostgresLockouts:
         if reset is not None:
             self.failing.pop(reset, None)
             self.lockout.clear(*reset)
+        unlocked = notice.get("unlock")
+        if isinstance(unlocked, str):
+            for key in [key for key in self.failing if key[0] == unlocked]:
+                del self.failing[key]
+            self.lockout.forget(unlocked)
 
     def _forget(self) -> Deferred:
         d = self.store._run(lockout_forget, self.store.clock.seconds())

@@ -142,6 +142,15 @@ COMMANDS: Tuple[Command, ...] = (
         needs_secret=False,
     ),
     Command(
+        "unlock",
+        "clear an agent's authentication lockout (through the ops listener)",
+        ops.unlock,
+        ops.unlock_arguments,
+        needs_agent=False,
+        needs_secret=False,
+        description=ops.UNLOCK_DESCRIPTION,
+    ),
+    Command(
         "init",
         "write a broker config and a fresh secret in a directory of their own",
         bootstrap.init,

@@ -1,4 +1,5 @@
-"""``relay stats``: the figures of the dashboard, in the terminal (``--json`` for scripts).
+"""``relay stats``: the figures of the dashboard, in the terminal (``--json`` for scripts);
+``relay unlock``: an operator clears an agent's authentication locks.
 
 The ops listener is found from ``--ops URL``, then ``DSH_RELAY_OPS``, then the
 first ``broker.opsListen`` endpoint of the broker config (``--config``, default
@@ -146,8 +147,10 @@ def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
             console.line(line)
 
 
-async def stats(ctx: Context) -> int:
-    """GET /api/overview of the ops listener: the dashboard's figures."""
+async def ops_request(ctx: Context, method: str, path: str,
+                      body: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One JSON request to the ops listener (with its token); the answer's JSON
+    object, or a RelayError that says what went wrong in one line."""
     import treq
 
     from relay.client import make_http_client
@@ -161,9 +164,13 @@ async def stats(ctx: Context) -> int:
     headers = {"Accept": ["application/json"]}
     if token:
         headers["Authorization"] = [f"Bearer {token}"]
+    data = None
+    if body is not None:
+        headers["Content-Type"] = ["application/json"]
+        data = json.dumps(body).encode("utf-8")
     try:
-        response = await http.get(url + "/api/overview", headers=headers,
-                                  timeout=TIMEOUT_SECONDS)
+        response = await http.request(method, url + path, headers=headers, data=data,
+                                      timeout=TIMEOUT_SECONDS)
         raw = await treq.content(response)
     except Exception as failure:  # a connection or TLS failure, said in one line
         raise RelayError(0, "connection_error",
@@ -176,5 +183,43 @@ async def stats(ctx: Context) -> int:
     if response.code != 200:
         error = document.get("error", {}) if isinstance(document, dict) else {}
         raise RelayError(response.code, error.get("code", "error"), error.get("message", ""))
+    return document
+
+
+async def stats(ctx: Context) -> int:
+    """GET /api/overview of the ops listener: the dashboard's figures."""
+    document = await ops_request(ctx, "GET", "/api/overview")
     ctx.console.emit(document, lambda: print_overview(ctx, document))
+    return 0
+
+
+UNLOCK_DESCRIPTION = """\
+Clear an agent's authentication locks and failure counts, from every address
+and on every broker sharing the store, through the broker's ops listener (with
+its token). A lock holds `security.lockMinutes` after repeated authentication
+failures: find why they failed (a wrong or rotated secret, a clock off by more
+than 300 s) before clearing it, or it comes back."""
+
+
+def unlock_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agent, and where the ops listener is."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("agent_name", metavar="AGENT", help="the locked agent")
+    stats_arguments(parser)
+
+
+async def unlock(ctx: Context) -> int:
+    """POST /api/unlock of the ops listener."""
+    agent = ctx.args.agent_name
+    document = await ops_request(ctx, "POST", "/api/unlock", {"agent": agent})
+    locks = document.get("unlocked", 0)
+
+    def readable() -> None:
+        if locks:
+            ctx.console.line(f"{agent}: unlocked ({locks} lock{'s' if locks != 1 else ''} "
+                             "cleared)")
+        else:
+            ctx.console.line(f"{agent}: was not locked (its failure counts are cleared)")
+
+    ctx.console.emit(document, readable)
     return 0

@@ -211,6 +211,31 @@ function showDeadLetters(dead) {
   }), 7, "no dead letters");
 }
 
+function showLocks(locks) {
+  fill($("locks").tBodies[0], locks.map((lock) => {
+    const action = el("td");
+    const button = el("button", "unlock");
+    button.title = "clear its locks and failure counts, from every address";
+    button.addEventListener("click", () => unlock(lock.agent, button));
+    action.append(button);
+    return [
+      el("td", lock.agent), el("td", lock.address === null ? "every address" : lock.address),
+      el("td", age(lock.secondsLeft), "n"), action,
+    ];
+  }), 4, "no agent is locked");
+}
+
+async function unlock(agent, button) {
+  button.disabled = true;
+  try {
+    await postJSON("/api/unlock", { agent: agent });
+    $("unlock-action").textContent = `unlocked ${agent}`;
+  } catch (error) {
+    $("unlock-action").textContent = `${agent}: ${error.message}`;
+  }
+  refresh();
+}
+
 async function act(path, done, id, button) {
   button.disabled = true;
   try {
@@ -228,8 +253,9 @@ async function refresh() {
   if (refreshing) return;
   refreshing = true;
   try {
-    const [overview, leases, dead] = await Promise.all([
+    const [overview, leases, dead, locks] = await Promise.all([
       getJSON("/api/overview"), getJSON("/api/leases"), getJSON("/api/dead-letters"),
+      getJSON("/api/locks"),
     ]);
     showBroker(overview);
     showAgents(overview);
@@ -237,6 +263,7 @@ async function refresh() {
     showFlow(overview.flow);
     showLeases(leases.leases);
     showDeadLetters(dead.deadLetters);
+    showLocks(locks.locks);
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
     document.body.dataset.updated = String(Date.now());
   } catch (error) {
