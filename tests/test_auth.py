@@ -274,6 +274,25 @@ def test_failures_from_one_address_never_lock_the_agent_everywhere():
         clock.advance(60)
 
 
+@pytest.mark.parametrize("per_address", [1, 4, 5])
+def test_any_number_of_addresses_gets_at_most_eleven_guesses_a_period(per_address):
+    """Five from each of two addresses, then the first from a third locks the agent:
+    2 x lockAfterFailures + 1 guesses however many addresses try."""
+    auth = make_auth(clock_at())
+    guesses = 0
+    for i in range(1000):
+        for _ in range(per_address):
+            error = refused(check, auth, secret="wrong", source=f"10.0.{i >> 8}.{i & 255}")
+            if error.code == "locked":
+                break
+            guesses += 1
+        else:
+            continue
+        break
+    assert refused(check, auth, source="192.0.2.1").code == "locked"
+    assert guesses <= 11 and guesses == {1: 5, 4: 9, 5: 11}[per_address]
+
+
 def test_lockout_counts_ipv6_addresses_per_64():
     auth = make_auth(clock_at())
     for i in range(5):
