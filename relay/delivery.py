@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
@@ -42,6 +41,7 @@ from relay.protocol import (
     ack_receipt,
     compact_json,
     iso_timestamp,
+    notice_id,
     parse_json_body,
 )
 
@@ -63,8 +63,6 @@ REJECTED = "rejected"
 CANCELLED = "cancelled"
 DEAD_REASONS = (ATTEMPTS, DELIVERIES, REJECTED, CANCELLED)
 
-# Failure notice ids are derived from the request id, so one request never has two.
-NOTICE_NAMESPACE = uuid.UUID("6f1c9d52-2b0e-5b4e-9a3c-5d0c6a7e1f42")
 
 
 class Message:
@@ -179,10 +177,21 @@ class Message:
         self._bytes = None
 
     def body_bytes(self) -> int:
-        """The size of the body's JSON text in UTF-8 bytes (what inbox quotas count)."""
+        """The size of the body's JSON text in UTF-8 bytes."""
         if self._bytes is None or self._body_json is None:
             self._bytes = len(self.body_json().encode("utf-8"))
         return self._bytes
+
+    def stored_bytes(self) -> int:
+        """What the message counts toward its recipient's inbox quota: the UTF-8 bytes
+        of its body's JSON text and of every string of its envelope the sender chose
+        (``id``, ``from``, ``to``, ``replyTo``, ``rootId``, ``parentId``)."""
+        size = self.body_bytes()
+        for text in (self.id, self.sender, self.to, self.reply_to, self.root_id,
+                     self.parent_id):
+            if text is not None:
+                size += len(text) if text.isascii() else len(text.encode("utf-8"))
+        return size
 
     def body_json(self) -> str:
         """The body as compact JSON text (UTF-8 characters kept, not escaped)."""
@@ -505,11 +514,11 @@ PENDING = (QUEUED, LEASED)
 
 def inbox_full(usage: Tuple[int, int], message: Message, rules: Rules) -> bool:
     """True when ``message`` would take its recipient's pending messages, counted in
-    ``usage`` as ``(messages, body bytes)``, past a limit of ``rules``."""
+    ``usage`` as ``(messages, stored bytes)``, past a limit of ``rules``."""
     count, size = usage
     return bool((rules.inbox_max_messages and count >= rules.inbox_max_messages)
                 or (rules.inbox_max_bytes
-                    and size + message.body_bytes() > rules.inbox_max_bytes))
+                    and size + message.stored_bytes() > rules.inbox_max_bytes))
 
 
 def not_found_status(message_id: str) -> Dict[str, Any]:
@@ -549,11 +558,6 @@ def due(message: Message, now: float) -> bool:
 def deliverable(message: Message, now: float) -> bool:
     """True when ``message`` may be pulled or polled at ``now``."""
     return message.status == QUEUED and due(message, now) and not expired(message, now)
-
-
-def notice_id(request_id: str) -> str:
-    """The id of the failure notice of ``request_id`` (the same on every broker)."""
-    return str(uuid.uuid5(NOTICE_NAMESPACE, request_id))
 
 
 def failure_notice(request: Message, event: str, now: float) -> Message:
@@ -798,11 +802,12 @@ def requeue(agent: Optional[str]) -> Transition:
 
     def transition(message: Message, now: float) -> Outcome:
         if agent is not None:
-            allowed = (message.sender,) if message.dead_reason == CANCELLED else (
-                message.sender, message.to)
-            if agent not in allowed:
+            if agent not in (message.sender, message.to):
                 raise errors.forbidden("only the sender or the recipient may requeue "
                                        "this message")
+            if message.dead_reason == CANCELLED and agent != message.sender:
+                raise errors.forbidden("its sender cancelled this message: only the "
+                                       "sender may requeue it")
         if message.status != FAILED:
             raise errors.wrong_state(f"message is {message.status}, not failed")
         message.status = QUEUED

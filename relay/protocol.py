@@ -45,6 +45,14 @@ MAX_REASON_CHARS = 1000
 MAX_CARD_DESCRIPTION_CHARS = 2000
 MAX_CARD_SKILL_CHARS = 100
 MAX_CARD_SKILLS = 50
+# Every id and reference field (``id``, ``replyTo``, ``rootId``, ``parentId``,
+# ``messageId``, ``leaseId``, ``since``, filters): at most this many characters.
+MAX_ID_CHARS = 256
+# Failure notice ids (EXTENSIONS.md §4) are derived from the request id in a space
+# of their own: no client may send an id that begins with this prefix, so no one
+# can take a notice's id before the broker stores the notice.
+NOTICE_ID_PREFIX = "relay-notice-"
+NOTICE_NAMESPACE = uuid.UUID("6f1c9d52-2b0e-5b4e-9a3c-5d0c6a7e1f42")
 # Fields the broker sets on an atomic reply; a client may not.
 BROKER_SET_REPLY_FIELDS = ("to", "from", "parentId", "replyTo", "rootId")
 
@@ -58,6 +66,29 @@ FAILED = "failed"
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 
 _MISSING = object()
+
+
+def notice_id(request_id: str) -> str:
+    """The id of the failure notice of ``request_id``: the same on every broker, and
+    in the reserved space no client may send an id in."""
+    return NOTICE_ID_PREFIX + str(uuid.uuid5(NOTICE_NAMESPACE, request_id))
+
+
+def check_id(value: str, field: str) -> str:
+    """``value``, an id or reference field, when it has at most 256 characters; else 400."""
+    if len(value) > MAX_ID_CHARS:
+        raise bad_request(f"{field} must be at most {MAX_ID_CHARS} characters")
+    return value
+
+
+def check_new_id(value: str, field: str) -> str:
+    """``value``, the id of a new message, when :func:`check_id` takes it and it is
+    not in the failure notices' reserved space; else 400."""
+    check_id(value, field)
+    if value.startswith(NOTICE_ID_PREFIX):
+        raise bad_request(f"{field} must not begin with {NOTICE_ID_PREFIX!r}: such ids "
+                          "are reserved for the broker's failure notices")
+    return value
 
 
 def is_valid_agent_name(name: str) -> bool:
@@ -300,8 +331,10 @@ def check_body_agent(body: Dict[str, Any], agent: str) -> None:
 
 def _optional_string(body: Dict[str, Any], field: str) -> Optional[str]:
     value = body.get(field)
-    if value is None or isinstance(value, str):
+    if value is None:
         return value
+    if isinstance(value, str):
+        return check_id(value, field)
     raise bad_request(f"{field} must be a string or null")
 
 
@@ -323,12 +356,15 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
         msg_id = str(uuid.uuid4())
     elif not isinstance(msg_id, str) or not msg_id:
         raise bad_request("id must be a non-empty string")
+    else:
+        check_new_id(msg_id, "id")
     sender = body.get("from")
     if sender is not None and sender != agent:
         raise bad_request("envelope.from must match X-Relay-Agent header")
     to = body.get("to")
     if not isinstance(to, str) or not to:
         raise bad_request("to is required")
+    check_id(to, "to")
     if to == agent:
         raise bad_request("cannot send a message to yourself")
     msg_type = body.get("type", "message")
@@ -406,7 +442,7 @@ def required_id(body: Dict[str, Any], field: str) -> str:
     value = body.get(field)
     if not isinstance(value, str) or not value:
         raise bad_request(f"{field} is required (a non-empty string)")
-    return value
+    return check_id(value, field)
 
 
 def optional_id(body: Dict[str, Any], field: str) -> Optional[str]:
@@ -416,7 +452,7 @@ def optional_id(body: Dict[str, Any], field: str) -> Optional[str]:
         return None
     if not isinstance(value, str) or not value:
         raise bad_request(f"{field} must be a non-empty string")
-    return value
+    return check_id(value, field)
 
 
 def parse_reply(value: Any) -> Dict[str, Any]:
@@ -432,6 +468,8 @@ def parse_reply(value: Any) -> Dict[str, Any]:
         reply_id = str(uuid.uuid4())
     elif not isinstance(reply_id, str) or not reply_id:
         raise bad_request("reply.id must be a non-empty string")
+    else:
+        check_new_id(reply_id, "reply.id")
     body = value.get("body")
     if body is None:
         body = {}
@@ -474,8 +512,8 @@ def parse_ack(body: Dict[str, Any]) -> AckRequest:
     if outcome not in OUTCOMES:
         raise bad_request('outcome must be "completed", "retry", "release" or "reject"')
     error = body.get("error")
-    if error is not None and not isinstance(error, str):
-        raise bad_request("error must be a string")
+    if error is not None and (not isinstance(error, str) or len(error) > MAX_REASON_CHARS):
+        raise bad_request(f"error must be a string of at most {MAX_REASON_CHARS} characters")
     retry_after = strict_int(body, "retryAfterSeconds", 0, MAX_RETRY_AFTER_SECONDS)
     if retry_after is not None and outcome not in ("retry", "release"):
         raise bad_request("retryAfterSeconds goes only with retry or release")
@@ -556,7 +594,7 @@ def parse_status_ids(body: Dict[str, Any]) -> List[str]:
     out = []
     for value in ids[:MAX_STATUS_IDS]:
         if isinstance(value, str):
-            out.append(value)
+            out.append(check_id(value, "messageIds"))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out.append(json.dumps(value))
         else:
@@ -572,7 +610,7 @@ def parse_query_filters(body: Dict[str, Any]) -> Dict[str, Optional[str]]:
         value = body.get(field)
         if value is not None and not isinstance(value, str):
             raise bad_request(f"{field} must be a string")
-        filters[field] = value or None
+        filters[field] = check_id(value, field) if value else None
     box = body.get("box")
     if box is None:
         box = "inbox"

@@ -723,9 +723,10 @@ class QuotaContract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_the_byte_limit_counts_utf8_bytes_of_the_body(self, store):
-        one = new_message("alpha", "beta", START, body={"t": "\U0001F600" * 10})
-        size = one.body_bytes()
-        assert size == len('{"t":""}') + 40, "UTF-8, not escapes"
+        one = new_message("alpha", "beta", START, id="x", body={"t": "\U0001F600" * 10})
+        assert one.body_bytes() == len('{"t":""}') + 40, "UTF-8, not escapes"
+        size = one.stored_bytes()
+        assert size == one.body_bytes() + len("x" "alpha" "beta")
         rules = make_rules(inbox_max_bytes=2 * size)
         assert await self.put(store, rules, id="x", body=one.body) is True
         assert await self.put(store, rules, id="y", body=one.body) is True, "up to the limit"
@@ -733,6 +734,24 @@ class QuotaContract(_Contract):
         (m,) = await store.pull("beta", 1, self.LEASE, START, rules)
         await ack(store, m.id, "beta", m.lease_id, "reject", "no", START, rules)
         assert await self.put(store, rules, id="z", body=one.body) is True, "failed frees"
+
+    @pytest_twisted.ensureDeferred
+    async def test_the_byte_limit_counts_every_string_the_sender_chose(self, store):
+        long = "\u00e9" * 200  # 400 UTF-8 bytes
+        one = new_message("alpha", "beta", START, id="i" + long, body={},
+                          replyTo="r" + long, rootId="o" + long, parentId="p" + long)
+        assert one.stored_bytes() == len("{}") + 4 * 401 + len("alpha" "beta")
+        rules = make_rules(inbox_max_bytes=2 * one.stored_bytes() - 1)
+        assert await self.put(store, rules, id="i" + long, body={}, replyTo="r" + long,
+                              rootId="o" + long, parentId="p" + long) is True
+        refused = await self.put(store, rules, id="j" + long, body={}, replyTo="r" + long,
+                                 rootId="o" + long, parentId="p" + long)
+        assert (refused.status, refused.code) == (429, "inbox_full"), "ids count"
+        assert await store.find("j" + long, START) is None
+        (m,) = await store.pull("beta", 1, self.LEASE, START, rules)
+        await ack(store, m.id, "beta", m.lease_id, "completed", None, START, rules)
+        assert await self.put(store, rules, id="j" + long, body={}, replyTo="r" + long,
+                              rootId="o" + long, parentId="p" + long) is True, "done frees"
 
     @pytest_twisted.ensureDeferred
     async def test_expiry_frees_the_inbox(self, store):

@@ -84,12 +84,12 @@ async def test_restart_keeps_everything(persistent, tmp_path):
 
 
 async def recounted(store) -> Dict[str, Any]:
-    """Each agent's pending messages and body bytes, counted from the messages."""
+    """Each agent's pending messages and their stored bytes, counted from the messages."""
     usage = {}
     for agent in ("alpha", "beta", "gamma"):
         pending = [m for m in await store.query(agent, 200, {}, START, RULES)
                    if m.status in delivery.PENDING]
-        usage[agent] = (len(pending), sum(m.body_bytes() for m in pending))
+        usage[agent] = (len(pending), sum(m.stored_bytes() for m in pending))
     return usage
 
 

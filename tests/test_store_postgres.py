@@ -188,11 +188,38 @@ def test_migration_4_counts_the_pending_messages_already_stored(dsn):
                 "INSERT INTO relay_messages (id, sender, recipient, ts, type, body, ack, kind,"
                 " status, attempts, created) VALUES (%s, 'alpha', %s, 't', 'message', %s,"
                 " false, 'message', %s, 0, 0)", (f"m{i}", to, body, status))
-        assert postgres.migrate(conn) == 3
+        assert postgres.migrate(conn, target=4) == 3
         records = _records(conn)
         assert records.usage("beta") == (2, len('{"t":"é"}'.encode()) + 2)
         assert records.usage("gamma") == (1, len('{"t":""}') + 4)
         assert records.usage("nobody") == (0, 0)
+
+
+def test_migration_8_counts_the_envelope_strings_of_the_pending_messages(dsn):
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn, target=7)
+        for i, (to, status, parent) in enumerate([
+                ("beta", "queued", "é" * 300), ("beta", "done", "x" * 900),
+                ("beta", "leased", None)]):
+            conn.execute(
+                "INSERT INTO relay_messages (id, sender, recipient, ts, type, body, ack, kind,"
+                " status, attempts, created, parent_id, root_id) VALUES (%s, 'alpha', %s, 't',"
+                " 'message', '{}', false, 'message', %s, 0, 0, %s, %s)",
+                (f"m{i}", to, status, parent, parent))
+        assert postgres.migrate(conn) == 7
+        envelope = len("m0" "alpha" "beta") + 2 * 600 + 2
+        assert _records(conn).usage("beta") == (2, envelope + len("m2" "alpha" "beta") + 2)
+
+
+def test_the_usage_of_a_new_message_counts_its_envelope_strings(dsn):
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn)
+        records = _records(conn)
+        message = new_message("alpha", "beta", START, id="i" * 256, body={},
+                              rootId="é" * 256, replyTo="r")
+        records.insert(message)
+        assert records.usage("beta") == (1, message.stored_bytes())
+        assert message.stored_bytes() == 256 + 512 + 1 + len("alpha" "beta" "{}")
 
 
 def test_a_senders_dead_letters_are_read_from_the_failed_rows(dsn):

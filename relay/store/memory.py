@@ -114,7 +114,7 @@ class MemoryRecords(Records):
             if not counts:
                 del self.depth[agent]
         if status in PENDING:
-            self._tally(self.pending_bytes, agent, delta * message.body_bytes())
+            self._tally(self.pending_bytes, agent, delta * message.stored_bytes())
 
     def load(self, message: Message) -> None:
         """Index a message that already has its seq and state (when replaying a log)."""

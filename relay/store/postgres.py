@@ -95,7 +95,7 @@ from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 CHANNEL = "relay_changes"
 INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
 
@@ -165,7 +165,12 @@ _M_COLUMNS = ", ".join(f"m.{c}" for c in ["seq", "version"] + [c for c, _, _ in 
 
 _SELECT = f"SELECT {COLUMNS} FROM relay_messages"
 _PENDING = "('queued', 'leased')"
-# Adds the pending messages of ``rows`` (recipient, status, body bytes) to their
+# What a row counts toward its recipient's inbox quota (delivery.Message.stored_bytes;
+# migration 8): the UTF-8 bytes of its body and of the envelope strings its sender chose.
+_STORED_BYTES = ("(octet_length(body) + octet_length(id) + octet_length(sender) "
+                 "+ octet_length(recipient) + coalesce(octet_length(reply_to), 0) "
+                 "+ coalesce(octet_length(root_id), 0) + coalesce(octet_length(parent_id), 0))")
+# Adds the pending messages of ``rows`` (recipient, status, stored bytes) to their
 # recipients' usage.
 _COUNT = (
     "INSERT INTO relay_inbox_usage AS u (recipient, messages, bytes) "
@@ -180,7 +185,7 @@ _INSERT = (
     f"added AS (INSERT INTO relay_messages ({', '.join(c for c, _, _ in _STORED)}) "
     f"SELECT {', '.join(f'%s::{t}' for _, _, t in _STORED)} FROM recipient_lock "
     "ON CONFLICT (id) DO NOTHING "
-    "RETURNING seq, recipient, status, octet_length(body) AS size), "
+    f"RETURNING seq, recipient, status, {_STORED_BYTES} AS size), "
     f"counted AS ({_COUNT.format(rows='added')}) "
     "SELECT seq FROM added"
 )
@@ -487,7 +492,7 @@ class PostgresRecords(Records):
                 sign = 1 if now else -1
                 entry = deltas.setdefault(message.to, [0, 0])
                 entry[0] += sign
-                entry[1] += sign * message.body_bytes()
+                entry[1] += sign * message.stored_bytes()
         self._usage_changed(deltas)
         seqs = [m.seq for m in messages]
         columns: List[List[Any]] = [seqs, [self.versions[s] for s in seqs]]
@@ -550,7 +555,7 @@ class PostgresRecords(Records):
             if message.status in delivery.PENDING:
                 entry = deltas.setdefault(message.to, [0, 0])
                 entry[0] -= 1
-                entry[1] -= message.body_bytes()
+                entry[1] -= message.stored_bytes()
         self._usage_changed(deltas)
         unprocessed = [m for m in removed
                        if m.kind == "request" and m.status in ("queued", "leased")]

@@ -86,6 +86,13 @@ COLUMNS = (
     "not_before, dead_reason, delay_until, expires_at"
 )
 _SELECT = f"SELECT {COLUMNS} FROM messages"
+# What a row counts toward its recipient's inbox quota (delivery.Message.stored_bytes):
+# the UTF-8 bytes of its body and of the envelope strings its sender chose.
+_STORED_BYTES = ("(length(CAST(body AS BLOB)) + length(CAST(id AS BLOB)) "
+                 "+ length(CAST(sender AS BLOB)) + length(CAST(recipient AS BLOB)) "
+                 "+ ifnull(length(CAST(reply_to AS BLOB)), 0) "
+                 "+ ifnull(length(CAST(root_id AS BLOB)), 0) "
+                 "+ ifnull(length(CAST(parent_id AS BLOB)), 0))")
 _STATE_COLUMNS = ("status", "attempts", "lease_until", "lease_id", "error", "recovery",
                   "deliveries", "not_before", "dead_reason")
 # Variants of _INSERT and _SAVE_STATE kept per pattern of NULL values: at most this many.
@@ -176,9 +183,9 @@ STATEMENTS = {
     ],
     # the pending (queued or leased) messages whose usage leaves with an expiry
     "expired_usage": [
-        "SELECT recipient, length(CAST(body AS BLOB)) FROM messages "
+        f"SELECT recipient, {_STORED_BYTES} FROM messages "
         "WHERE seq <= ? AND status IN ('queued', 'leased')",
-        "SELECT recipient, length(CAST(body AS BLOB)) FROM messages "
+        f"SELECT recipient, {_STORED_BYTES} FROM messages "
         "WHERE seq = ? AND status IN ('queued', 'leased')",
     ],
     "register": [
@@ -205,7 +212,7 @@ STATEMENTS = {
 # store opens.
 LISTINGS = (
     "SELECT agent, last_seen, card FROM peers ORDER BY agent",
-    "SELECT recipient, count(*), sum(length(CAST(body AS BLOB))) FROM messages "
+    f"SELECT recipient, count(*), sum({_STORED_BYTES}) FROM messages "
     "WHERE status IN ('queued', 'leased') GROUP BY recipient",
     "DELETE FROM peers WHERE last_seen < ? AND NOT EXISTS "
     "(SELECT 1 FROM messages WHERE recipient = peers.agent) RETURNING agent",
@@ -493,7 +500,7 @@ class SQLiteRecords(Records):
             return False
         self.next_seq += 1
         if message.status in PENDING:
-            self._pending(message.to, 1, message.body_bytes())
+            self._pending(message.to, 1, message.stored_bytes())
         return True
 
     def get(self, message_id: str) -> Optional[Message]:
@@ -537,7 +544,7 @@ class SQLiteRecords(Records):
             was, now = before[0] in PENDING, message.status in PENDING
             if was != now:
                 self._pending(message.to, 1 if now else -1,
-                              message.body_bytes() if now else -message.body_bytes())
+                              message.stored_bytes() if now else -message.stored_bytes())
         self._begin()
         if len(messages) == 1:
             self.cursor.execute(*self._save(_state_row(messages[0]), 1))

@@ -1,0 +1,112 @@
+"""Regression tests for the findings of the third attack run (docs/SECURITY.md),
+against the broker's HTTP API in memory, time driven by a ``task.Clock``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+import pytest_twisted
+
+from relay.protocol import MAX_ID_CHARS, notice_id
+from relay.testing import make_api
+
+
+async def registered(*agents: str, **broker: Any):
+    api, client, clock = make_api(**broker)
+    for agent in agents:
+        assert (await client.post(agent, "/register", {}))[0] == 200
+    return api, client, clock
+
+
+def refused(answer, status: int = 400, code: str = "bad_request") -> str:
+    """The message of an error answer, after checking its status and uniform body."""
+    got, body, _ = answer
+    assert got == status, body
+    assert set(body) == {"error"} and body["error"]["code"] == code
+    return body["error"]["message"]
+
+
+# -- ids and references are bounded; the quota counts them ------------------------------
+
+
+@pytest.mark.parametrize("field", ["id", "replyTo", "rootId", "parentId", "to"])
+@pytest_twisted.ensureDeferred
+async def test_an_id_or_reference_over_256_characters_is_400(field):
+    _, client, _ = await registered("alpha", "beta")
+    at_limit: Dict[str, Any] = {"to": "beta", field: "x" * MAX_ID_CHARS}
+    if field == "to":
+        at_limit["to"] = "beta"
+    else:
+        assert (await client.post("alpha", "/messages", at_limit))[0] == 201
+    over = {"to": "beta", field: "y" * (MAX_ID_CHARS + 1)}
+    message = refused(await client.post("alpha", "/messages", over))
+    assert field in message and "256" in message
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/status", {"messageIds": ["x" * 257]}),
+    ("/v1/messages/query", {"parentId": "x" * 257}),
+    ("/v1/pull", {"parentId": "x" * 257}),
+    ("/v1/thread", {"rootId": "x" * 257}),
+    ("/v1/requeue", {"messageId": "x" * 257}),
+    ("/v1/cancel", {"messageId": "x" * 257}),
+    ("/v1/lease/renew", {"messageId": "m", "leaseId": "x" * 257}),
+    ("/v1/ack", {"messageId": "m", "leaseId": "l", "outcome": "completed",
+                 "reply": {"id": "x" * 257}}),
+    ("/v1/ack", {"messageId": "m", "leaseId": "l", "outcome": "reject", "error": "e" * 1001}),
+])
+@pytest_twisted.ensureDeferred
+async def test_every_id_field_of_every_route_is_bounded(path, body):
+    _, client, _ = await registered("alpha")
+    assert "256" in refused(await client.post("alpha", path, body)) or path == "/v1/ack"
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_inbox_byte_quota_counts_ids_and_references():
+    _, client, _ = await registered("alpha", "beta", inboxMaxBytes=2100)
+    for i in range(2):
+        envelope = {"to": "beta", "id": f"{i}" + "i" * 255, "rootId": "r" * 256,
+                    "parentId": "p" * 256, "replyTo": "t" * 256}
+        assert (await client.post("alpha", "/messages", envelope))[0] == 201
+    envelope = {"to": "beta", "id": "2" + "i" * 255, "rootId": "r" * 256}
+    message = refused(await client.post("alpha", "/messages", envelope), 429, "inbox_full")
+    assert "beta" in message
+
+
+# -- the failure notices' ids are reserved ------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_one_can_take_the_id_of_a_failure_notice_first():
+    _, client, _ = await registered("alpha", "beta", "mallory")
+    request = {"to": "beta", "id": "q1", "kind": "request"}
+    assert (await client.post("alpha", "/messages", request))[0] == 201
+    squat = {"to": "alpha", "id": notice_id("q1"), "kind": "reply", "parentId": "q1"}
+    message = refused(await client.post("mallory", "/messages", squat))
+    assert "reserved" in message
+    _, pulled, _ = await client.post("beta", "/v1/pull", {"limit": 1})
+    (leased,) = pulled["messages"]
+    in_reply = {"messageId": leased["id"], "leaseId": leased["leaseId"],
+                "outcome": "completed", "reply": {"id": notice_id("q9")}}
+    assert "reserved" in refused(await client.post("beta", "/v1/ack", in_reply))
+    reject = {"messageId": leased["id"], "leaseId": leased["leaseId"], "outcome": "reject"}
+    assert (await client.post("beta", "/v1/ack", reject))[0] == 200
+    _, answers, _ = await client.post("alpha", "/v1/pull", {"parentId": "q1"})
+    (notice,) = answers["messages"]
+    assert notice["id"] == notice_id("q1") and notice["from"] == "beta"
+    assert notice["body"]["relayNotice"]["event"] == "failed"
+
+
+# -- requeue ------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_requeueing_a_message_its_sender_cancelled_is_refused_with_the_reason():
+    _, client, _ = await registered("alpha", "beta")
+    assert (await client.post("alpha", "/messages", {"to": "beta", "id": "c1"}))[0] == 201
+    assert (await client.post("alpha", "/v1/cancel", {"messageId": "c1"}))[0] == 200
+    message = refused(await client.post("beta", "/v1/requeue", {"messageId": "c1"}),
+                      403, "forbidden")
+    assert "cancelled" in message and "sender" in message
+    assert (await client.post("alpha", "/v1/requeue", {"messageId": "c1"}))[0] == 200
