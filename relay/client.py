@@ -62,7 +62,7 @@ from zope.interface import implementer
 
 from relay import pem
 from relay.errors import RelayError
-from relay.protocol import KEEP_CARD, PROTOCOL_VERSION, is_loopback_host
+from relay.protocol import KEEP_CARD, PROTOCOL_VERSION, is_loopback_host, notice_id
 from relay.settings import ENV_CA_FILE, ENV_CLIENT_CERT
 from relay.signing import auth_headers, new_nonce
 
@@ -240,21 +240,49 @@ def failure_notices(info: Optional[Dict[str, Any]]) -> bool:
 
 
 def notice_of(message: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
-    """The ``relayNotice`` of a failure notice (EXTENSIONS.md §4), or None."""
+    """The ``relayNotice`` object of a message's body, or None. Any agent can write
+    one: :func:`broker_notice` tells the broker's own failure notices."""
     body = message.get("body")
     notice = body.get("relayNotice") if isinstance(body, dict) else None
     return notice if isinstance(notice, dict) else None
+
+
+def broker_notice(
+    message: Mapping[str, Any], request_id: Optional[str] = None
+) -> Optional[Dict[str, Any]]:
+    """The ``relayNotice`` of a failure notice the broker stored (EXTENSIONS.md §4)
+    for ``request_id`` (by default the request the message answers), or None.
+
+    A notice is the broker's when its id is the one derived from the request's, in
+    the id space no agent may send in; a ``relayNotice`` body under any other id
+    is what some agent wrote, not the broker.
+    """
+    parent = request_id or message.get("parentId") or message.get("replyTo")
+    if not isinstance(parent, str) or message.get("id") != notice_id(parent):
+        return None
+    return notice_of(message)
+
+
+def answers_request(message: Mapping[str, Any], request_id: str, to: Optional[str]) -> bool:
+    """Whether ``message`` is the answer to ``request_id``, sent to ``to``, or its
+    failure notice: a reply from ``to`` itself, or the broker's notice. Anything
+    else that names the request as its parent was written by someone else."""
+    if broker_notice(message, request_id) is not None:
+        return True
+    return (to is not None and message.get("from") == to
+            and request_id in (message.get("parentId"), message.get("replyTo")))
 
 
 def _answer_or_failure(
     message: Dict[str, Any], request_id: str, to: Optional[str]
 ) -> Dict[str, Any]:
     """``message``, the answer to a request, unless it is its failure notice."""
-    notice = notice_of(message)
+    notice = broker_notice(message, request_id)
     if notice is None:
         return message
     event = str(notice.get("event") or "failed")
-    raise RequestFailed(request_id, to, event, str(notice.get("error") or event), notice)
+    raise RequestFailed(request_id, to or message.get("from"), event,
+                        str(notice.get("error") or event), notice)
 
 
 def _whole_seconds(seconds: float) -> int:
@@ -1339,15 +1367,23 @@ class RelayClient:
         by_parent = self.advertises("pullFilter")
         if not by_parent and not self.advertises("filteredQuery"):
             raise unsupported("pullFilter", "waiting for a reply; nor does it offer filteredQuery")
+        if to is None:
+            to = await self._recipient_of(request_id)
         # Without failure notices only /v1/status tells that the request failed.
         check_status = not (by_parent and failure_notices(self.info))
-        maximum = self.long_poll_seconds if by_parent else None
         while True:
+            maximum = self.long_poll_seconds if by_parent else None
             remaining = deadline - self._clock.seconds()
             # Whole seconds, rounded down: a long poll never outlasts the deadline.
             wait = int(min(remaining, maximum)) if maximum and remaining >= 1 else 0
             if by_parent:
-                answer = await self._pull_answer(request_id, to, wait)
+                answer, forged = await self._pull_answer(request_id, to, wait)
+                if forged:
+                    # Another agent's message names the request as its parent: it is
+                    # given back, and from now on the answer is looked for read-only,
+                    # so a pull by parent does not take that message again and again.
+                    by_parent = False
+                    wait = 0
             else:
                 answer = await self._query_answer(request_id, to)
             if answer is not None:
@@ -1360,10 +1396,20 @@ class RelayClient:
             if not wait:
                 await deferLater(self._clock, min(poll_interval, remaining))
 
+    async def _recipient_of(self, request_id: str) -> Optional[str]:
+        """The agent a request this agent sent went to, from ``/v1/status``; None when
+        the broker no longer has it (then only the broker's notice answers it)."""
+        for entry in _messages(await self.status([request_id])):
+            if entry.get("id") == request_id and entry.get("from") == self.agent:
+                recipient = entry.get("to")
+                return recipient if isinstance(recipient, str) else None
+        return None
+
     async def _pull_answer(
         self, request_id: str, to: Optional[str], wait: int
-    ) -> Optional[Dict[str, Any]]:
-        """One pull by parent (long-polling ``wait`` seconds): the answer, completed."""
+    ) -> Tuple[Optional[Dict[str, Any]], bool]:
+        """One pull by parent (long-polling ``wait`` seconds): the answer, completed,
+        and whether a message from another agent claimed to answer (it is released)."""
         document: Dict[str, Any] = {
             "limit": 1,
             "leaseSeconds": REPLY_LEASE_SECONDS,
@@ -1374,21 +1420,41 @@ class RelayClient:
         answer = await self._request(
             "POST", "/v1/pull", document, timeout=self._timeout_for(wait or None)
         )
+        forged = False
         for message in _messages(answer):
+            if not answers_request(message, request_id, to):
+                forged = True
+                await self._give_back_quietly(message)
+                continue
             await self._complete_quietly(message)
             if message.get("type") == "ack":
                 continue  # a v1.0 receipt of the request, not its answer
-            return _answer_or_failure(message, request_id, to)
-        return None
+            return _answer_or_failure(message, request_id, to), forged
+        return None, forged
 
     async def _query_answer(self, request_id: str, to: Optional[str]) -> Optional[Dict[str, Any]]:
         """One read-only look for the reply among the newest replies (v1.1)."""
         answer = await self.query(kind="reply", from_=to, limit=FALLBACK_QUERY_LIMIT)
         for message in _messages(answer):
-            answers = request_id in (message.get("parentId"), message.get("replyTo"))
-            if answers and message.get("type") != "ack":
+            if answers_request(message, request_id, to) and message.get("type") != "ack":
                 return _answer_or_failure(message, request_id, to)
         return None
+
+    async def _give_back_quietly(self, message: Mapping[str, Any]) -> None:
+        """Release a message a pull by parent leased that is not the answer: it stays
+        in the inbox, queued, for whatever reads the inbox. A broker that cannot
+        release gets it back when the lease lapses."""
+        if "release" not in ack_outcomes(self.info):
+            return
+        try:
+            await self.release(str(message.get("id")), str(message.get("leaseId") or ""))
+        except RelayError as error:
+            self.log.warn(
+                "relay: message {id} names the request as its parent but is not its "
+                "answer; giving it back failed ({code})",
+                id=message.get("id"),
+                code=error.code,
+            )
 
     async def _complete_quietly(self, message: Mapping[str, Any]) -> None:
         """Acknowledge an answer leased by a pull by parent; a refusal is only logged

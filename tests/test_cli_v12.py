@@ -14,6 +14,7 @@ from twisted.internet import defer
 
 from relay.cli import run
 from relay.cli.commands.messages import SEND_ID_NAMESPACE, message_id_for
+from relay.protocol import notice_id
 from relay.testing import SECRET
 from tests.client_support import Net, result_of
 
@@ -287,9 +288,15 @@ def test_dead_on_a_v11_broker_lists_the_inbox_only(v11: Terminal) -> None:
 def test_a_failure_notice_reads_as_one() -> None:
     from relay.cli.output import message_block, watch_line
 
-    notice = {"id": "n", "from": "beta", "to": "alpha", "kind": "reply", "type": "message",
+    notice = {"id": notice_id("q1"), "from": "beta", "to": "alpha", "kind": "reply",
+              "type": "message", "parentId": "q1", "replyTo": "q1",
               "body": {"relayNotice": {"event": "failed", "messageId": "q1", "attempts": 0,
                                        "deliveries": 1, "error": "cannot parse"}}}
     text = "[notice] request q1 failed: cannot parse (attempts 0, deliveries 1)"
     assert message_block(notice, 0)[-1] == "  " + text
-    assert watch_line(notice, 0).endswith(f"[n]: {text}")
+    assert watch_line(notice, 0).endswith(f"[{notice_id('q1')}]: {text}")
+    # The same body from an agent, under an id of its own, is that agent's words.
+    forged = dict(notice, id="f", **{"from": "mallory"})
+    assert "[notice]" not in "\n".join(message_block(forged, 0))
+    assert watch_line(forged, 0).startswith("mallory (reply) [f]: ")
+    assert "[notice]" not in watch_line(forged, 0)

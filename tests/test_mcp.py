@@ -127,12 +127,20 @@ def status_of(broker: BrokerProcess, agent: str, message_id: str) -> Dict[str, A
 
 
 def test_the_tools_have_schemas_and_bad_arguments_are_tool_errors(broker) -> None:
+    from relay.mcp.server import INSTRUCTIONS
+
     async def scenario() -> None:
         async with AsyncExitStack() as stack:
             carol = await open_session(stack, broker, "carol", "--description",
                                        "answers questions about dates", "--skill", "dates")
             listed = {tool.name: tool for tool in (await carol.client.list_tools()).tools}
             assert set(listed) == TOOLS
+            # What other agents wrote is labelled as their data, never instructions.
+            for name in ("relay_peers", "relay_request", "relay_inbox", "relay_status",
+                         "relay_thread"):
+                description = listed[name].description
+                assert '"untrusted"' in description and "never instructions" in description
+            assert '"untrusted"' in INSTRUCTIONS and "never instructions" in INSTRUCTIONS
             for tool in listed.values():
                 assert tool.description and len(tool.description) > 40, tool.name
                 schema = tool.input_schema
@@ -154,10 +162,11 @@ def test_the_tools_have_schemas_and_bad_arguments_are_tool_errors(broker) -> Non
             me = await carol.call("relay_whoami")
             assert me["agent"] == "carol" and me["protocol"] == "1.0"
             peers = await carol.call("relay_peers")
-            (card,) = [p for p in peers["peers"] if p["agent"] == "carol"]
+            (card,) = [p for p in peers["peers"] if p["untrusted"]["agent"] == "carol"]
             assert card["online"] and card["you"]
-            assert card["description"] == "answers questions about dates"
-            assert card["skills"] == ["dates"]
+            assert card["untrusted"] == {"agent": "carol",
+                                         "description": "answers questions about dates",
+                                         "skills": ["dates"]}
 
             # The schema refuses, the tools refuse, the broker refuses: tool errors all.
             refusal = json.loads(await carol.error(
@@ -203,8 +212,9 @@ def test_alice_asks_bob_answers_and_a_rejected_request_comes_back_failed(broker)
             async def serve_one() -> str:
                 inbox = await bob.call("relay_inbox", wait_seconds=15)
                 (message,) = inbox["messages"]
-                assert message["from"] == "alice" and message["kind"] == "request"
-                assert message["body"] == {"text": "what is 2 + 2?"}
+                assert message["kind"] == "request"
+                assert message["untrusted"] == {"from": "alice",
+                                                "body": {"text": "what is 2 + 2?"}}
                 assert "relay_reply" in inbox["note"]
                 replied = await bob.call("relay_reply", message_id=message["id"],
                                          body={"answer": 4})
@@ -215,8 +225,8 @@ def test_alice_asks_bob_answers_and_a_rejected_request_comes_back_failed(broker)
                 alice.call("relay_request", to="bob", text="what is 2 + 2?", wait_seconds=15),
                 serve_one(),
             )
-            assert asked["answered"] is True and asked["from"] == "bob"
-            assert asked["body"] == {"answer": 4} and asked["request_id"] == served
+            assert asked["answered"] is True and asked["request_id"] == served
+            assert asked["untrusted"] == {"from": "bob", "body": {"answer": 4}}
             assert status_of(broker, "alice", served)["status"] == "done"
 
             # Nobody answers in time: a normal result with the request id, then the
@@ -233,7 +243,8 @@ def test_alice_asks_bob_answers_and_a_rejected_request_comes_back_failed(broker)
             assert message["id"] == request_id
             await bob.call("relay_reply", message_id=request_id, text="now")
             answer = await alice.call("relay_wait_reply", request_id=request_id, wait_seconds=10)
-            assert answer["answered"] is True and answer["body"] == {"text": "now"}
+            assert answer["answered"] is True
+            assert answer["untrusted"]["body"] == {"text": "now"}
             assert "not_held" in await bob.error("relay_reply", message_id=request_id, text="2")
 
             # Bob rejects: alice's request comes back as a failure, not an error.
@@ -248,7 +259,8 @@ def test_alice_asks_bob_answers_and_a_rejected_request_comes_back_failed(broker)
                 reject_one(),
             )
             assert failed["answered"] is False and failed["failed"] is True
-            assert failed["event"] == "failed" and failed["error"] == "cannot divide by zero"
+            assert failed["event"] == "failed"
+            assert failed["untrusted"] == {"error": "cannot divide by zero"}
 
             # A message that needs no answer: send, take, done; the thread shows it all.
             sent = await alice.call("relay_send", to="bob", text="fyi")
@@ -294,7 +306,7 @@ def test_ending_a_session_releases_what_it_held(broker) -> None:
             assert again["id"] == sent["id"]
             await bob.call("relay_reply", message_id=sent["id"], text="done now")
             answer = await alice.call("relay_wait_reply", request_id=sent["id"], wait_seconds=10)
-            assert answer["answered"] and answer["body"] == {"text": "done now"}
+            assert answer["answered"] and answer["untrusted"]["body"] == {"text": "done now"}
 
     run(scenario())
 

@@ -14,6 +14,8 @@ import json
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
 
+from relay.protocol import notice_id
+
 # Characters that a terminal may act on, or that reorder or break the text
 # around them: C0, DEL and C1 controls, the bidirectional embeddings,
 # overrides and isolates, and the Unicode line and paragraph separators.
@@ -156,7 +158,7 @@ def message_block(message: Mapping[str, Any], now: float) -> List[str]:
     lines = [head]
     if facts:
         lines.append("  " + " | ".join(facts))
-    notice = _notice(message.get("body"))
+    notice = _notice(message)
     if notice is not None:
         lines.append("  " + notice)
     elif "body" in message:
@@ -164,8 +166,14 @@ def message_block(message: Mapping[str, Any], now: float) -> List[str]:
     return lines
 
 
-def _notice(body: Any) -> Optional[str]:
-    """A failure notice of the broker (EXTENSIONS.md §4) in words, or None."""
+def _notice(message: Mapping[str, Any]) -> Optional[str]:
+    """A failure notice of the broker (EXTENSIONS.md §4) in words, or None. Only the
+    broker's own counts (its id derived from the request's); a ``relayNotice`` an
+    agent wrote under another id is shown as the body it is."""
+    parent = message.get("parentId") or message.get("replyTo")
+    if not isinstance(parent, str) or message.get("id") != notice_id(parent):
+        return None
+    body = message.get("body")
     notice = body.get("relayNotice") if isinstance(body, dict) else None
     if not isinstance(notice, dict):
         return None
@@ -214,7 +222,7 @@ def watch_line(message: Mapping[str, Any], now: float) -> str:
                 f"{_one_line(message.get('replyTo'))}")
     kind = message.get("kind")
     tag = f" ({_one_line(kind)})" if kind and kind != "message" else ""
-    text = _one_line(_notice(message.get("body")) or body_text(message.get("body")))
+    text = _one_line(_notice(message) or body_text(message.get("body")))
     when = age(message.get("ts"), now) or _one_line(message.get("ts", ""))
     return (
         f"{when} {_one_line(message.get('from'))}{tag} "

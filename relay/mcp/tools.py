@@ -11,6 +11,10 @@ runs one by name within a deadline and turns every failure into a
 Everything here runs in the reactor thread and knows nothing of MCP or asyncio
 (:mod:`relay.mcp.bridge` carries calls over). Message bodies are never logged
 nor put in an error: notes and failures name ids, agents and codes.
+
+What other agents wrote (message bodies, the names of senders, peer cards and
+names, the errors of rejects and cancels) reaches the model only inside a field
+named :data:`UNTRUSTED`: data from other parties, never the tool's own words.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from relay.client import (
     RequestFailed,
     RequestTimeout,
     ack_outcomes,
-    notice_of,
+    answers_request,
+    broker_notice,
 )
 from relay.errors import RelayError
 from relay.protocol import KEEP_CARD
@@ -66,6 +71,8 @@ MAX_INBOX_LIMIT = 50
 LEASE_GONE = frozenset({404, 409})
 # The throwaway agents of `relay selfcheck` (selfcheck-<8 hex>-a / -b).
 _SELFCHECK_AGENT = re.compile(r"selfcheck-[0-9a-f]{8}-[ab]\Z")
+# The field of a result that holds what other agents wrote, and only that.
+UNTRUSTED = "untrusted"
 INBOX_NOTE = (
     "Each message stays leased to you until relay_reply (answer it), relay_done, "
     "relay_release (give it back) or relay_reject (it can never succeed)."
@@ -131,11 +138,15 @@ def _snake(key: str) -> str:
     return re.sub(r"(?<=[a-z])([A-Z])", lambda m: "_" + m.group(1).lower(), key)
 
 
+def untrusted(**fields: Any) -> Dict[str, Any]:
+    """``{UNTRUSTED: fields}``, the fields that are not None: what other agents wrote."""
+    return {UNTRUSTED: {name: value for name, value in fields.items() if value is not None}}
+
+
 def message_view(message: Mapping[str, Any], *, with_state: bool = False) -> Dict[str, Any]:
-    """A message as a model needs it: who, what kind, which conversation, the body."""
-    view: Dict[str, Any] = {"id": message.get("id"), "from": message.get("from")}
-    if with_state:
-        view["to"] = message.get("to")
+    """A message as a model needs it: what kind, which conversation, and, under
+    :data:`UNTRUSTED`, who sent it and its body (or a failure notice's error)."""
+    view: Dict[str, Any] = {"id": message.get("id")}
     view["kind"] = "receipt" if message.get("type") == "ack" else message.get("kind") or "message"
     parent = message.get("parentId") or message.get("replyTo")
     if parent:
@@ -146,13 +157,14 @@ def message_view(message: Mapping[str, Any], *, with_state: bool = False) -> Dic
     if with_state and message.get("status"):
         view["status"] = message.get("status")
     view["ts"] = message.get("ts")
-    notice = notice_of(message)
+    to = message.get("to") if with_state else None
+    notice = broker_notice(message)
     if notice is not None:
         view["failed"] = True
         view["event"] = notice.get("event")
-        view["error"] = notice.get("error")
+        view.update(untrusted(**{"from": message.get("from")}, to=to, error=notice.get("error")))
     else:
-        view["body"] = message.get("body")
+        view.update(untrusted(**{"from": message.get("from")}, to=to, body=message.get("body")))
     return view
 
 
@@ -201,7 +213,8 @@ class RelayTools:
         self.lease_seconds = lease_seconds
         self.heartbeat_interval = heartbeat_interval
         self.held: Dict[str, _Held] = {}
-        self.pending: Set[str] = set()  # requests this session sent, not answered yet
+        # requests this session sent, not answered yet -> the agent asked
+        self.pending: Dict[str, str] = {}
         self._answers: Dict[str, Dict[str, Any]] = {}  # request id -> its result
         self._calls: Set[defer.Deferred] = set()
         self._loops: List[LoopingCall] = []
@@ -387,19 +400,18 @@ class RelayTools:
             name = str(peer.get("agent"))
             if _SELFCHECK_AGENT.match(name) and not peer.get("online"):
                 continue
+            written: Dict[str, Any] = {"agent": name}
+            card = peer.get("card")
+            if isinstance(card, dict):
+                written["description"] = card.get("description") or None
+                written["skills"] = card.get("skills") or None
             entry: Dict[str, Any] = {
-                "agent": name,
                 "online": bool(peer.get("online")),
                 "last_seen": peer.get("lastSeen"),
             }
             if name == self.agent:
                 entry["you"] = True
-            card = peer.get("card")
-            if isinstance(card, dict):
-                if card.get("description"):
-                    entry["description"] = card["description"]
-                if card.get("skills"):
-                    entry["skills"] = card["skills"]
+            entry.update(untrusted(**written))
             listed.append(entry)
         return {"peers": listed, "count": len(listed)}
 
@@ -425,7 +437,7 @@ class RelayTools:
             "kind": kind,
         }
         if kind == "request":
-            self.pending.add(result["id"])
+            self.pending[result["id"]] = to
             result["next"] = "relay_wait_reply with this id as request_id waits for the answer"
         return result
 
@@ -441,7 +453,7 @@ class RelayTools:
         wait = _wait(wait_seconds)
         request_id = str(uuid.uuid4())
         await self.client.send(to, content, message_id=request_id, kind="request")
-        self.pending.add(request_id)
+        self.pending[request_id] = to
         return await self._await(request_id, to, wait)
 
     async def wait_reply(
@@ -459,20 +471,24 @@ class RelayTools:
         if not gone and entry.get("kind") not in (None, "request"):
             raise ToolFailure("bad_arguments", f"{request_id} is a {entry.get('kind')}, not a "
                               "request: no answer comes to it")
+        to = None if gone else entry.get("to")
         if gone or entry.get("status") in ("done", "failed"):
             # A request that expired (gone), failed or was answered: its answer or
-            # failure notice may be waiting, or have been handed out already.
-            answers = await self._answers_on_record(request_id)
+            # failure notice may be waiting, or have been handed out already. Only
+            # the recipient's reply and the broker's notice count (of a request
+            # that is gone, only the notice: its recipient is not known any more).
+            answers = [m for m in await self._answers_on_record(request_id)
+                       if answers_request(m, request_id, to)]
             if any(m.get("status") in ("queued", "leased") for m in answers):
-                return await self._await(request_id, answers[0].get("from"), wait)
+                return await self._await(request_id, to, wait)
             if answers:
-                self.pending.discard(request_id)
+                self.pending.pop(request_id, None)
                 return {**_answer_result(request_id, answers[0]), "handed_out_before": True}
             if gone:
                 raise ToolFailure(
                     "no_such_message", f"no request {request_id} (unknown, or expired and gone)"
                 )
-        return await self._await(request_id, entry.get("to"), wait)
+        return await self._await(request_id, to, wait)
 
     async def _answers_on_record(self, request_id: str) -> List[Dict[str, Any]]:
         """The messages in this agent's inbox answering ``request_id`` (replies and its
@@ -486,14 +502,14 @@ class RelayTools:
         try:
             answer = await self.client.await_reply(request_id, wait, to=to)
         except RequestFailed as failed:
-            self.pending.discard(request_id)
+            self.pending.pop(request_id, None)
             return {
                 "answered": False,
                 "failed": True,
                 "request_id": request_id,
-                "to": to,
+                "to": to or failed.to,
                 "event": failed.event,
-                "error": failed.error,
+                **untrusted(error=failed.error),
             }
         except RequestTimeout:
             if request_id in self._answers:  # relay_inbox took the answer meanwhile
@@ -505,11 +521,11 @@ class RelayTools:
                 "next": f"no answer within {wait:g} s; relay_wait_reply with this "
                 "request_id waits longer",
             }
-        self.pending.discard(request_id)
+        self.pending.pop(request_id, None)
         return _answer_result(request_id, answer)
 
     def _answered(self, request_id: str) -> Dict[str, Any]:
-        self.pending.discard(request_id)
+        self.pending.pop(request_id, None)
         return self._answers.pop(request_id)
 
     # -- the inbox ------------------------------------------------------------------
@@ -558,7 +574,8 @@ class RelayTools:
             except RelayError as error:
                 self.note(f"the answer {message_id} was read but not acknowledged ({error.code})")
             parent = view.get("parent_id")
-            if view["kind"] == "reply" and parent in self.pending:
+            if (view["kind"] == "reply" and parent in self.pending
+                    and answers_request(message, parent, self.pending[parent])):
                 self._answers[parent] = _answer_result(parent, message)
                 view["answers_request"] = parent
             return view
@@ -682,12 +699,7 @@ class RelayTools:
         if not ids:
             raise ToolFailure("bad_arguments", "ids must list at least one message id")
         answer = await self.client.status(list(ids))
-        return {
-            "messages": [
-                {_snake(key): value for key, value in entry.items()}
-                for entry in _messages(answer)
-            ]
-        }
+        return {"messages": [_status_view(entry) for entry in _messages(answer)]}
 
     async def thread(
         self, root_id: str, since: Optional[str] = None, limit: Optional[int] = None
@@ -698,9 +710,18 @@ class RelayTools:
         return {"root_id": root_id, "messages": shown, "cursor": answer.get("cursor")}
 
 
+def _status_view(entry: Mapping[str, Any]) -> Dict[str, Any]:
+    """A ``/v1/status`` entry as the model sees it: the agents and the error (which
+    the recipient's reject or the sender's cancel wrote) under :data:`UNTRUSTED`."""
+    written = {key: entry.get(key) for key in ("from", "to", "error")}
+    view = {_snake(key): value for key, value in entry.items() if key not in written}
+    view.update(untrusted(**written))
+    return view
+
+
 def _answer_result(request_id: str, answer: Mapping[str, Any]) -> Dict[str, Any]:
     """The result of a request whose answer (or failure notice) is ``answer``."""
-    notice = notice_of(answer)
+    notice = broker_notice(answer, request_id)
     if notice is not None:
         return {
             "answered": False,
@@ -708,12 +729,11 @@ def _answer_result(request_id: str, answer: Mapping[str, Any]) -> Dict[str, Any]
             "request_id": request_id,
             "to": answer.get("from"),
             "event": notice.get("event"),
-            "error": notice.get("error"),
+            **untrusted(error=notice.get("error")),
         }
     return {
         "answered": True,
         "request_id": request_id,
-        "from": answer.get("from"),
         "reply_id": answer.get("id"),
-        "body": answer.get("body"),
+        **untrusted(**{"from": answer.get("from")}, body=answer.get("body")),
     }
