@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any, Dict, List
@@ -364,3 +365,86 @@ async def test_commits_are_timed(tmp_path):
     await store.add(new_message("alpha", "beta", START), RULES)
     await store.close()
     assert len(timings) >= 1
+
+
+class FullDisk:
+    """The log's file on a disk that fills up: the first write stores ``room`` bytes,
+    every later one fails with ENOSPC (a full disk) until ``freed``."""
+
+    def __init__(self, real, room: int) -> None:
+        self.real = real
+        self.room = room
+        self.full = True
+
+    def write(self, data) -> int:
+        if not self.full:
+            return self.real.write(data)
+        if self.room:
+            written = self.real.write(bytes(data[: self.room]))
+            self.room = 0
+            return written
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+async def refused(d) -> Exception:
+    try:
+        await d
+    except OSError as e:
+        return e
+    raise AssertionError("the write was expected to fail")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_write_leaves_exactly_what_was_acknowledged(tmp_path):
+    store = open_jsonl(tmp_path)
+    try:
+        await fill(store, 3)
+        await store.register("beta", START)
+        acknowledged = (tmp_path / "messages.jsonl").read_bytes()
+        disk = store.file = FullDisk(store.file, room=30)  # a torn line, then nothing
+        refusals = [await refused(store.add(new_message("alpha", "beta", START, id=f"lost{i}",
+                                                        body={"text": MARKER}), RULES))
+                    for i in range(3)]
+        refusals.append(await refused(store.pull("beta", 1, LEASE, START, RULES)))
+        assert all(e.errno == errno.ENOSPC for e in refusals)
+        assert (tmp_path / "messages.jsonl").read_bytes() == acknowledged, (
+            "no refused record, no torn line")
+        assert sorted(store.records.by_id) == ["beta0", "beta1", "beta2"]
+        (found,) = [m for m in store.records.by_id.values() if m.id == "beta0"]
+        assert found.status == QUEUED, "the refused pull left nothing behind in memory"
+        disk.full = False
+        # A refused send sent again is new, not a duplicate of something never stored.
+        assert await store.add(new_message("alpha", "beta", START, id="lost0"), RULES) is True
+        assert [m.id for m in await store.pull("beta", 1, LEASE, START, RULES)] == ["beta0"]
+    finally:
+        await store.close()
+    store = open_jsonl(tmp_path)
+    try:
+        assert sorted(store.records.by_id) == ["beta0", "beta1", "beta2", "lost0"]
+        assert store.records.by_id["beta0"].status == LEASED
+        assert all(json.loads(line) for line in lines(tmp_path))
+    finally:
+        await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_torn_last_line_is_cut_off_at_start(tmp_path):
+    store = open_jsonl(tmp_path)
+    await fill(store, 2)
+    await store.close()
+    path = tmp_path / "messages.jsonl"
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"seq":3,"message":{"id":"torn"')
+    store = open_jsonl(tmp_path)
+    try:
+        assert path.read_bytes() == whole
+        await fill(store, 1, to="gamma")
+    finally:
+        await store.close()
+    assert all(json.loads(line) for line in lines(tmp_path))

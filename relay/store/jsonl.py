@@ -30,16 +30,18 @@ JSON object per line:
 ``{"op": "next", "seq": N}``
     The next sequence number (head of a compacted file), so seqs never repeat.
 
-A line that is not one of these — a torn last line after a crash, or a
-corrupt one — is skipped, counted and logged by its line number only.
+A line that is not one of these — a corrupt one, or a torn last line after a
+crash — is skipped, counted and logged by its line number only; a torn last
+line is then cut off, so the next record starts on a line of its own.
 
 Durability follows ``broker.sync``: the records of one reactor turn are
 written with one ``write`` before any of that turn's Deferreds fire (so a
 killed process loses nothing acknowledged); ``full`` also fsyncs that write.
 ``off`` behaves like ``normal`` here. A failed write (a full disk) fails
-that turn's requests and is retried with the next write, so a request that
-got an error and is sent again is stored (or reported as a duplicate) only
-once its record is written.
+that turn's requests, and the turn is undone: the file is cut back to the end
+of its last whole record (what was acknowledged, and nothing else) and the
+state in memory is read again from it. A request that got an error and is sent
+again is then stored as if for the first time.
 
 Compaction: when the file holds more than twice as many records as there are
 live messages and peers (and at least ``compact_min_records``), a new file
@@ -281,6 +283,7 @@ class LoadedLog:
         self.records = 0
         self.skipped = 0
         self.ends_with_newline = True
+        self.whole_bytes = 0  # the length of the file up to its last whole line
 
 
 def read_log(path: str, now: float) -> LoadedLog:
@@ -296,6 +299,8 @@ def read_log(path: str, now: float) -> LoadedLog:
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             loaded.ends_with_newline = line.endswith(b"\n")
+            if loaded.ends_with_newline:
+                loaded.whole_bytes += len(line)
             if not line.strip():
                 continue
             try:
@@ -484,7 +489,8 @@ class JsonlStore(RecordStore):
         self.compaction: Optional[Compaction] = None
         self._compact_after = 0  # after a failed compaction: wait for this many records
         self._buffer: List[bytes] = []
-        self._torn = False
+        self._whole = os.fstat(file.fileno()).st_size  # the file's length after its last write
+        self._torn = False  # a failed write could not be cut off: start a new line
         self._closed = False
         super().__init__(LoggedRecords(self._append), GroupCommit(reactor, self._write, "jsonl"))
         self.space_left = FreeSpace(os.path.dirname(path), reactor)
@@ -497,7 +503,8 @@ class JsonlStore(RecordStore):
         self.commits.touch()
 
     def _write(self) -> None:
-        """Write the turn's records (one write); fsync under ``sync: full``."""
+        """Write the turn's records (one write); fsync under ``sync: full``. When the
+        write fails, the turn is undone (:meth:`_undo_turn`) and the error raised."""
         if not self._buffer:
             return
         data = b"".join(self._buffer)
@@ -508,8 +515,10 @@ class JsonlStore(RecordStore):
             if self.fsync:
                 os.fsync(self.file.fileno())
         except OSError:
-            self._torn = True
+            self._undo_turn()
             raise
+        # After a write that could not be cut off, the file's length is unknown.
+        self._whole = os.fstat(self.file.fileno()).st_size if prefix else self._whole + len(data)
         self._torn = False
         self._buffer = []
         self.log_records += count
@@ -517,6 +526,28 @@ class JsonlStore(RecordStore):
             self.compaction.written(data, count)
         elif self._should_compact():
             self.reactor.callLater(0, self._start_compaction)
+
+    def _undo_turn(self) -> None:
+        """After a failed write: cut the file back to the end of its last whole
+        record, drop the turn's records, and read the state in memory again from
+        the file, so both hold what was acknowledged and nothing else. When the
+        file cannot be cut, the records stay queued for the next write, which
+        starts on a new line."""
+        if self.compaction is not None:  # it may have copied the turn's messages
+            self._compaction_failed(RuntimeError("a write to the log failed"))
+        try:
+            os.ftruncate(self.file.fileno(), self._whole)
+            loaded = read_log(self.path, self.reactor.seconds())
+        except OSError as e:
+            self._torn = True
+            log.error("cannot cut {path} back after a failed write: {reason}",
+                      path=self.path, reason=e.strerror)
+            return
+        self._buffer = []
+        self._torn = False
+        self.records = LoggedRecords(self._append)
+        _restore(self, loaded)
+        self.log_records = loaded.records + loaded.skipped
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
@@ -584,9 +615,9 @@ class JsonlStore(RecordStore):
             return
         old, self.file = self.file, new
         old.close()
+        self._whole = os.fstat(new.fileno()).st_size
         before = self.log_records
         self.log_records = compaction.records
-        self._torn = False
         self.compaction = None
         self.compactions += 1
         log.info("compacted {path}: {before} records -> {after}",
@@ -657,6 +688,8 @@ def open_store(config: Config, options: JsonlOptions, reactor: IReactorTime) -> 
         if os.path.exists(path + COMPACT_SUFFIX):
             os.unlink(path + COMPACT_SUFFIX)  # an unfinished compaction; the log is whole
         loaded = read_log(path, reactor.seconds()) if os.path.exists(path) else LoadedLog()
+        if not loaded.ends_with_newline:  # a write torn by a crash: never acknowledged
+            os.truncate(path, loaded.whole_bytes)
         private_file(path)
         file = open(path, "ab", buffering=0)  # noqa: SIM115 (the store's log)
     except OSError as e:
@@ -664,8 +697,6 @@ def open_store(config: Config, options: JsonlOptions, reactor: IReactorTime) -> 
     store = JsonlStore(path, file, reactor, options.sync, loaded.records + loaded.skipped)
     store.compact_min_records = options.compact_min_records
     _restore(store, loaded)
-    if not loaded.ends_with_newline:
-        store._torn = True
     if loaded.records or loaded.skipped:
         log.info(
             "loaded {count} messages and {peers} peers from {path} "
