@@ -81,13 +81,32 @@ def value(family, **labels) -> float:
 
 
 @pytest_twisted.ensureDeferred
-async def test_healthz_says_ok_with_storage_and_version():
+async def test_healthz_says_ok_and_the_details_only_with_the_token():
     from relay import __version__
 
     ops = Ops(tokens=(TOKEN,))
     code, body, _ = await ops.get("/healthz")
+    assert (code, body) == (200, {"ok": True})
+    code, body, _ = await ops.get("/healthz", {"Authorization": "Bearer wrong"})
+    assert (code, body) == (200, {"ok": True})
+    code, body, _ = await ops.get("/healthz", {"Authorization": f"Bearer {TOKEN}"})
     assert (code, body) == (200, {"ok": True, "storage": "memory", "version": __version__,
                                   "diskFreeBytes": None})
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_a_token_healthz_gives_details_to_loopback_host_names_only():
+    """A foreign ``Host`` on a loopback listener (DNS rebinding) learns the verdict only."""
+    ops = Ops(store=NearlyFullDisk(), minFreeDiskMB=64)
+    code, body, _ = await ops.get("/healthz", {"Host": "evil.example:19122"})
+    assert code == 503 and set(body) == {"ok", "reason"} and body["ok"] is False
+    code, body, _ = await ops.get("/healthz", {"Host": "localhost:19122"})
+    assert code == 503 and body["diskFreeBytes"] == 10 * 2**20 and "version" in body
+
+
+class NearlyFullDisk(MemoryStore):
+    def space_left(self):
+        return 10 * 2**20
 
 
 class FailingCommits(MemoryStore):
@@ -104,9 +123,6 @@ async def test_healthz_is_503_with_the_reason_while_commits_fail():
     assert "agents" not in body and "peers" not in body
 
 
-class NearlyFullDisk(MemoryStore):
-    def space_left(self):
-        return 10 * 2**20
 
 
 @pytest_twisted.ensureDeferred

@@ -3,7 +3,9 @@
 A Klein app of its own, served by a second site: the main listener serves none
 of this. Every route but ``GET /healthz`` asks for the ops token when one is
 configured (``Authorization: Bearer TOKEN``, or HTTP Basic with the token as the
-password, which is how a browser sends it). Without a token (a loopback-only
+password, which is how a browser sends it); ``/healthz`` answers anyone its
+verdict and reason, and the rest (version, storage, free disk) only to a request
+that could read the dashboard. Without a token (a loopback-only
 listener) a request must name a loopback host in ``Host``, so a web page
 cannot reach the dashboard through DNS rebinding. Requests that change
 something are JSON ``POST``s, and a browser's ``Origin`` must be the
@@ -147,19 +149,26 @@ class OpsAPI:
 
     # -- access ----------------------------------------------------------------------
 
-    def check_access(self, request) -> None:
-        """RelayError 401 without a valid token (when tokens are set), 403 for a
-        non-loopback ``Host`` (when none is)."""
+    def has_access(self, request) -> bool:
+        """Whether ``request`` carries a valid token (when tokens are set), or names a
+        loopback ``Host`` (when none is)."""
         if not self.tokens:
             host = request.getHeader(b"host")
-            if host is not None and not is_loopback_host(host_name(host)):
-                raise errors.forbidden("this ops listener has no token: use a loopback host name")
-            return
+            return host is None or is_loopback_host(host_name(host))
         presented = _presented_token(request.getHeader(b"authorization"))
         if presented is not None:
             for token in self.tokens:
                 if hmac.compare_digest(presented, token.encode("utf-8")):
-                    return
+                    return True
+        return False
+
+    def check_access(self, request) -> None:
+        """RelayError 401 without a valid token (when tokens are set), 403 for a
+        non-loopback ``Host`` (when none is)."""
+        if self.has_access(request):
+            return
+        if not self.tokens:
+            raise errors.forbidden("this ops listener has no token: use a loopback host name")
         request.responseHeaders.addRawHeader(b"www-authenticate", b"Basic " + REALM)
         request.responseHeaders.addRawHeader(b"www-authenticate", b"Bearer " + REALM)
         raise errors.unauthenticated("the ops token is required")
@@ -205,13 +214,17 @@ class OpsAPI:
 
     @app.route("/healthz", methods=["GET"])
     def healthz(self, request) -> Deferred:
-        """200 while the store accepts writes, else 503 with the reason. Never lists agents."""
+        """200 while the store accepts writes, else 503 with the reason. The version,
+        the storage and the free disk space only with access (the token, or a
+        loopback ``Host`` on a listener without one). Never lists agents."""
         d = self.health()
+        detailed = self.has_access(request)
 
         def answer(reason: Optional[str]) -> bytes:
-            document = {"ok": reason is None, "storage": self.broker.storage(),
-                        "version": __version__,
-                        "diskFreeBytes": self.broker.disk_free()}
+            document: Dict[str, Any] = {"ok": reason is None}
+            if detailed:
+                document.update(storage=self.broker.storage(), version=__version__,
+                                diskFreeBytes=self.broker.disk_free())
             if reason is not None:
                 document["reason"] = reason
             return write_json(request, 200 if reason is None else 503, document)
