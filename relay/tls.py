@@ -53,6 +53,13 @@ _SSL_PARAMETERS = (
     "dhParameters",
 )
 _DEFAULT_BACKLOG = 50
+# TLS 1.2 suites with forward secrecy only: ECDHE or DHE key exchange, never the
+# static-RSA suites (AES128-SHA and the like) that Twisted's defaults still allow.
+# TLS 1.3 suites are all forward-secret.
+FORWARD_SECRET_CIPHERS = (
+    "ECDHE+AESGCM:ECDHE+CHACHA20:DHE+AESGCM:DHE+CHACHA20:ECDHE+AES:DHE+AES"
+    ":!aNULL:!eNULL:!MD5:!DSS:!PSK:!SRP:!kRSA"
+)
 
 
 @dataclass(frozen=True)
@@ -248,10 +255,13 @@ def certificate_options(
         privateKey=crypto.PKey.from_cryptography_key(key),
         certificate=crypto.X509.from_cryptography(certificate),
         extraCertChain=chain,
+        acceptableCiphers=ssl.AcceptableCiphers.fromOpenSSLCipherString(FORWARD_SECRET_CIPHERS),
         **kwargs,
     )
     try:
-        options.getContext()
+        # Every connection is made from this context: clients may not renegotiate
+        # (OpenSSL's default too, pinned here).
+        options.getContext().set_options(SSL.OP_NO_RENEGOTIATION)
     except SSL.Error as e:
         files = ", ".join(
             p for p in (listener.cert_key, listener.extra_cert_chain, listener.dh_parameters) if p

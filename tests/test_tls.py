@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
+import pytest_twisted
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -597,3 +599,83 @@ def test_rate_limit_class_of_each_address_family(address, loopback: bool) -> Non
         with pytest.raises(RelayError) as caught:
             limiter.hit(host)
         assert caught.value.code == "rate_limited"
+
+
+# -- cipher suites and renegotiation --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rsa_listener(tmp_path_factory) -> Any:
+    """An ``ssl:`` listener with an RSA key: the only kind a static-RSA suite could use."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from relay.tls import TLSListener
+
+    d = tmp_path_factory.mktemp("rsa")
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    _write_key(d / "server.key", key)  # type: ignore[arg-type]
+    _write_cert(d / "server.crt", _certificate("127.0.0.1", key, names=("127.0.0.1",)))  # type: ignore[arg-type]
+    return TLSListener(port=0, private_key=str(d / "server.key"),
+                       cert_key=str(d / "server.crt"), interface="127.0.0.1")
+
+
+def _handshake(port: int, ciphers: str, renegotiate: bool = False) -> str:
+    """A TLS 1.2 client offering only ``ciphers``: the suite it got, then (with
+    ``renegotiate``) ``"renegotiated"`` or ``"renegotiation refused"``."""
+    context = SSL.Context(SSL.TLS_CLIENT_METHOD)
+    context.set_max_proto_version(SSL.TLS1_2_VERSION)
+    context.set_cipher_list(ciphers.encode("ascii"))
+    with socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT) as sock:
+        # pyOpenSSL needs a blocking socket; the kernel's receive timeout bounds the reads.
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("ll", int(REQUEST_TIMEOUT), 0))
+        connection = SSL.Connection(context, sock)
+        connection.set_connect_state()
+        try:
+            connection.do_handshake()
+        except SSL.Error:
+            return "refused"
+        suite = connection.get_cipher_name()
+        if not renegotiate:
+            return suite
+        connection.sendall(b"ping")
+        assert connection.recv(4) == b"ping"
+        assert connection.renegotiate()
+        try:
+            connection.do_handshake()
+            connection.sendall(b"pong")
+            answer = connection.recv(4)
+        except (SSL.Error, OSError):
+            return "renegotiation refused"
+        if connection.total_renegotiations() and answer == b"pong":
+            return "renegotiated"
+        return "renegotiation refused"
+
+
+@pytest_twisted.ensureDeferred
+async def test_only_forward_secret_suites_and_no_client_renegotiation(rsa_listener) -> None:
+    from twisted.internet import reactor
+    from twisted.internet.protocol import Factory, Protocol
+    from twisted.internet.threads import deferToThread
+
+    from relay.tls import TLSServerEndpoint, certificate_options
+
+    class Echo(Protocol):
+        def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
+            self.transport.write(data)
+
+    options = certificate_options(rsa_listener)
+    endpoint = TLSServerEndpoint(reactor, 0, options, 50, "127.0.0.1")
+    listening = await endpoint.listen(Factory.forProtocol(Echo))
+    port = listening.getHost().port
+    try:
+        static_rsa = ("AES128-SHA:AES256-SHA:AES128-SHA256:AES256-SHA256:AES128-GCM-SHA256"
+                      ":AES256-GCM-SHA384")
+        assert await deferToThread(_handshake, port, static_rsa) == "refused"
+        assert (await deferToThread(_handshake, port, "ECDHE-RSA-AES128-GCM-SHA256")
+                == "ECDHE-RSA-AES128-GCM-SHA256")
+        assert (await deferToThread(_handshake, port, "ECDHE-RSA-AES128-GCM-SHA256", True)
+                == "renegotiation refused")
+    finally:
+        await listening.stopListening()
