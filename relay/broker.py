@@ -199,16 +199,26 @@ class Broker:
         d.addCallback(self._peer_entries)
         return d
 
-    def _peer_entries(self, peers) -> List[Dict[str, Any]]:
+    def _peer_entries(self, peers, cards: bool = True) -> List[Dict[str, Any]]:
         now = self.clock.seconds()
         out = []
         for name, seen, card in peers:
             entry: Dict[str, Any] = {"agent": name, "online": now - seen < HEARTBEAT_TTL_SECONDS,
                                      "lastSeen": seen}
-            if card is not None:
+            if card is not None and cards:
                 entry["card"] = card
             out.append(entry)
         return out
+
+    def peers_page(self, after: Optional[str] = None, limit: Optional[int] = None,
+                   cards: bool = True) -> Deferred:
+        """Fires with the ``GET /peers`` answer: the peers after ``after``, at most
+        ``limit`` and about 4 MiB of them, with their cards unless ``cards`` is
+        False, and ``next`` when more follow (:func:`relay.protocol.peers_page`)."""
+        d = self.store.peers()
+        d.addCallback(self._peer_entries, cards)
+        d.addCallback(protocol.peers_page, after, limit)
+        return d
 
     # The hot operations (send, pull, ack) chain callbacks rather than use
     # inlineCallbacks: a generator per request is measurable at this rate.

@@ -928,9 +928,42 @@ class RelayClient:
 
         return self._run(go)
 
-    def peers(self) -> defer.Deferred:
-        """GET /peers: ``{"peers": [{"agent", "online", "lastSeen", "card"?}, ...]}``."""
-        return self._run(self._request, "GET", "/peers")
+    def peers(
+        self,
+        *,
+        after: Optional[str] = None,
+        limit: Optional[int] = None,
+        cards: Optional[bool] = None,
+    ) -> defer.Deferred:
+        """GET /peers: ``{"peers": [{"agent", "online", "lastSeen", "card"?}, ...]}``,
+        with ``"next"`` (an agent name, for ``after``) when the broker stopped before
+        the last peer. ``limit`` and ``cards=False`` (no cards) are the relay's
+        additive parameters; none is sent unless given."""
+        params: List[Tuple[str, Any]] = []
+        if after is not None:
+            params.append(("after", after))
+        if limit is not None:
+            params.append(("limit", int(limit)))
+        if cards is not None:
+            params.append(("cards", "true" if cards else "false"))
+        return self._run(self._request, "GET", "/peers" + _query(params))
+
+    def all_peers(self, *, cards: Optional[bool] = None) -> defer.Deferred:
+        """Every peer, following ``next`` from page to page: ``{"peers": [...]}``."""
+
+        async def go() -> Dict[str, Any]:
+            listed: List[Dict[str, Any]] = []
+            after: Optional[str] = None
+            while True:
+                answer = await self.peers(after=after, cards=cards)
+                page = [p for p in answer.get("peers") or [] if isinstance(p, dict)]
+                listed.extend(page)
+                following = answer.get("next")
+                if not isinstance(following, str) or not page or following == after:
+                    return {"peers": listed}
+                after = following
+
+        return self._run(go)
 
     def send(
         self,

@@ -53,6 +53,10 @@ MAX_ID_CHARS = 256
 # can take a notice's id before the broker stores the notice.
 NOTICE_ID_PREFIX = "relay-notice-"
 NOTICE_NAMESPACE = uuid.UUID("6f1c9d52-2b0e-5b4e-9a3c-5d0c6a7e1f42")
+# GET /peers (additive paging): ``limit`` is clamped to 1..1000, and an answer stops
+# once its entries hold about this many bytes (as every listing does), with ``next``.
+MAX_PEERS_LIMIT = 1000
+PEERS_BUDGET_BYTES = 4 * 1024 * 1024
 # Fields the broker sets on an atomic reply; a client may not.
 BROKER_SET_REPLY_FIELDS = ("to", "from", "parentId", "replyTo", "rootId")
 
@@ -584,6 +588,59 @@ def parse_card(body: Dict[str, Any]) -> Any:
                               f"strings of at most {MAX_CARD_SKILL_CHARS} characters")
         out["skills"] = list(skills)
     return out
+
+
+def parse_peers_query(after: Optional[str], limit: Optional[str],
+                      cards: Optional[str]) -> Tuple[Optional[str], Optional[int], bool]:
+    """``(after, limit, cards)`` of ``GET /peers``'s additive query parameters: the
+    agent name to list after (a page's ``next``), the most entries (clamped to
+    1..1000 like the seed's ``limit``; None: as many as the byte budget holds) and
+    whether cards are wanted (``true``, the default, or ``false``); else 400."""
+    if after is not None:
+        check_id(after, "after")
+    count = None
+    if limit is not None:
+        try:
+            number = float(limit.strip())
+        except ValueError:
+            number = float("nan")
+        if number == number and abs(number) != float("inf"):  # else: no count limit
+            count = max(1, min(MAX_PEERS_LIMIT, int(number // 1)))
+    if cards is None or cards in ("true", "1"):
+        wanted = True
+    elif cards in ("false", "0"):
+        wanted = False
+    else:
+        raise bad_request('cards must be "true" or "false"')
+    return after or None, count, wanted
+
+
+def peers_page(entries: List[Dict[str, Any]], after: Optional[str], limit: Optional[int],
+               budget: Optional[int] = None) -> Dict[str, Any]:
+    """The ``GET /peers`` answer of ``entries`` (sorted by name): those after
+    ``after``, at most ``limit``, stopping once they hold about ``budget`` bytes
+    (:data:`PEERS_BUDGET_BYTES` by default; never empty when one is left), and
+    ``next`` (the last name listed) when more follow. Without more to list, the
+    seed's shape exactly: ``{"peers": [...]}``."""
+    budget = PEERS_BUDGET_BYTES if budget is None else budget
+    page: List[Dict[str, Any]] = []
+    size = 0
+    remaining = [e for e in entries if after is None or e["agent"] > after]
+    for entry in remaining:
+        size += _peer_size(entry)
+        if page and (size > budget or (limit is not None and len(page) >= limit)):
+            break
+        page.append(entry)
+    document: Dict[str, Any] = {"peers": page}
+    if len(page) < len(remaining):
+        document["next"] = page[-1]["agent"]
+    return document
+
+
+def _peer_size(entry: Dict[str, Any]) -> int:
+    """About how many bytes a ``/peers`` entry takes in the answer."""
+    card = entry.get("card")
+    return len(entry["agent"]) + 64 + (len(compact_json(card)) if card is not None else 0)
 
 
 def parse_status_ids(body: Dict[str, Any]) -> List[str]:

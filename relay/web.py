@@ -353,8 +353,11 @@ class RelayAPI:
     @app.route("/peers", methods=["GET"])
     @authenticated
     def peers(self, request, agent: str) -> Deferred:
-        d = self.broker.peers()
-        d.addCallback(lambda peers: write_json(request, 200, {"peers": peers}))
+        query = protocol.parse_peers_query(_query_arg(request, b"after"),
+                                           _query_arg(request, b"limit"),
+                                           _query_arg(request, b"cards"))
+        d = self.broker.peers_page(*query)
+        d.addCallback(lambda document: write_json(request, 200, document))
         return d
 
     # The hot routes (send, pull, ack) chain callbacks rather than use

@@ -454,6 +454,27 @@ def test_throughput_is_a_rate_per_interval():
 
 
 @pytest_twisted.ensureDeferred
+async def test_overview_cards_only_when_asked_for_and_at_most_the_budget(monkeypatch):
+    from relay import protocol
+
+    ops = Ops()
+    card = {"description": "d" * 2000, "skills": ["s" * 100] * 50}
+    for i in range(3):
+        assert (await ops.client.post(f"a{i}", "/register", {"card": card}))[0] == 200
+    _, plain, _ = await ops.get("/api/overview")
+    assert all("card" not in row for row in plain["agents"])
+    _, full, _ = await ops.get("/api/overview?cards=true")
+    assert [row["card"] for row in full["agents"]] == [card] * 3
+    assert full["cardsOmitted"] == 0
+    monkeypatch.setattr(protocol, "PEERS_BUDGET_BYTES", 2 * len(protocol.compact_json(card)))
+    _, bounded, _ = await ops.get("/api/overview?cards=true")
+    assert [row["card"] for row in bounded["agents"]] == [card, card, None]
+    assert bounded["cardsOmitted"] == 1
+    code, refused, _ = await ops.get("/api/overview?cards=yes")
+    assert (code, refused["error"]["code"]) == (400, "bad_request")
+
+
+@pytest_twisted.ensureDeferred
 async def test_overview_lists_agents_queues_totals_and_flow():
     ops = Ops(maxAttempts=0)
     await ops.traffic()
@@ -463,10 +484,11 @@ async def test_overview_lists_agents_queues_totals_and_flow():
     rows = {row["agent"]: row for row in overview["agents"]}
     assert set(rows) == {"beta", "gamma"}
     assert rows["beta"] == {"agent": "beta", "registered": True, "online": True,
-                            "lastSeen": int(START), "card": None, "queued": 1, "leased": 0,
+                            "lastSeen": int(START), "queued": 1, "leased": 0,
                             "delayed": 0, "failed": 1, "oldestAgeSeconds": 3.0,
                             "inboxFull": False}
     assert rows["gamma"]["leased"] == 1
+    assert "cardsOmitted" not in overview, "cards only when asked for"
     totals = overview["totals"]
     assert (totals["sent"], totals["delivered"], totals["failed"]) == (4, 3, 1)
     assert overview["broker"]["healthy"] is True and overview["broker"]["health"] is None

@@ -110,3 +110,63 @@ async def test_requeueing_a_message_its_sender_cancelled_is_refused_with_the_rea
                       403, "forbidden")
     assert "cancelled" in message and "sender" in message
     assert (await client.post("alpha", "/v1/requeue", {"messageId": "c1"}))[0] == 200
+
+
+# -- /peers is bounded ----------------------------------------------------------------------
+
+
+CARD = {"description": "d" * 2000, "skills": ["s" * 100] * 50}
+
+
+@pytest_twisted.ensureDeferred
+async def test_peers_stop_at_the_byte_budget_and_page_on_with_after(monkeypatch):
+    from relay import protocol
+
+    _, client, _ = await registered()
+    names = [f"agent{i:02d}" for i in range(12)]
+    for name in names:
+        assert (await client.post(name, "/register", {"card": CARD}))[0] == 200
+    code, everything, _ = await client.get("agent00", "/peers")
+    assert code == 200 and set(everything) == {"peers"}, "the seed's shape when all fit"
+    assert [p["agent"] for p in everything["peers"]] == names
+    card_bytes = len(protocol.compact_json(CARD))
+    monkeypatch.setattr(protocol, "PEERS_BUDGET_BYTES", 5 * card_bytes)
+    seen, after, pages = [], None, 0
+    while True:
+        path = "/peers" if after is None else f"/peers?after={after}"
+        code, page, _ = await client.get("agent00", path)
+        assert code == 200 and 1 <= len(page["peers"]) <= 5
+        assert all(p["card"] == CARD for p in page["peers"])
+        seen += [p["agent"] for p in page["peers"]]
+        pages += 1
+        after = page.get("next")
+        if after is None:
+            break
+        assert after == seen[-1]
+    assert seen == names and pages == 3
+    _, names_only, _ = await client.get("agent00", "/peers?cards=false")
+    assert "next" not in names_only and all("card" not in p for p in names_only["peers"])
+    assert [p["agent"] for p in names_only["peers"]] == names
+    _, two, _ = await client.get("agent00", "/peers?cards=false&limit=2&after=agent03")
+    assert [p["agent"] for p in two["peers"]] == ["agent04", "agent05"]
+    assert two["next"] == "agent05"
+    refused(await client.get("agent00", "/peers?cards=maybe"))
+    assert "256" in refused(await client.get("agent00", "/peers?after=" + "x" * 257))
+
+
+def test_the_client_pages_through_peers_and_relay_peers_lists_them_all(monkeypatch):
+    from relay import protocol
+    from tests.client_support import Net
+
+    net = Net()
+    names = [f"agent{i:02d}" for i in range(7)]
+    clients = {name: net.client(name) for name in names}
+    for client in clients.values():
+        net.run(client.register(card=CARD))
+    monkeypatch.setattr(protocol, "PEERS_BUDGET_BYTES", 3 * len(protocol.compact_json(CARD)) + 300)
+    first = net.run(clients["agent00"].peers())
+    assert len(first["peers"]) == 3 and first["next"] == "agent02"
+    everyone = net.run(clients["agent00"].all_peers())
+    assert [p["agent"] for p in everyone["peers"]] == names and "next" not in everyone
+    paths = [path for _, path in net.http.paths() if path.startswith("/peers")]
+    assert paths[-3:] == ["/peers", "/peers?after=agent02", "/peers?after=agent05"]

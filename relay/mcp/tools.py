@@ -390,9 +390,10 @@ class RelayTools:
             "waiting_for": sorted(self.pending),
         }
 
-    async def peers(self) -> Dict[str, Any]:
-        """The registered agents, online or not, with their cards."""
-        answer = await self.client.peers()
+    async def peers(self, after: Optional[str] = None) -> Dict[str, Any]:
+        """The registered agents, online or not, with their cards: one page of the
+        broker's answer, and ``next`` (for ``after``) when more follow."""
+        answer = await self.client.peers(after=after)
         listed = []
         for peer in answer.get("peers") or []:
             if not isinstance(peer, dict):
@@ -413,7 +414,11 @@ class RelayTools:
                 entry["you"] = True
             entry.update(untrusted(**written))
             listed.append(entry)
-        return {"peers": listed, "count": len(listed)}
+        result: Dict[str, Any] = {"peers": listed, "count": len(listed)}
+        following = answer.get("next")
+        if isinstance(following, str):
+            result["next"] = following
+        return result
 
     # -- asking ---------------------------------------------------------------------
 

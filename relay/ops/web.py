@@ -121,6 +121,22 @@ def message_view(message: Message, now: float) -> Dict[str, Any]:
     return view
 
 
+def _add_cards(rows: List[Dict[str, Any]], peers: List[Dict[str, Any]]) -> int:
+    """Give each row its agent's card (None without one) while the cards hold at most
+    :data:`relay.protocol.PEERS_BUDGET_BYTES`; the rest get None. How many were left out."""
+    cards = {peer["agent"]: peer.get("card") for peer in peers}
+    size = omitted = 0
+    for row in rows:
+        card = cards.get(row["agent"])
+        if card is not None:
+            size += len(protocol.compact_json(card))
+            if size > protocol.PEERS_BUDGET_BYTES:
+                card = None
+                omitted += 1
+        row["card"] = card
+    return omitted
+
+
 class OpsAPI:
     """The ops listener's routes over one broker and its counters, and the
     authentication ``lockout`` (its locks listed and cleared) when given."""
@@ -293,13 +309,21 @@ class OpsAPI:
     @app.route("/api/overview", methods=["GET"])
     @guarded
     def overview(self, request) -> Deferred:
-        """Agents with their queues, the totals, throughput and flow (``relay stats``)."""
-        d = self.overview_document()
+        """Agents with their queues, the totals, throughput and flow (``relay stats``);
+        with ``?cards=true``, their peer cards too (about 4 MiB of them at most)."""
+        values = request.args.get(b"cards")
+        cards = values[0].decode("latin-1") if values else None
+        if cards not in (None, "true", "false", "1", "0"):
+            raise errors.bad_request('cards must be "true" or "false"')
+        d = self.overview_document(cards in ("true", "1"))
         d.addCallback(lambda document: write_json(request, 200, document))
         return d
 
     @inlineCallbacks
-    def overview_document(self):
+    def overview_document(self, cards: bool = False):
+        """The overview; each agent's ``card`` only with ``cards``, and only while the
+        cards listed hold at most :data:`relay.protocol.PEERS_BUDGET_BYTES` (the
+        number left out is ``cardsOmitted``)."""
         broker, counters = self.broker, self.counters
         health = yield self.health()
         depths = yield broker.queue_depths()
@@ -309,11 +333,10 @@ class OpsAPI:
         agents: Dict[str, Dict[str, Any]] = {}
         for peer in peers:
             agents[peer["agent"]] = {"agent": peer["agent"], "registered": True,
-                                     "online": peer["online"], "lastSeen": peer["lastSeen"],
-                                     "card": peer.get("card")}
+                                     "online": peer["online"], "lastSeen": peer["lastSeen"]}
         for agent in by_agent:
             agents.setdefault(agent, {"agent": agent, "registered": False, "online": False,
-                                      "lastSeen": None, "card": None})
+                                      "lastSeen": None})
         limits = broker.limits()
         inbox_max = limits["inboxMaxMessages"]
         rows: List[Dict[str, Any]] = []
@@ -328,7 +351,9 @@ class OpsAPI:
             rows.append(row)
         rows.sort(key=lambda r: (-(r["queued"] + r["leased"] + r["delayed"] + r["failed"]),
                                  r["agent"]))
-        return {
+        listed = rows[:MAX_AGENTS]
+        omitted = _add_cards(listed, peers) if cards else 0
+        document = {
             "broker": {
                 "version": __version__,
                 "storage": broker.storage(),
@@ -339,8 +364,8 @@ class OpsAPI:
                 "health": health,
             },
             "limits": dict(limits, agentsRegistered=len(peers)),
-            "agents": rows[:MAX_AGENTS],
-            "agentsListed": min(len(rows), MAX_AGENTS),
+            "agents": listed,
+            "agentsListed": len(listed),
             "agentsTotal": len(rows),
             "totals": {
                 "sent": counters.sent,
@@ -362,6 +387,9 @@ class OpsAPI:
             "throughput": counters.throughput(),
             "flow": counters.recent_flow(),
         }
+        if cards:
+            document["cardsOmitted"] = omitted
+        return document
 
     def _listing(self, request, status: str, key: str) -> Deferred:
         d = self.broker.messages_in(status, _limit(request))

@@ -104,7 +104,7 @@ async def peers(ctx: Context) -> int:
     leaves them out unless ``--all``. ``--json`` is the broker's answer as is.
     """
     console = ctx.console
-    answer = await ctx.client.peers()
+    answer = await ctx.client.all_peers()
     listed = [peer for peer in answer.get("peers") or [] if isinstance(peer, dict)]
 
     def readable() -> None:

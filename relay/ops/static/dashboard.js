@@ -254,7 +254,7 @@ async function refresh() {
   refreshing = true;
   try {
     const [overview, leases, dead, locks] = await Promise.all([
-      getJSON("/api/overview"), getJSON("/api/leases"), getJSON("/api/dead-letters"),
+      getJSON("/api/overview?cards=true"), getJSON("/api/leases"), getJSON("/api/dead-letters"),
       getJSON("/api/locks"),
     ]);
     showBroker(overview);
