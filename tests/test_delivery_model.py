@@ -240,7 +240,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             pending = [m for m in self.store.records.by_id.values()
                        if m.to == agent and m.status in delivery.PENDING]
             assert self.store.records.usage(agent) == (
-                len(pending), sum(m.body_bytes() for m in pending)), "quota counters"
+                len(pending), sum(m.stored_bytes() for m in pending)), "quota counters"
         assert self.store.records.usage("beta")[0] == sum(
             1 for m in self.model.values() if m["status"] in delivery.PENDING)
 
