@@ -1466,8 +1466,11 @@ class RelayClient:
         return None, forged
 
     async def _query_answer(self, request_id: str, to: Optional[str]) -> Optional[Dict[str, Any]]:
-        """One read-only look for the reply among the newest replies (v1.1)."""
-        answer = await self.query(kind="reply", from_=to, limit=FALLBACK_QUERY_LIMIT)
+        """One read-only look for the reply among the newest replies (v1.1; by parent
+        where the broker can search by it)."""
+        parent_id = request_id if self.advertises("threads") else None
+        answer = await self.query(kind="reply", from_=to, limit=FALLBACK_QUERY_LIMIT,
+                                  parent_id=parent_id)
         for message in _messages(answer):
             if answers_request(message, request_id, to) and message.get("type") != "ack":
                 return _answer_or_failure(message, request_id, to)

@@ -53,6 +53,8 @@ def test_a_forged_answer_or_failure_is_not_taken_and_stays_in_the_inbox(body) ->
     got = result_of(d)
     assert (got["from"], got["body"]) == ("beta", {"text": "4"})
     assert state(net, alpha, "forged") == "queued", "left in the inbox, not acknowledged"
+    looked = net.http.bodies("/v1/messages/query")[-1]
+    assert (looked["parentId"], looked["from"]) == ("q", "beta"), "read-only, by parent"
     shown = {m["id"]: m["from"] for m in net.run(alpha.pull(limit=5))["messages"]}
     assert shown["forged"] == "mallory", "shown for what it is"
 
