@@ -85,6 +85,12 @@ def check_id(value: str, field: str) -> str:
     return value
 
 
+def optional_query_id(value: Optional[str], field: str) -> Optional[str]:
+    """An id of the query string (``since``): None when absent or empty, else
+    :func:`check_id`."""
+    return check_id(value, field) if value else None
+
+
 def check_new_id(value: str, field: str) -> str:
     """``value``, the id of a new message, when :func:`check_id` takes it and it is
     not in the failure notices' reserved space; else 400."""

@@ -383,7 +383,7 @@ class RelayAPI:
     @app.route("/messages", methods=["GET"])
     @authenticated
     def poll(self, request, agent: str) -> Deferred:
-        since = _query_arg(request, b"since") or None
+        since = protocol.optional_query_id(_query_arg(request, b"since"), "since")
         limit = protocol.clamp_limit(_query_arg(request, b"limit"))
         wait = protocol.parse_wait_seconds(_query_arg(request, b"wait"), "wait")
         request.waits = wait > 0
@@ -396,6 +396,7 @@ class RelayAPI:
     @app.route("/messages/<path:message_id>/ack", methods=["POST"])
     @authenticated
     def receipt(self, request, agent: str, message_id: str) -> Deferred:
+        protocol.check_id(message_id, "the message id")
         d = self.broker.receipt(agent, message_id, raw_body(request))
         d.addCallback(lambda receipt_id: write_json(request, 201,
                                                     {"accepted": True, "id": receipt_id}))

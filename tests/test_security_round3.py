@@ -63,6 +63,16 @@ async def test_every_id_field_of_every_route_is_bounded(path, body):
 
 
 @pytest_twisted.ensureDeferred
+async def test_ids_in_the_path_and_the_query_string_are_bounded():
+    _, client, _ = await registered("alpha")
+    assert "since" in refused(await client.get("alpha", "/messages?since=" + "x" * 257))
+    assert (await client.get("alpha", "/messages?since=" + "x" * 256))[0] == 200
+    path = "/messages/" + "x" * 257 + "/ack"
+    assert "256" in refused(await client.post("alpha", path, {}))
+    assert (await client.post("alpha", "/messages/" + "x" * 256 + "/ack", {}))[0] == 404
+
+
+@pytest_twisted.ensureDeferred
 async def test_the_inbox_byte_quota_counts_ids_and_references():
     _, client, _ = await registered("alpha", "beta", inboxMaxBytes=2100)
     for i in range(2):
