@@ -647,6 +647,9 @@ class RelayClient:
     :param info: the broker's ``GET /`` document when it is known already (for
         example from another client's handshake); the first signed request then
         makes no handshake of its own.
+    :param registered_at: when this agent last registered, on ``clock``, if that
+        is known (for example from an earlier run of the same command);
+        :meth:`request` then makes no registration of its own.
 
     Every method may be called from the reactor thread only; each returns a
     Deferred (``await`` it in a coroutine, or hand it to
@@ -674,6 +677,7 @@ class RelayClient:
         retry_refused_loopback: bool = True,
         on_retry: Optional[Callable[[RelayError, float, int, int], None]] = None,
         info: Optional[Dict[str, Any]] = None,
+        registered_at: Optional[float] = None,
     ) -> None:
         parts = urlsplit(broker_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -697,7 +701,8 @@ class RelayClient:
         self._loopback = is_loopback_host(parts.hostname or "")
         self.info: Optional[Dict[str, Any]] = info
         self._handshaking = defer.DeferredLock()
-        self._registered = False
+        # When this agent last registered (on ``clock``); None until it did.
+        self.registered_at = registered_at
 
     # -- what the broker offers -------------------------------------------
 
@@ -923,7 +928,7 @@ class RelayClient:
                 await self._require("peerCards", "peer cards")
                 document["card"] = None if card is None else dict(card)
             answer = await self._request("POST", "/register", document)
-            self._registered = True
+            self.registered_at = self._clock.seconds()
             return answer
 
         return self._run(go)
@@ -1311,7 +1316,8 @@ class RelayClient:
         :class:`RequestTimeout` (no answer within ``timeout`` seconds, which
         bounds the whole call, sending included). Other failures are the
         ``RelayError`` of the step that failed. This agent registers first (a
-        reply can only reach a registered agent), once per client.
+        reply can only reach a registered agent), unless it did already
+        (:attr:`registered_at`).
 
         A broker with ``pullFilter`` is asked with long-poll pulls by parent
         (up to ``capabilities.longPoll.maxWaitSeconds`` each): they lease the
@@ -1325,7 +1331,7 @@ class RelayClient:
 
         async def go() -> Dict[str, Any]:
             started = self._clock.seconds()
-            if not self._registered:
+            if self.registered_at is None:
                 await self.register()
             await self.send(
                 to,

@@ -9,6 +9,7 @@ Exit status: 0 on success, 1 on a broker or network error, 2 on a usage error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from twisted.internet import defer
 from relay.cli.command import Context
 from relay.cli.output import Console, printable
 from relay.cli.parser import Exit, parse
+from relay.cli.state import STATE_FILE, BrokerMemory
 from relay.client import RETRY_DELAYS_SECONDS, RelayClient
 from relay.errors import RelayError
 from relay.settings import UsageError
@@ -67,6 +69,8 @@ async def run(
         console.warn(f"retrying in {delay:g} s ({retry}/{retries}): {error.code}: {error.message}")
 
     def new_client(agent: str) -> RelayClient:
+        memory = BrokerMemory(home / STATE_FILE, settings.broker_url, agent)
+        now = reactor.seconds()
         return RelayClient(
             settings.broker_url,
             agent,
@@ -80,12 +84,17 @@ async def run(
             retry_delays=RETRY_DELAYS_SECONDS[: inv.retries],
             retry_refused_loopback=False,
             on_retry=retrying if interactive else None,
+            info=memory.info(now),
+            registered_at=memory.registered_at(now),
         )
 
     ctx = Context(inv.args, settings, console, home, reactor, new_client, stdin, inv.parser,
                   env, http)
     try:
-        return await inv.command.run(ctx)
+        try:
+            return await inv.command.run(ctx)
+        finally:
+            _remember(ctx, home)
     except UsageError as error:
         err.write(printable_lines(error.lines()))
         return 2
@@ -98,6 +107,17 @@ async def run(
         # The reader went away (`relay recv | head -1`): nothing more to say.
         _discard(out)
         return 1
+
+
+def _remember(ctx: Context, home: Path) -> None:
+    """Keep what the command's client learnt (the handshake, a registration) for the
+    next run, so that a script of commands does not repeat them (:class:`BrokerMemory`)."""
+    client = ctx.__dict__.get("client")  # only when the command made one
+    if client is None:
+        return
+    with contextlib.suppress(OSError):  # a read-only home: the next run asks again
+        BrokerMemory(home / STATE_FILE, client.broker_url, client.agent).save(
+            ctx.clock.seconds(), client.info, client.registered_at)
 
 
 def _discard(stream: TextIO) -> None:

@@ -85,3 +85,83 @@ class CursorState:
             table = state[_RECEIPTS_KEY] = {}
         table[self.key] = {key: at for at, key in sorted(kept)}
         write_json_atomic(self.path, state)
+
+
+# How long a run of `relay` trusts what an earlier run learnt: the broker's
+# GET / document and the agent's registration. Shorter than the broker's 90 s
+# heartbeat window, so an agent whose registration is remembered still shows
+# online; long enough that a busy script of `relay ask` calls makes neither
+# request again for each call.
+REMEMBER_SECONDS = 60.0
+_HANDSHAKES_KEY = "handshakes"
+_REGISTERED_KEY = "registered"
+MAX_REMEMBERED = 100
+
+
+class BrokerMemory:
+    """What one run of ``relay`` leaves for the next, in ``~/.dsh-relay-state.json``:
+    the broker's ``GET /`` document under ``handshakes`` (``{"<brokerUrl>": {"at",
+    "info"}}``) and when an agent last registered under ``registered``
+    (``{"<brokerUrl>|<agent>": epoch seconds}``). Each is used for
+    :data:`REMEMBER_SECONDS`; every entry older than that is dropped at each save.
+    """
+
+    def __init__(self, path: Path, broker_url: str, agent: str) -> None:
+        self.path = path
+        self.url = broker_url.rstrip("/")
+        self.key = f"{self.url}|{agent}"
+
+    def _load(self) -> Dict[str, Any]:
+        return CursorState(self.path, self.url, "")._load()
+
+    def info(self, now: float) -> Optional[Dict[str, Any]]:
+        """The broker's ``GET /`` document, when a run learnt it less than
+        :data:`REMEMBER_SECONDS` before ``now``."""
+        table = self._load().get(_HANDSHAKES_KEY)
+        entry = table.get(self.url) if isinstance(table, dict) else None
+        if not isinstance(entry, dict) or not _fresh(entry.get("at"), now):
+            return None
+        info = entry.get("info")
+        return info if isinstance(info, dict) else None
+
+    def registered_at(self, now: float) -> Optional[float]:
+        """When the agent registered, if less than :data:`REMEMBER_SECONDS` before ``now``."""
+        table = self._load().get(_REGISTERED_KEY)
+        at = table.get(self.key) if isinstance(table, dict) else None
+        return float(at) if _fresh(at, now) else None
+
+    def save(self, now: float, info: Optional[Dict[str, Any]],
+             registered_at: Optional[float]) -> None:
+        """Remember ``info`` (learnt at ``now``) and ``registered_at``; forget stale entries."""
+        state = self._load()
+        handshakes = _fresh_entries(state.get(_HANDSHAKES_KEY), now,
+                                    lambda entry: entry.get("at") if isinstance(entry, dict)
+                                    else None)
+        if info is not None:
+            previous = handshakes.get(self.url)
+            if not (isinstance(previous, dict) and previous.get("info") == info):
+                handshakes[self.url] = {"at": now, "info": info}
+        registered = _fresh_entries(state.get(_REGISTERED_KEY), now, lambda at: at)
+        if registered_at is not None:
+            registered[self.key] = registered_at
+        if state.get(_HANDSHAKES_KEY) == handshakes and state.get(_REGISTERED_KEY) == registered:
+            return
+        state[_HANDSHAKES_KEY] = handshakes
+        state[_REGISTERED_KEY] = registered
+        write_json_atomic(self.path, state)
+
+
+def _fresh(at: Any, now: float) -> bool:
+    return (isinstance(at, (int, float)) and not isinstance(at, bool)
+            and 0 <= now - at < REMEMBER_SECONDS)
+
+
+def _fresh_entries(table: Any, now: float, when: Any) -> Dict[str, Any]:
+    """The entries of ``table`` whose time (``when(entry)``) is fresh, the newest
+    :data:`MAX_REMEMBERED`."""
+    if not isinstance(table, dict):
+        return {}
+    fresh = [(when(entry), key, entry) for key, entry in table.items()
+             if _fresh(when(entry), now)]
+    fresh.sort(key=lambda item: item[0], reverse=True)
+    return {key: entry for _, key, entry in fresh[:MAX_REMEMBERED]}

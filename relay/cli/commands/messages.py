@@ -134,9 +134,10 @@ async def send(ctx: Context) -> int:
     """POST /messages: a ``{"text": CONTENT}`` message; ``--kind reply`` sets ``parentId`` too."""
     args = ctx.args
     body = message_body(args.content, args.json_body, ctx.stdin)
-    if args.kind == "request":
-        # The reply is a message to this agent, and only a registered agent
-        # can receive one (spec §2, `to`): register (heartbeat) first.
+    # The reply to a request is a message to this agent, and only a registered
+    # agent can receive one (spec §2, `to`): register (heartbeat) first, unless
+    # a run of the last minute did.
+    if args.kind == "request" and ctx.client.registered_at is None:
         await ctx.client.register()
     answer = await ctx.client.send(
         args.target,
@@ -264,13 +265,15 @@ async def watch(ctx: Context) -> int:
     state = _cursor_state(ctx)
     client.cursor = state.get()
     try:
-        await client.handshake()
+        if client.info is None:  # else a run of the last minute made it
+            await client.handshake()
     except RelayError as error:
         if error.code == "protocol_mismatch":
             raise
         console.warn(f"warning: handshake failed ({error.code}); polling every {args.interval}s")
-    await client.register()
-    last_heartbeat = clock.seconds()
+    if client.registered_at is None:
+        await client.register()
+    last_heartbeat = clock.seconds() if client.registered_at is None else client.registered_at
     wait = client.long_poll_seconds
     if not console.as_json:
         mode = f"long-poll up to {wait:g}s" if wait else f"every {args.interval:g}s"
