@@ -21,6 +21,7 @@ from relay.cli.commands import COMMANDS
 from relay.cli.output import body_text, message_block, table, watch_line
 from relay.cli.parser import Exit, build_parser, parse
 from relay.cli.state import CursorState
+from relay.config import parse_config
 from relay.settings import Settings, UsageError, resolve_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -304,10 +305,16 @@ def test_init_writes_a_private_config_and_refuses_to_overwrite(tmp_path: Path) -
     assert loaded == {
         "broker": {
             "listen": ["tcp:19121:interface=127.0.0.1"],
+            "opsListen": ["tcp:19122:interface=127.0.0.1"],
             "secretFile": "relay.secret",
             "dataDir": "data",
+            "rateLimitLoopback": 60000,
         }
     }
+    parsed = parse_config(loaded, str(config.parent), secret_file.read_text().strip())
+    assert parsed.rate_limit_loopback == 60000
+    assert parsed.ops.listen == ("tcp:19122:interface=127.0.0.1",)
+    assert "the dashboard:         http://127.0.0.1:19122/" in first.out
     secret = secret_file.read_text().strip()
     assert len(secret) == 64 and int(secret, 16) >= 0
     assert secret not in first.out + first.err  # it is in the file, not on the screen
@@ -331,6 +338,10 @@ def test_init_writes_a_private_config_and_refuses_to_overwrite(tmp_path: Path) -
     assert yaml.safe_load(config.read_text())["broker"]["listen"] == [
         "tcp:19200:interface=127.0.0.1"
     ]
+    assert yaml.safe_load(config.read_text())["broker"]["opsListen"] == [
+        "tcp:19201:interface=127.0.0.1"
+    ]
+    assert document["dashboardUrl"] == "http://127.0.0.1:19201/"
     assert stat.S_IMODE(config.stat().st_mode) == 0o600
 
 

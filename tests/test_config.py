@@ -46,6 +46,17 @@ def test_defaults_follow_the_spec():
     assert config.agents == {}
 
 
+def test_the_shipped_config_gives_local_agents_room():
+    """conf/relay.yaml's loopback budget: a dozen busy local agents never reach it,
+    where the default of 600 a minute stops a four-agent demo within half a minute."""
+    from relay.cli.commands.bootstrap import LOCAL_RATE_LIMIT
+
+    shipped = Path(__file__).resolve().parent.parent / "conf" / "relay.yaml"
+    config = parse(shipped.read_text(encoding="utf-8"), secret_from_file="s" * 32)
+    assert config.rate_limit_loopback == LOCAL_RATE_LIMIT >= 12 * 60 * 50
+    assert config.rate_limit_remote == 120
+
+
 def test_reference_config_loads_unchanged():
     config = parse(
         """

@@ -22,10 +22,14 @@ from relay.settings import UsageError
 DEFAULT_INIT_DIRECTORY = ".dsh-agent-relay"
 DEFAULT_INIT_CONFIG = "relay.yaml"
 DEFAULT_PORT = 19121
+# The loopback budget (requests a minute) of the configs `relay init` writes and
+# conf/relay.yaml: more than a dozen busy local agents send.
+LOCAL_RATE_LIMIT = 60000
 INIT_DESCRIPTION = f"""\
 Write a broker config and a fresh 256-bit secret (both mode 0600) into a
 directory of their own, by default ~/{DEFAULT_INIT_DIRECTORY}/: relay.yaml, relay.secret, and
-data/ once the broker runs. The secret is not printed; clients read the file
+data/ once the broker runs. The broker listens on loopback, its dashboard on the
+next port. The secret is not printed; clients read the file
 with --secret-file. Nothing is overwritten without --force."""
 
 
@@ -48,6 +52,13 @@ def init_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"the loopback port the broker listens on (default {DEFAULT_PORT})",
     )
+    parser.add_argument(
+        "--ops-port",
+        type=port_number,
+        metavar="N",
+        help="the loopback port of the dashboard, /healthz and /metrics "
+        "(default: the broker's port + 1)",
+    )
 
 
 def _port_in_use(port: int) -> bool:
@@ -67,14 +78,26 @@ async def init(ctx: Context) -> int:
     for existing in (path, secret_path):
         if existing.exists() and not args.force:
             raise UsageError(f"relay init: {existing} exists; pass --force to overwrite it")
+    ops_port = args.ops_port
+    if ops_port is None:
+        ops_port = args.port + 1 if args.port < 65535 else args.port - 1
+    if ops_port == args.port:
+        raise UsageError("relay init: --ops-port must differ from --port")
     text = (
         "# dsh-agent-relay broker configuration, written by `relay init`.\n"
         "# Paths are relative to this file; docs/CONFIG.md describes every key.\n"
         "broker:\n"
         "  listen:\n"
         f"    - tcp:{args.port}:interface=127.0.0.1\n"
+        "  # The dashboard, /healthz and /metrics (docs/OPERATIONS.md); `relay stats`.\n"
+        "  opsListen:\n"
+        f"    - tcp:{ops_port}:interface=127.0.0.1\n"
         f"  secretFile: {secret_path.name}\n"
         "  dataDir: data\n"
+        "  # Every local client shares the loopback address's budget of requests a\n"
+        "  # minute; the protocol's default of 600 stops a few busy agents within a\n"
+        "  # minute. This is more than a dozen busy local agents send.\n"
+        f"  rateLimitLoopback: {LOCAL_RATE_LIMIT}\n"
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,21 +108,26 @@ async def init(ctx: Context) -> int:
             0, "io_error", f"cannot write {error.filename}: {error.strerror}"
         ) from None
     broker_url = f"http://127.0.0.1:{args.port}"
+    dashboard_url = f"http://127.0.0.1:{ops_port}/"
     broker_flag = "" if args.port == DEFAULT_PORT else f"--broker {broker_url} "
     steps = [
         f"twistd -n relay --config {path}",
         f"relay {broker_flag}--secret-file {secret_path} selfcheck",
     ]
     busy = _port_in_use(args.port)
+    ops_busy = _port_in_use(ops_port)
     console.emit(
         {
             "config": str(path),
             "secretFile": str(secret_path),
             "brokerUrl": broker_url,
+            "dashboardUrl": dashboard_url,
             "portInUse": busy,
+            "opsPortInUse": ops_busy,
             "nextSteps": steps,
         },
-        lambda: _print_init(console, path, secret_path, broker_url, steps, busy),
+        lambda: _print_init(console, path, secret_path, broker_url, dashboard_url, steps, busy,
+                            ops_busy),
     )
     return 0
 
@@ -109,8 +137,10 @@ def _print_init(
     path: Path,
     secret_path: Path,
     broker_url: str,
+    dashboard_url: str,
     steps: Sequence[str],
     busy: bool,
+    ops_busy: bool,
 ) -> None:
     console.line(f"wrote {path} and a fresh secret in {secret_path} (both mode 0600)")
     if busy:
@@ -118,9 +148,15 @@ def _print_init(
             f"warning: something already listens on {broker_url} (a broker from `make run`?); "
             "stop it first, or run `relay init --force --port N` for another port"
         )
+    if ops_busy and not busy:
+        console.warn(
+            f"warning: something already listens on {dashboard_url} (the dashboard's port); "
+            "run `relay init --force --ops-port N` for another one"
+        )
     console.line("next steps:")
     console.line(f"  1. start the broker:      {steps[0]}")
     console.line(f"  2. check the round trip:  {steps[1]}")
+    console.line(f"     the dashboard:         {dashboard_url}")
     settings = json.dumps({"brokerUrl": broker_url, "secretFile": str(secret_path)})
     console.line(f"  3. save the settings:     put {settings}")
     console.line("     (and your \"agent\" name) in ~/.dsh-relay.json to drop the flags")
