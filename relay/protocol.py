@@ -106,6 +106,16 @@ def is_valid_agent_name(name: str) -> bool:
     return bool(AGENT_NAME.match(name))
 
 
+# The throwaway agents of `relay selfcheck`: selfcheck-<8 hex digits>-a and -b.
+# The protocol cannot remove an agent; the relay's own views leave these out.
+SELFCHECK_AGENT = re.compile(r"selfcheck-[0-9a-f]{8}-[ab]\Z")
+
+
+def is_selfcheck_agent(name: str) -> bool:
+    """Whether ``name`` is one of the throwaway agents of a ``relay selfcheck`` run."""
+    return SELFCHECK_AGENT.match(name) is not None
+
+
 @functools.lru_cache(maxsize=4096)
 def is_loopback_host(host: str) -> bool:
     """True for ``localhost``, 127.0.0.0/8, ``::1`` and IPv4-mapped loopback addresses

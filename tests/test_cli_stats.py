@@ -61,9 +61,50 @@ async def test_stats_without_the_token_is_an_error(tmp_path):
 
 
 @pytest_twisted.ensureDeferred
-async def test_stats_without_an_ops_listener_is_a_usage_error(tmp_path):
+async def test_a_missing_config_and_a_config_without_ops_listener_are_told_apart(tmp_path):
     outcome = await run_cli(["stats", "--config", str(tmp_path / "none.yaml")], tmp_path)
-    assert outcome.status == 2 and "no ops listener" in outcome.err
+    assert outcome.status == 2
+    assert f"no such config file: {tmp_path / 'none.yaml'}" in outcome.err
+    conf = tmp_path / "relay.yaml"
+    conf.write_text("broker: {listen: ['tcp:19121:interface=127.0.0.1']}\n")
+    outcome = await run_cli(["stats", "--config", str(conf)], tmp_path)
+    assert outcome.status == 2
+    assert f"{conf} has no broker.opsListen" in outcome.err
+
+
+def test_outside_a_checkout_stats_tries_relay_init_config_then_the_default_address(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert ops_target(args(config=None), {}, tmp_path) == ("http://127.0.0.1:19122", None)
+    init = tmp_path / ".dsh-agent-relay" / "relay.yaml"
+    init.parent.mkdir()
+    init.write_text("broker: {opsListen: ['tcp:19300:interface=127.0.0.1'], opsToken: t}\n")
+    assert ops_target(args(config=None), {}, tmp_path) == ("http://127.0.0.1:19300", "t")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "relay.yaml").write_text(
+        "broker: {opsListen: ['tcp:19400:interface=127.0.0.1']}\n")
+    assert ops_target(args(config=None), {}, tmp_path) == ("http://127.0.0.1:19400", None)
+
+
+@pytest_twisted.ensureDeferred
+async def test_stats_counts_refusals_and_folds_offline_agents(tmp_path):
+    api, client, clock = make_api()
+    for agent in ("old", "selfcheck-0123abcd-a", "busy"):
+        await client.post(agent, "/register", {})
+    clock.advance(100)
+    await client.post("busy", "/register", {})
+    api.broker.counters.http_answered("pull", 429, 0.001)
+    ops = OpsAPI(api.broker, clock)
+    outcome = await run_cli(["stats", "--ops", "http://127.0.0.1:19122"], tmp_path,
+                            http=StubTreq(ops.resource()))
+    lines = outcome.out.splitlines()
+    assert "refused: rate-limited (429) 1  sends refused 0  auth failures 0  lockouts 0" in lines
+    assert [line.split()[0] for line in lines if line.split()[1:2] in (["yes"], ["no"])] == [
+        "busy"]
+    assert "2 offline agents with no messages not shown (--all lists them)" in lines
+    outcome = await run_cli(["stats", "--all", "--ops", "http://127.0.0.1:19122"], tmp_path,
+                            http=StubTreq(ops.resource()))
+    assert "selfcheck-0123abcd-a" in outcome.out and "not shown" not in outcome.out
 
 
 def args(**values):

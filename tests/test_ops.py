@@ -486,7 +486,7 @@ async def test_overview_lists_agents_queues_totals_and_flow():
     assert rows["beta"] == {"agent": "beta", "registered": True, "online": True,
                             "lastSeen": int(START), "queued": 1, "leased": 0,
                             "delayed": 0, "failed": 1, "oldestAgeSeconds": 3.0,
-                            "inboxFull": False}
+                            "inboxFull": False, "selfcheck": False}
     assert rows["gamma"]["leased"] == 1
     assert "cardsOmitted" not in overview, "cards only when asked for"
     totals = overview["totals"]
@@ -602,3 +602,33 @@ async def test_an_operator_lists_and_clears_an_agents_locks():
     foreign = dict(unlock, Origin="http://evil.example")
     assert (await ops.get("/api/unlock", foreign, "POST", b'{"agent": "alpha"}'))[0] == 403
 
+
+@pytest_twisted.ensureDeferred
+async def test_refusals_lockouts_and_auth_failures_are_in_the_overview():
+    """A 429 used to show only as a Prometheus counter: the overview counts them
+    (from the answers the listener's site counts, as /metrics does)."""
+    ops = Ops(security={"lockAfterFailures": 2})
+    for _ in range(2):
+        await ops.client.post("beta", "/register", {}, secret="wrong")
+    for route, code in (("peers", 429), ("pull", 429), ("pull", 200), ("send", 503)):
+        ops.broker.counters.http_answered(route, code, 0.001)
+    _, overview, _ = await ops.get("/api/overview")
+    totals = overview["totals"]
+    assert totals["rateLimited"] == 2
+    assert totals["lockouts"] == 1
+    assert totals["authFailures"] == {"bad_signature": 2}
+
+
+@pytest_twisted.ensureDeferred
+async def test_online_agents_come_first_and_throwaway_agents_are_marked():
+    ops = Ops()
+    c = ops.client
+    for agent in ("zeta", "selfcheck-0123abcd-a", "alpha"):
+        await c.post(agent, "/register", {})
+    ops.clock.advance(100)  # all three go offline
+    await c.post("zeta", "/register", {})
+    await c.post("zeta", "/messages", {"id": "m1", "to": "alpha"})
+    _, overview, _ = await ops.get("/api/overview")
+    order = [(row["agent"], row["online"], row["selfcheck"]) for row in overview["agents"]]
+    assert order == [("zeta", True, False), ("alpha", False, False),
+                     ("selfcheck-0123abcd-a", False, True)]

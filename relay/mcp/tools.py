@@ -48,7 +48,7 @@ from relay.client import (
     broker_notice,
 )
 from relay.errors import RelayError
-from relay.protocol import KEEP_CARD
+from relay.protocol import KEEP_CARD, is_selfcheck_agent
 
 # The longest a tool may wait for a message or an answer: MCP clients give a
 # tool call a minute or less, and a call also needs time for its requests.
@@ -69,8 +69,6 @@ INBOX_LIMIT = 10
 MAX_INBOX_LIMIT = 50
 # Answers to renewals and acknowledgements that mean the lease is gone.
 LEASE_GONE = frozenset({404, 409})
-# The throwaway agents of `relay selfcheck` (selfcheck-<8 hex>-a / -b).
-_SELFCHECK_AGENT = re.compile(r"selfcheck-[0-9a-f]{8}-[ab]\Z")
 # The field of a result that holds what other agents wrote, and only that.
 UNTRUSTED = "untrusted"
 INBOX_NOTE = (
@@ -399,7 +397,7 @@ class RelayTools:
             if not isinstance(peer, dict):
                 continue
             name = str(peer.get("agent"))
-            if _SELFCHECK_AGENT.match(name) and not peer.get("online"):
+            if is_selfcheck_agent(name) and not peer.get("online"):
                 continue
             written: Dict[str, Any] = {"agent": name}
             card = peer.get("card")

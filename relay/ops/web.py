@@ -137,6 +137,12 @@ def _add_cards(rows: List[Dict[str, Any]], peers: List[Dict[str, Any]]) -> int:
     return omitted
 
 
+def answered_with(counters: Counters, status: int) -> int:
+    """How many requests of the main listener were answered ``status`` (429: over
+    ``rateLimitLoopback`` or ``rateLimitRemote``)."""
+    return sum(codes.get(status, 0) for codes in counters.http.values())
+
+
 class OpsAPI:
     """The ops listener's routes over one broker and its counters, and the
     authentication ``lockout`` (its locks listed and cleared) when given."""
@@ -341,6 +347,7 @@ class OpsAPI:
         inbox_max = limits["inboxMaxMessages"]
         rows: List[Dict[str, Any]] = []
         for name, row in agents.items():
+            row["selfcheck"] = protocol.is_selfcheck_agent(name)
             depth = by_agent.get(name)
             for state in metrics.QUEUE_STATES:
                 row[state] = getattr(depth, state) if depth is not None else 0
@@ -349,7 +356,10 @@ class OpsAPI:
             oldest = depth.oldest_queued if depth is not None else None
             row["oldestAgeSeconds"] = None if oldest is None else round(max(0.0, now - oldest), 3)
             rows.append(row)
-        rows.sort(key=lambda r: (-(r["queued"] + r["leased"] + r["delayed"] + r["failed"]),
+        # Online agents first, then those with messages, busiest first: what an
+        # operator looks for; a fleet's offline past comes last.
+        rows.sort(key=lambda r: (not r["online"],
+                                 -(r["queued"] + r["leased"] + r["delayed"] + r["failed"]),
                                  r["agent"]))
         listed = rows[:MAX_AGENTS]
         omitted = _add_cards(listed, peers) if cards else 0
@@ -377,6 +387,7 @@ class OpsAPI:
                 "authFailures": dict(counters.auth_failures),
                 "lockouts": counters.lockouts,
                 "sendsRefused": dict(counters.refused),
+                "rateLimited": answered_with(counters, 429),
                 "pullWaiting": broker.waiting(),
                 "agentsOnline": sum(1 for peer in peers if peer["online"]),
                 "queued": sum(d.queued for d in depths),

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import Any, Tuple
 
 from relay.agent import card_of
 from relay.cli.command import Context, card_arguments
 from relay.cli.output import table
-from relay.protocol import KEEP_CARD
+from relay.protocol import KEEP_CARD, SELFCHECK_AGENT
 from relay.settings import UsageError
-
-# The throwaway agents of `relay selfcheck`: selfcheck-<8 hex digits>-a and -b.
-SELFCHECK_AGENT = re.compile(r"selfcheck-[0-9a-f]{8}-[ab]\Z")
 
 
 def selfcheck_agent_names(tag: str) -> Tuple[str, str]:

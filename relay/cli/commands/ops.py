@@ -2,10 +2,12 @@
 ``relay unlock``: an operator clears an agent's authentication locks.
 
 The ops listener is found from ``--ops URL``, then ``DSH_RELAY_OPS``, then the
-first ``broker.opsListen`` endpoint of the broker config (``--config``, default
-``conf/relay.yaml``); its token from ``--ops-token``, ``DSH_RELAY_OPS_TOKEN``,
-then the config's ``broker.opsToken`` or ``broker.opsTokenFile``. Reading the
-config creates nothing.
+first ``broker.opsListen`` endpoint of the broker config: ``--config``, else
+``conf/relay.yaml`` in the working directory, else ``relay init``'s
+``~/.dsh-agent-relay/relay.yaml``; without any of them, the default ops address
+``http://127.0.0.1:19122``. Its token comes from ``--ops-token``,
+``DSH_RELAY_OPS_TOKEN``, then the config's ``broker.opsToken`` or
+``broker.opsTokenFile``. Reading the config creates nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from relay.settings import UsageError
 ENV_OPS = "DSH_RELAY_OPS"
 ENV_OPS_TOKEN = "DSH_RELAY_OPS_TOKEN"
 DEFAULT_CONFIG = "conf/relay.yaml"
+INIT_CONFIG = "~/.dsh-agent-relay/relay.yaml"
+DEFAULT_OPS_URL = "http://127.0.0.1:19122"
 TIMEOUT_SECONDS = 15.0
 
 
@@ -37,8 +41,11 @@ def stats_arguments(parser: argparse.ArgumentParser) -> None:
                              "of --config)")
     parser.add_argument("--ops-token", metavar="TOKEN",
                         help=f"the ops token (default: ${ENV_OPS_TOKEN}, else the config's)")
-    parser.add_argument("--config", metavar="PATH", default=DEFAULT_CONFIG,
-                        help=f"the broker config to read them from (default {DEFAULT_CONFIG})")
+    parser.add_argument("--config", metavar="PATH",
+                        help=f"the broker config to read them from (default {DEFAULT_CONFIG}, "
+                             f"else {INIT_CONFIG}, else the ops address {DEFAULT_OPS_URL})")
+    parser.add_argument("--all", action="store_true",
+                        help="list every agent, the offline ones and those of selfcheck runs")
 
 
 def ops_url(description: str) -> str:
@@ -60,11 +67,12 @@ def ops_url(description: str) -> str:
 
 
 def _from_config(path: str) -> Tuple[Optional[str], Optional[str]]:
-    """``(url, token)`` from the config file at ``path``; Nones when it has no listener."""
+    """``(url, token)`` from the config file at ``path``; the url is None when the
+    config has no ops listener. A missing file is a UsageError saying so."""
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
-        return None, None
+        raise UsageError(f"no such config file: {path}") from None
     except (OSError, yaml.YAMLError) as error:
         raise UsageError(f"cannot read {path}: {error}") from None
     broker = data.get("broker") if isinstance(data, dict) else None
@@ -88,18 +96,45 @@ def _from_config(path: str) -> Tuple[Optional[str], Optional[str]]:
     return url, token if isinstance(token, str) else None
 
 
-def ops_target(args: argparse.Namespace, env: Mapping[str, str]) -> Tuple[str, Optional[str]]:
-    """The ops listener's URL and token, from flags, environment, then the config."""
+def _config_path(args: argparse.Namespace, home: Path) -> Optional[str]:
+    """The config to read: ``--config``, else the first of conf/relay.yaml and relay
+    init's that exists; None when neither does."""
+    if args.config:
+        return str(args.config)
+    for candidate in (Path(DEFAULT_CONFIG), home / ".dsh-agent-relay" / "relay.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def ops_target(args: argparse.Namespace, env: Mapping[str, str],
+               home: Optional[Path] = None) -> Tuple[str, Optional[str]]:
+    """The ops listener's URL and token, from flags, environment, then the config,
+    then the default ops address."""
     url = args.ops or env.get(ENV_OPS) or None
     token = args.ops_token or env.get(ENV_OPS_TOKEN) or None
     if url is None or token is None:
-        config_url, config_token = _from_config(args.config)
+        path = _config_path(args, Path.home() if home is None else home)
+        if path is None:
+            return (url or DEFAULT_OPS_URL).rstrip("/"), token
+        config_url, config_token = _from_config(path)
+        if url is None and config_url is None:
+            raise UsageError(f"{path} has no broker.opsListen, so its broker has no ops "
+                             "listener (docs/OPERATIONS.md); add one, or pass --ops URL")
         url = url or config_url
         token = token or config_token
-    if url is None:
-        raise UsageError(f"no ops listener: pass --ops URL, set {ENV_OPS}, or point --config "
-                         "at a broker config with broker.opsListen")
-    return url.rstrip("/"), token
+    return (url or DEFAULT_OPS_URL).rstrip("/"), token
+
+
+def _reason(failure: BaseException) -> str:
+    """A connection failure in a few words."""
+    from twisted.internet.error import ConnectionRefusedError, DNSLookupError
+
+    if isinstance(failure, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(failure, DNSLookupError):
+        return "the host name does not resolve"
+    return str(failure) or failure.__class__.__name__
 
 
 def _age(seconds: Optional[float]) -> str:
@@ -111,8 +146,17 @@ def _pairs(counts: Dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(counts.items()) if v) or "0"
 
 
+def _worth_listing(agent: Mapping[str, Any]) -> bool:
+    """Online, or holding messages: an offline agent with nothing (the throwaway
+    agents of selfcheck runs among them) is only counted."""
+    held = sum(agent.get(key) or 0 for key in ("queued", "leased", "delayed", "failed"))
+    return bool(agent.get("online")) or held > 0
+
+
 def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
+    """The overview in the words of the dashboard; offline idle agents folded."""
     console = ctx.console
+    show_all = bool(getattr(ctx.args, "all", False))
     b, t = overview["broker"], overview["totals"]
     health = "healthy" if b["healthy"] else f"UNHEALTHY: {b['health']}"
     console.line(f"broker {b['version']}, storage {b['storage']}, {health}, "
@@ -123,22 +167,29 @@ def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
     console.line(f"sent {t['sent']}  delivered {t['delivered']}  acked {_pairs(t['acked'])}"
                  f"  dead-lettered {_pairs(t['deadLettered'])}  expired {t['expired']}"
                  f"  lease expirations {t['leaseExpirations']}")
-    console.line(f"auth failures {_pairs(t['authFailures'])}  lockouts {t['lockouts']}")
+    console.line(f"refused: rate-limited (429) {t.get('rateLimited', 0)}  sends refused "
+                 f"{_pairs(t['sendsRefused'])}  auth failures {_pairs(t['authFailures'])}"
+                 f"  lockouts {t['lockouts']}")
     if overview["throughput"]:
         last = overview["throughput"][-1]
         console.line(f"last interval: sent {last['sent']:.2f}/s  delivered "
                      f"{last['delivered']:.2f}/s  acked {last['acked']:.2f}/s  requests "
                      f"{last['requests']:.2f}/s  errors {last['errors']:.2f}/s")
     console.line()
+    listed = [a for a in overview["agents"] if show_all or _worth_listing(a)]
     rows = [(a["agent"], "yes" if a["online"] else "no", a["queued"], a["leased"],
              a["delayed"], a["failed"], _age(a["oldestAgeSeconds"]))
-            for a in overview["agents"]]
+            for a in listed]
     if rows:
         for line in table(rows, ("AGENT", "ONLINE", "QUEUED", "LEASED", "DELAYED", "FAILED",
                                  "OLDEST")):
             console.line(line)
-    else:
+    elif not overview["agents"]:
         console.line("no agents")
+    folded = len(overview["agents"]) - len(listed)
+    if folded:
+        console.line(f"{folded} offline agent{'' if folded == 1 else 's'} with no messages "
+                     "not shown (--all lists them)")
     pairs = overview["flow"]["pairs"][:10]
     if pairs:
         console.line()
@@ -155,7 +206,7 @@ async def ops_request(ctx: Context, method: str, path: str,
 
     from relay.client import make_http_client
 
-    url, token = ops_target(ctx.args, ctx.env)
+    url, token = ops_target(ctx.args, ctx.env, ctx.home)
     http = ctx.http
     if http is None:
         settings = ctx.settings
@@ -173,8 +224,14 @@ async def ops_request(ctx: Context, method: str, path: str,
                                       timeout=TIMEOUT_SECONDS)
         raw = await treq.content(response)
     except Exception as failure:  # a connection or TLS failure, said in one line
+        hint = ""
+        if url == DEFAULT_OPS_URL and not (ctx.args.ops or ctx.env.get(ENV_OPS)
+                                           or _config_path(ctx.args, ctx.home)):
+            hint = (f" (the default address: there is no {DEFAULT_CONFIG} here and no "
+                    f"{INIT_CONFIG}; pass --ops URL or --config PATH)")
         raise RelayError(0, "connection_error",
-                         f"cannot reach the ops listener at {url}: {failure}") from None
+                         f"cannot reach the ops listener at {url}: {_reason(failure)}{hint}"
+                         ) from None
     try:
         document = json.loads(raw)
     except ValueError:
