@@ -587,3 +587,34 @@ def test_the_next_steps_of_init_work_as_printed(tmp_path: Path) -> None:
     finally:
         broker.terminate()
         broker.wait(20)
+
+
+def test_ctrl_c_during_ask_stops_at_once_with_status_130(tmp_path: Path) -> None:
+    """It used to print a false "retrying... use https://" line (the reactor closed
+    the connection) and exit 0."""
+    import os
+    import signal
+    import socket
+
+    REPO = Path(__file__).resolve().parent.parent
+    with socket.socket() as silent:  # accepts the connection, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        env = {"HOME": str(tmp_path), "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+        asking = subprocess.Popen(
+            [sys.executable, "-m", "relay.cli", "--broker", f"http://127.0.0.1:{port}",
+             "--agent", "alpha", "--secret", SECRET, "ask", "beta", "hello"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        try:
+            connection, _ = silent.accept()  # the command is waiting for its answer
+            started = time.monotonic()
+            os.kill(asking.pid, signal.SIGINT)
+            out, err = asking.communicate(timeout=20)
+            connection.close()
+        finally:
+            if asking.poll() is None:
+                asking.kill()
+    assert asking.returncode == 130, (out, err)
+    assert time.monotonic() - started < 5
+    assert "retrying" not in err and "https" not in err and "Traceback" not in err, err

@@ -4,16 +4,18 @@ Connection settings come from flags (before or after the subcommand), then
 the environment, then ``~/.dsh-relay.json`` (see :mod:`relay.settings`).
 The subcommands are the entries of :data:`relay.cli.commands.COMMANDS`.
 
-Exit status: 0 on success, 1 on a broker or network error, 2 on a usage error.
+Exit status: 0 on success, 1 on a broker or network error, 2 on a usage error,
+130 when stopped by Ctrl-C.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, TextIO, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 from twisted.internet import defer
 
@@ -26,6 +28,9 @@ from relay.errors import RelayError
 from relay.settings import UsageError
 
 __all__ = ["main", "run"]
+
+# The exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells use.
+INTERRUPTED = 130
 
 
 async def run(
@@ -137,16 +142,39 @@ def printable_lines(text: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """The ``relay`` console script."""
+    """The ``relay`` console script.
+
+    Ctrl-C (SIGINT) stops the command at once, its requests and retries
+    included, and exits with status 130, as a shell expects of an interrupted
+    command; a second Ctrl-C ends the process without waiting.
+    """
     from twisted.internet.task import react
 
     arguments: Tuple[str, ...] = tuple(sys.argv[1:] if argv is None else argv)
 
     def start(reactor: Any) -> defer.Deferred:
+        command = defer.Deferred.fromCoroutine(run(reactor, arguments))
+        interrupted: List[bool] = []
+
+        def interrupt(signum: int, frame: Any) -> None:
+            interrupted.append(True)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            reactor.callFromThread(command.cancel)
+
+        # After the reactor's own handlers, which would stop it, close the
+        # connections and let the command retry them as if the broker had failed.
+        reactor.callWhenRunning(signal.signal, signal.SIGINT, interrupt)
+
         def finish(status: int) -> None:
+            if interrupted:
+                raise SystemExit(INTERRUPTED)
             if status:
                 raise SystemExit(status)
 
-        return defer.Deferred.fromCoroutine(run(reactor, arguments)).addCallback(finish)
+        def cancelled(failure: Any) -> None:
+            failure.trap(defer.CancelledError)
+            raise SystemExit(INTERRUPTED)
+
+        return command.addCallbacks(finish, cancelled)
 
     react(start)
