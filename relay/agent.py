@@ -47,7 +47,7 @@ POLL_INTERVAL_SECONDS = 2.0
 SHUTDOWN_GRACE_SECONDS = 30.0
 RETRY_DELAY_SECONDS = 5.0
 # Handshake failures that waiting will not fix: the runtime stops on these.
-FATAL_HANDSHAKE_CODES = frozenset({"protocol_mismatch", "tls_error"})
+FATAL_HANDSHAKE_CODES = frozenset({"protocol_mismatch", "tls_error", "ops_listener"})
 EXEC_TIMEOUT_SECONDS = 300.0
 MAX_ERROR_TEXT = 500
 # A lease is renewed when a third of it has run (EXTENSIONS.md §1).

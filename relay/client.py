@@ -81,6 +81,9 @@ REPLY_POLL_SECONDS = 2.0
 REPLY_LEASE_SECONDS = 60
 # How long past its timeout request() may take for a last answer to come back.
 REQUEST_GRACE_SECONDS = 2.0
+# The dashboard's page says it loads this script: what a client told the ops
+# listener's address finds instead of the broker's JSON.
+OPS_PAGE_MARK = b"/static/dashboard.js"
 # The v1.1 fallback of request() reads this many of the newest replies per look.
 FALLBACK_QUERY_LIMIT = 200
 # The outcomes of a broker that lists none (v1.1).
@@ -860,11 +863,11 @@ class RelayClient:
                     isinstance(failure, ConnectionRefusedError)
                     and self._loopback
                     and not self.retry_refused_loopback
-                ):
+                ) or _lasting(failure):
                     raise error from None
             else:
                 if 200 <= status < 300:
-                    return _decode_answer(status, raw)
+                    return _decode_answer(status, raw, self.broker_url)
                 error = _error_from_answer(status, raw)
                 if status == 401 and signed and not handshaken_again:
                     handshaken_again = True
@@ -1532,13 +1535,41 @@ def _messages(answer: Any) -> List[Dict[str, Any]]:
     return [m for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
 
 
-def _decode_answer(status: int, raw: bytes) -> Any:
+def _decode_answer(status: int, raw: bytes, broker_url: str = "") -> Any:
     if not raw.strip():
         return {}
     try:
         return json.loads(raw.decode("utf-8"))
     except ValueError:
+        if OPS_PAGE_MARK in raw:
+            raise RelayError(status, "ops_listener", _ops_listener_hint(broker_url)) from None
         raise RelayError(status, "bad_response", f"HTTP {status} answer is not JSON") from None
+
+
+def _ops_listener_hint(broker_url: str) -> str:
+    """What to say when ``broker_url`` answered with the dashboard's page."""
+    parts = urlsplit(broker_url)
+    guess = ""
+    if parts.port is not None and parts.port > 1:
+        netloc = parts.netloc.rsplit(":", 1)[0] + f":{parts.port - 1}"
+        guess = f" (with conf/relay.yaml and relay init's config, {parts.scheme}://{netloc})"
+    return (f"{broker_url} is the relay's ops listener (the dashboard), not the broker; "
+            f"the broker is at the address of broker.listen{guess}")
+
+
+def _lasting(failure: BaseException) -> bool:
+    """Whether a transient-looking failure will not go away by retrying: a host name
+    that does not resolve, or a server that does not speak HTTP (an answer that is
+    no HTTP response, with the connection still open)."""
+    if isinstance(failure, DNSLookupError):
+        return True
+    if not isinstance(failure, ResponseFailed) or isinstance(failure, ResponseNeverReceived):
+        return False
+    reasons = [getattr(reason, "value", reason) for reason in failure.reasons]
+    return bool(reasons) and not any(
+        isinstance(reason, (ConnectionClosed, OSError, defer.CancelledError, _TimedOut))
+        for reason in reasons
+    )
 
 
 def _describe(failure: BaseException, broker_url: str) -> str:
@@ -1548,6 +1579,9 @@ def _describe(failure: BaseException, broker_url: str) -> str:
     if isinstance(failure, ResponseNeverReceived):
         hint = " (if the broker speaks TLS here, use https://)" if _is_http(broker_url) else ""
         return f"{broker_url} closed the connection without an answer{hint}"
+    if isinstance(failure, ResponseFailed) and _lasting(failure):
+        return (f"{broker_url} does not answer in HTTP: is it the relay broker's port? "
+                "(broker.listen; 19121 with the shipped config)")
     if isinstance(failure, ResponseFailed):
         return f"connection to {broker_url} failed mid-request"
     if isinstance(failure, ConnectionRefusedError):

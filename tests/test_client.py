@@ -439,6 +439,73 @@ def test_connection_failure_after_retries_is_status_0() -> None:
     assert http.calls == 4
 
 
+class FailingWith:
+    """A treq stand-in whose every request fails with ``failure()``."""
+
+    def __init__(self, failure: Any) -> None:
+        self.failure = failure
+        self.calls = 0
+
+    def request(self, *args: Any, **kwargs: Any) -> defer.Deferred:
+        self.calls += 1
+        return defer.fail(self.failure())
+
+
+def test_a_host_name_that_does_not_resolve_fails_at_once() -> None:
+    """It used to take 14 s of retries; a refused connection still retries."""
+    from twisted.internet.error import DNSLookupError
+
+    http = FailingWith(lambda: DNSLookupError("nowhere.test"))
+    client = RelayClient("http://nowhere.test", "alpha", SECRET, clock=Clock(), http=http,
+                          info=V11_INFO)
+    error = error_of(client.peers())
+    assert (error.code, http.calls) == ("connection_error", 1)
+    assert "does not resolve" in error.message
+
+
+def test_a_port_that_does_not_speak_http_fails_at_once() -> None:
+    """A server that answers something other than HTTP (an SSH banner, say)."""
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseFailed
+
+    class Garbled(Exception):
+        pass
+
+    http = FailingWith(lambda: ResponseFailed([Failure(Garbled("wrong number of parts"))]))
+    client = RelayClient("http://127.0.0.1:22", "alpha", SECRET, clock=Clock(), http=http,
+                          info=V11_INFO)
+    error = error_of(client.peers())
+    assert (error.code, http.calls) == ("connection_error", 1)
+    assert "does not answer in HTTP" in error.message
+
+
+def test_a_connection_lost_mid_answer_is_still_retried() -> None:
+    from twisted.internet.error import ConnectionLost
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseFailed
+
+    clock = Clock()
+    http = FailingWith(lambda: ResponseFailed([Failure(ConnectionLost())]))
+    client = RelayClient("http://broker.test", "alpha", SECRET, clock=clock, http=http,
+                          info=V11_INFO)
+    d = client.peers()
+    clock.pump([2, 4, 8])
+    assert error_of(d).code == "connection_error" and http.calls == 4
+
+
+def test_the_ops_listener_is_recognised() -> None:
+    """A client pointed at the dashboard's port used to say "HTTP 200 answer is not JSON"."""
+    page = b'<!doctype html><script src="/static/dashboard.js" defer></script>'
+    client, _, _ = make_client([(200, page)], info=None)
+    client.broker_url = "http://127.0.0.1:19122"
+    error = error_of(client.handshake())
+    assert error.code == "ops_listener"
+    assert error.message == (
+        "http://127.0.0.1:19122 is the relay's ops listener (the dashboard), not the broker; "
+        "the broker is at the address of broker.listen (with conf/relay.yaml and relay "
+        "init's config, http://127.0.0.1:19121)")
+
+
 class HangingHTTP:
     """A treq stand-in whose requests never answer; records cancellations."""
 
