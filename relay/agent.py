@@ -49,6 +49,10 @@ RETRY_DELAY_SECONDS = 5.0
 # Handshake failures that waiting will not fix: the runtime stops on these.
 FATAL_HANDSHAKE_CODES = frozenset({"protocol_mismatch", "tls_error", "ops_listener"})
 EXEC_TIMEOUT_SECONDS = 300.0
+# What the log shows of a failed --exec command's standard error: its last lines.
+EXEC_ERROR_LINES = 5
+EXEC_ERROR_LINE_CHARS = 300
+EXEC_ERROR_BYTES = 4096
 MAX_ERROR_TEXT = 500
 # A lease is renewed when a third of it has run (EXTENSIONS.md §1).
 RENEW_FRACTION = 1 / 3
@@ -523,6 +527,14 @@ class AgentService(Service):
             kind=failure.type.__name__,
             reason=" ".join(_error_text(failure).split()),
         )
+        for line in getattr(failure.value, "error_output", ()):
+            # The command's own words, marked as such: the relay never logs a body.
+            self.log.warn(
+                "agent {agent}: {id}: the command's error output: {line}",
+                agent=self.client.agent,
+                id=message_id,
+                line=line,
+            )
         if self.debug:
             self.log.failure(
                 "agent {agent}: handler traceback for {id}",
@@ -793,14 +805,25 @@ class AgentService(Service):
 
 
 class ExecFailed(Exception):
-    """The command exited non-zero, was killed, or ran out of time."""
+    """The command exited non-zero, was killed, or ran out of time.
+
+    Its message names the command and what happened to it (this is the error the
+    broker keeps); :attr:`error_output` holds the last lines the command wrote
+    on its standard error, for the agent's log only.
+    """
+
+    def __init__(self, what: str, error_output: Sequence[str] = ()) -> None:
+        super().__init__(what)
+        self.error_output = tuple(error_output)
 
 
 class _Collect(protocol.ProcessProtocol):
-    def __init__(self, stdin: bytes, done: defer.Deferred) -> None:
+    def __init__(self, command: str, stdin: bytes, done: defer.Deferred) -> None:
+        self.command = command
         self.stdin = stdin
         self.done = done
         self.stdout = bytearray()
+        self.stderr = bytearray()  # its tail only
 
     def connectionMade(self) -> None:
         self.transport.write(self.stdin)
@@ -810,7 +833,15 @@ class _Collect(protocol.ProcessProtocol):
         self.stdout.extend(data)
 
     def errReceived(self, data: bytes) -> None:
-        """Standard error is discarded: it may echo message content."""
+        """Keep the tail of standard error: the command's own words when it fails."""
+        self.stderr.extend(data)
+        if len(self.stderr) > 2 * EXEC_ERROR_BYTES:
+            del self.stderr[:-EXEC_ERROR_BYTES]
+
+    def failed(self, what: str) -> ExecFailed:
+        """An :class:`ExecFailed` naming the command, with its last error lines."""
+        return ExecFailed(f"command {_shown_command(self.command)} {what}",
+                          error_tail(bytes(self.stderr)))
 
     def processEnded(self, reason: Failure) -> None:
         if self.done.called:
@@ -820,11 +851,31 @@ class _Collect(protocol.ProcessProtocol):
         elif reason.check(error.ProcessTerminated):
             value = reason.value
             if value.exitCode is not None:
-                self.done.errback(ExecFailed(f"command exited with status {value.exitCode}"))
+                self.done.errback(self.failed(f"exited with status {value.exitCode}"))
             else:
-                self.done.errback(ExecFailed(f"command killed by signal {value.signal}"))
+                self.done.errback(self.failed(f"was killed by signal {value.signal}"))
         else:
             self.done.errback(reason)
+
+
+def _shown_command(command: str) -> str:
+    """The command as errors name it: in backquotes, one line, at most 120 characters."""
+    flat = " ".join(command.split())
+    return f"`{flat if len(flat) <= 120 else flat[:119] + '…'}`"
+
+
+def error_tail(stderr: bytes) -> Tuple[str, ...]:
+    """The last :data:`EXEC_ERROR_LINES` non-blank lines of a command's error output,
+    each at most :data:`EXEC_ERROR_LINE_CHARS` characters, control characters escaped."""
+    text = stderr[-EXEC_ERROR_BYTES:].decode("utf-8", errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    shown = []
+    for line in lines[-EXEC_ERROR_LINES:]:
+        line = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in line)
+        if len(line) > EXEC_ERROR_LINE_CHARS:
+            line = line[: EXEC_ERROR_LINE_CHARS - 1] + "…"
+        shown.append(line)
+    return tuple(shown)
 
 
 def exec_input(message: Message) -> bytes:
@@ -869,7 +920,7 @@ class ExecHandler:
                 "RELAY_ROOT_ID": str(message.get("rootId") or message.get("id", "")),
             }
         )
-        collector = _Collect(exec_input(message), done)
+        collector = _Collect(self.command, exec_input(message), done)
         process = self._reactor.spawnProcess(
             collector, "/bin/sh", ["/bin/sh", "-c", self.command], env=env
         )
@@ -879,7 +930,7 @@ class ExecHandler:
                 return
             with contextlib.suppress(error.ProcessExitedAlready):
                 process.signalProcess("KILL")
-            done.errback(ExecFailed(f"command timed out after {self.timeout:g}s"))
+            done.errback(collector.failed(f"timed out after {self.timeout:g}s"))
 
         timer = self._reactor.callLater(self.timeout, expire)
 

@@ -488,6 +488,44 @@ def test_exec_handler_non_zero_exit_fails() -> Any:
 
 
 @pytest_twisted.inlineCallbacks
+def test_a_failed_command_is_named_with_its_status_and_last_error_lines() -> Any:
+    """It used to be "command exited with status 127", the error output discarded."""
+    from twisted.internet import reactor
+
+    handler = ExecHandler("cat >/dev/null; seq 1 8 >&2; printf 'no\\033 such tool: frob\\n' >&2;"
+                          " exit 127", reactor=reactor, timeout=10)
+    with pytest.raises(ExecFailed) as info:
+        yield handler({"id": "m", "body": {"text": "x"}})
+    assert str(info.value).startswith("command `cat >/dev/null; seq 1 8 >&2;")
+    assert str(info.value).endswith(" exited with status 127")
+    assert info.value.error_output == ("5", "6", "7", "8", "no\\x1b such tool: frob")
+
+
+def test_the_agent_logs_a_failed_command_s_error_output_as_its_own_words(
+    tmp_path: Path
+) -> None:
+    from twisted.logger import capturedLogs, formatEvent
+
+    def handler(message: Dict[str, Any]) -> Any:
+        raise ExecFailed("command `frob` exited with status 127", ("sh: frob: not found",))
+
+    world = World(tmp_path)
+    service = world.runtime(handler, retry_delay=0)
+    with capturedLogs() as events:
+        start(world, service)
+        request = world.request("secret-body-marker")
+        world.settle()
+        stop(world, service)
+    text = "\n".join(formatEvent(e) for e in events)
+    assert (f"agent worker: handler failed for {request}: ExecFailed: command `frob` exited "
+            "with status 127; asking for a retry") in text
+    assert f"agent worker: {request}: the command's error output: sh: frob: not found" in text
+    assert "secret-body-marker" not in text
+    error = world.run(world.alpha.status([request]))["messages"][0]["error"]
+    assert error == "command `frob` exited with status 127"  # the output stays in the log
+
+
+@pytest_twisted.inlineCallbacks
 def test_exec_handler_times_out() -> Any:
     from twisted.internet import reactor
 
