@@ -779,6 +779,20 @@ def test_a_secret_file_of_several_lines_signs_with_the_first(tmp_path):
     assert resolve_settings({"secret_file": str(tmp_path / "s")}, {}, tmp_path).secret == "new"
 
 
+def test_the_broker_and_the_client_read_a_secret_file_by_one_rule(tmp_path):
+    """The file of OPERATIONS.md's rotation procedure: the broker accepts both lines,
+    the client signs with the first (docs/CONFIG.md, "Secret files")."""
+    from relay.config import load_config
+
+    new, old = "n" * 64, "o" * 64
+    (tmp_path / "relay.secret").write_text(f"  {new}  \n\n{old}\n")
+    (tmp_path / "relay.yaml").write_text("broker: {secretFile: relay.secret}\n")
+    config, _ = load_config(str(tmp_path / "relay.yaml"))
+    assert config.secrets == (new, old) and config.secret == new
+    settings = resolve_settings({"secret_file": str(tmp_path / "relay.secret")}, {}, tmp_path)
+    assert settings.secret == new
+
+
 # -- structure -------------------------------------------------------------------
 
 
