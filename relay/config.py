@@ -20,6 +20,7 @@ the secret file.
 
 from __future__ import annotations
 
+import difflib
 import os
 import secrets
 from dataclasses import dataclass, make_dataclass, replace
@@ -404,6 +405,16 @@ def _section(data: Mapping[str, Any], key: str) -> Dict[str, Any]:
     return value
 
 
+def unknown_key(key: str, known: Collection[str]) -> str:
+    """The reason of an unknown key: "unknown key", and the closest known one if any
+    is close (``rateLimitLoopbak`` → ``did you mean rateLimitLoopback?``)."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    if not close:
+        lowered = {name.lower(): name for name in known}
+        close = [lowered[key.lower()]] if key.lower() in lowered else []
+    return f"unknown key; did you mean {close[0]}?" if close else "unknown key"
+
+
 def check_keys(
     section: Mapping[str, Any], prefix: str, known: frozenset, ignored: frozenset
 ) -> List[str]:
@@ -416,7 +427,7 @@ def check_keys(
         if key in ignored:
             skipped.append(f"{prefix}.{key}")
         elif key not in known:
-            raise ConfigError(f"{prefix}.{key}", "unknown key")
+            raise ConfigError(f"{prefix}.{key}", unknown_key(key, known))
     return skipped
 
 
@@ -753,7 +764,7 @@ def parse_config(
         raise ConfigError("", "the config file must hold a mapping")
     for key in data:
         if key not in ("broker", "security", "agents"):
-            raise ConfigError(str(key), "unknown key")
+            raise ConfigError(str(key), unknown_key(str(key), ("broker", "security", "agents")))
     broker = _section(data, "broker")
     security = _section(data, "security")
     backend_sections: Dict[str, Mapping[str, Any]] = {}

@@ -618,3 +618,14 @@ def test_ctrl_c_during_ask_stops_at_once_with_status_130(tmp_path: Path) -> None
     assert asking.returncode == 130, (out, err)
     assert time.monotonic() - started < 5
     assert "retrying" not in err and "https" not in err and "Traceback" not in err, err
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_mistyped_agent_name_gets_a_did_you_mean(shell: Shell) -> None:
+    await shell.run("reviewer", "register")
+    sent = await shell.run("alpha", "send", "reviewr", "hi")
+    assert sent.status == 1
+    assert sent.err == ("error: no_such_agent: recipient 'reviewr' has never registered; "
+                        "did you mean reviewer?\n")
+    far = await shell.run("alpha", "ask", "zzz", "hi", "--timeout", "1")
+    assert far.err == "error: no_such_agent: recipient 'zzz' has never registered\n"

@@ -228,6 +228,22 @@ def test_a_backend_may_have_its_own_section():
     assert "memory" not in config.backend_sections
 
 
+@pytest.mark.parametrize("text, key, reason", [
+    ("broker: {secret: s0123456789abcdef, rateLimitLoopbak: 9}", "broker.rateLimitLoopbak",
+     "unknown key; did you mean rateLimitLoopback?"),
+    ("broker: {secret: s0123456789abcdef, ratelimitloopback: 9}",
+     "broker.ratelimitloopback", "unknown key; did you mean rateLimitLoopback?"),
+    ("brokers: {secret: s0123456789abcdef}", "brokers", "unknown key; did you mean broker?"),
+    ("security: {lockMinuts: 3}\nbroker: {secret: s0123456789abcdef}", "security.lockMinuts",
+     "unknown key; did you mean lockMinutes?"),
+    ("broker: {secret: s0123456789abcdef, colour: blue}", "broker.colour", "unknown key"),
+])
+def test_a_mistyped_key_is_named_with_the_known_one(text, key, reason):
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert (info.value.key, info.value.reason) == (key, reason)
+
+
 def test_a_section_of_an_unknown_backend_is_an_unknown_key():
     with pytest.raises(ConfigError) as info:
         parse("broker: {secret: s0123456789abcdef, postgress: {dsn: x}}")

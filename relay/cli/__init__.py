@@ -11,6 +11,7 @@ Exit status: 0 on success, 1 on a broker or network error, 2 on a usage error,
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import signal
 import sys
@@ -103,7 +104,8 @@ async def run(
     except UsageError as error:
         err.write(printable_lines(error.lines()))
         return 2
-    except RelayError as error:
+    except RelayError as failure:
+        error = await _with_suggestion(ctx, failure)
         if inv.json:
             console.document({"error": {"status": error.status, **error.to_body()["error"]}})
         console.warn(f"error: {error.code}: {error.message}")
@@ -112,6 +114,24 @@ async def run(
         # The reader went away (`relay recv | head -1`): nothing more to say.
         _discard(out)
         return 1
+
+
+async def _with_suggestion(ctx: Context, error: RelayError) -> RelayError:
+    """``error``, with "did you mean NAME?" when it names an agent that never
+    registered and a registered agent's name is close to it."""
+    target = getattr(ctx.args, "target", None)
+    if error.code != "no_such_agent" or not isinstance(target, str):
+        return error
+    try:
+        answer = await ctx.client.peers()
+    except RelayError:
+        return error
+    peers = answer.get("peers") if isinstance(answer, dict) else None
+    names = [str(p.get("agent")) for p in peers or [] if isinstance(p, dict)]
+    close = difflib.get_close_matches(target, names, n=1, cutoff=0.6)
+    if not close:
+        return error
+    return RelayError(error.status, error.code, f"{error.message}; did you mean {close[0]}?")
 
 
 def _remember(ctx: Context, home: Path) -> None:
