@@ -12,7 +12,7 @@ PYPY_STAMP = $(PYPY_VENV)/.installed-stamp
 # before ~2 GB. 4 MB is faster and keeps the broker's memory flat.
 export PYPY_GC_NURSERY ?= 4MB
 
-.PHONY: run run-cpython run-pypy test test-ops test-pypy lint bench clean
+.PHONY: run run-cpython run-pypy test test-ops test-pypy lint bench dist clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,9 +73,22 @@ test-pypy: $(PYPY_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+DIST_STAMP = $(VENV)/.dist-stamp
+
+$(DIST_STAMP): $(STAMP)
+	$(BIN)/pip install -q build
+	touch $(DIST_STAMP)
+
+## dist: build the wheel and the sdist a release publishes into dist/, and check
+## that they hold the dashboard, the SQL scripts, the twistd plugins and the docs
+dist: $(DIST_STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/python tests/check_dist.py dist
+
 ## bench: the benchmark suite (prints figures; not part of the tests)
 bench: $(STAMP)
 	$(BIN)/python bench/run_suite.py --quick
 
 clean:
-	rm -rf $(VENV) $(PYPY_VENV) build *.egg-info data
+	rm -rf $(VENV) $(PYPY_VENV) build dist *.egg-info data

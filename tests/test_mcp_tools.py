@@ -389,4 +389,4 @@ def test_without_the_sdk_relay_mcp_says_so_in_one_line(tmp_path: Path) -> None:
     assert done.returncode == 1 and done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith("error: relay mcp needs ")
-    assert line.endswith("pip install 'dsh-agent-relay[mcp]'")
+    assert line.endswith("pip install 'mcp>=2.0,<3' in the relay's environment")

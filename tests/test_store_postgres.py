@@ -67,7 +67,7 @@ def test_a_missing_driver_stops_the_start_with_the_install_command(monkeypatch):
         open_configured_store(config, reactor)
     assert str(info.value) == (
         "broker.storage: postgres needs the psycopg driver, which is not installed: "
-        "pip install 'dsh-agent-relay[postgres]'"
+        "pip install 'psycopg[binary]>=3.2' in the broker's environment"
     )
 
 

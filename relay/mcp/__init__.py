@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-INSTALL_HINT = "pip install 'dsh-agent-relay[mcp]'"
+# The package is not on the index: name the SDK itself (the mcp extra).
+INSTALL_HINT = "pip install 'mcp>=2.0,<3' in the relay's environment"
 
 
 def unavailable() -> Optional[str]:

@@ -97,7 +97,8 @@ log = Logger(namespace="relay.store.postgres")
 
 SCHEMA_VERSION = 8
 CHANNEL = "relay_changes"
-INSTALL_HINT = "pip install 'dsh-agent-relay[postgres]'"
+# The package is not on the index: name the driver itself (the postgres extra).
+INSTALL_HINT = "pip install 'psycopg[binary]>=3.2' in the broker's environment"
 
 DEFAULT_POOL_SIZE = 10
 STATEMENT_TIMEOUT_MS = 5000

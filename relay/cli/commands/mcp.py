@@ -17,8 +17,8 @@ relay_reply, relay_done and more (docs/MCP.md). The server acts as the one
 agent of --agent and --secret-file (or the DSH_RELAY_* variables); no tool can
 act as another. It handshakes and registers at start (refusing a broker of
 another protocol), heartbeats while the session lives, and releases the
-messages the model still holds when the session ends. Needs the mcp extra:
-pip install 'dsh-agent-relay[mcp]' (Python 3.10 or later)."""
+messages the model still holds when the session ends. Needs the mcp extra
+(Python 3.10 or later; README.md, "Installing")."""
 
 
 def mcp_arguments(parser: argparse.ArgumentParser) -> None:
