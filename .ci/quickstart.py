@@ -12,7 +12,8 @@ in order in ``bash`` from the clone's root, as a newcomer would type it:
 - ``. FILE`` and ``export`` lines hold for the commands after them (the
   user's environment); ``cd`` holds within its block (its terminal).
 
-It then checks what the commands printed, that ``git status`` shows nothing
+It then checks what the commands printed, that no message is left queued or
+leased (the quick start completes what it sends), that ``git status`` shows nothing
 the commands left behind (``.gitignore`` covers it), and stops every process
 it started. The broker listens on the README's port, 19121: a lock file
 keeps two runs on one machine apart, and a port already taken stops the run
@@ -40,14 +41,15 @@ from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 19121
+OPS_PORT = 19122  # conf/relay.yaml's ops listener
 LOCK = Path(tempfile.gettempdir()) / f"dsh-agent-relay-quickstart-{PORT}.lock"
 INSTALL_SECONDS = 900.0  # `make run` creates the venv and installs everything first
 READY_SECONDS = 60.0
 COMMAND_SECONDS = 120.0
 # What the quick start's commands must print (a fragment of their standard output).
 EXPECTED = {
-    "recv": "hello",
-    "watch --count 1": "you said: what is 2 + 2?",
+    "pull --done": "hello",
+    'ask worker "what is 2 + 2?"': "you said: what is 2 + 2?",
 }
 
 
@@ -173,6 +175,14 @@ def broker_answers() -> bool:
         return False
 
 
+def pending_messages() -> Dict[str, int]:
+    """Messages still queued or leased, per agent, from the shipped ops listener."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{OPS_PORT}/api/overview", timeout=10) as answer:
+        overview = json.loads(answer.read())
+    return {row["agent"]: row["queued"] + row["leased"] for row in overview["agents"]
+            if row["queued"] + row["leased"]}
+
+
 def port_taken() -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", PORT)) == 0
@@ -207,6 +217,12 @@ def main(argv: List[str]) -> int:
                         run.start(directory, line)
                     else:
                         run.run(directory, line)
+            if not run.failed:
+                pending = pending_messages()
+                if pending:
+                    run.fail("the queues", f"the quick start left messages pending: {pending}")
+                else:
+                    run.ok("the queues (nothing left queued or leased)")
             leftovers = untracked(clone)
             if leftovers:
                 run.fail("git status", f"files not covered by .gitignore: {leftovers}")

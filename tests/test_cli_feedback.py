@@ -629,3 +629,17 @@ async def test_a_mistyped_agent_name_gets_a_did_you_mean(shell: Shell) -> None:
                         "did you mean reviewer?\n")
     far = await shell.run("alpha", "ask", "zzz", "hi", "--timeout", "1")
     assert far.err == "error: no_such_agent: recipient 'zzz' has never registered\n"
+
+
+@pytest_twisted.ensureDeferred
+async def test_pull_done_reads_the_queue_and_empties_it(shell: Shell) -> None:
+    """The quick start read with `recv`, which leaves what it read queued forever."""
+    await shell.run("beta", "register")
+    await shell.run("alpha", "send", "beta", "hello")
+    pulled = await shell.run("beta", "pull", "--done")
+    assert pulled.status == 0 and "hello" in pulled.out
+    assert pulled.err == "completed 1 of 1\n"
+    depths = await shell.api.broker.queue_depths()
+    assert [(d.agent, d.queued, d.leased) for d in depths if d.queued or d.leased] == []
+    again = await shell.run("beta", "pull", "--done")
+    assert "nothing to lease" in again.out and again.err == ""

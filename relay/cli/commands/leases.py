@@ -7,12 +7,14 @@ from typing import Any, Dict
 
 from relay.cli.command import Context, non_negative_int, positive_int
 from relay.cli.output import print_messages
+from relay.errors import RelayError
 
 PULL_DESCRIPTION = """\
 Lease queued messages: each is handed to this agent alone until the lease
 ends, with a leaseId to acknowledge it by (`relay ack ID LEASE_ID completed`,
 or `retry`; `relay release` and `relay reject` on a v1.2 broker). A lease
-that runs out puts the message back in the queue; `relay renew` extends it."""
+that runs out puts the message back in the queue; `relay renew` extends it.
+--done completes each message once shown: the queue is read and emptied."""
 
 
 def pull_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,17 +36,34 @@ def pull_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="only the answers to message ID (its parentId or replyTo; v1.2)",
     )
+    parser.add_argument(
+        "--done",
+        action="store_true",
+        help="complete each message once shown: read the queue and empty it",
+    )
 
 
 async def pull(ctx: Context) -> int:
-    """POST /v1/pull: lease queued messages."""
-    args = ctx.args
+    """POST /v1/pull: lease queued messages; with ``--done`` complete each one too."""
+    args, console = ctx.args, ctx.console
     answer = await ctx.client.pull(
         limit=args.limit, lease_seconds=args.lease, parent_id=args.parent
     )
     messages = answer.get("messages") or []
-    ctx.console.emit(answer, lambda: print_messages(ctx.console, messages, "nothing to lease"))
-    return 0
+    console.emit(answer, lambda: print_messages(console, messages, "nothing to lease"))
+    if not args.done:
+        return 0
+    failed = 0
+    for message in messages:
+        message_id = str(message.get("id"))
+        try:
+            await ctx.client.complete(message_id, str(message.get("leaseId") or ""))
+        except RelayError as error:
+            failed += 1
+            console.warn(f"warning: {message_id} not completed: {error.code}: {error.message}")
+    if messages and not console.as_json:
+        console.warn(f"completed {len(messages) - failed} of {len(messages)}")
+    return 1 if failed else 0
 
 
 def _lease_arguments(parser: argparse.ArgumentParser) -> None:
