@@ -62,6 +62,19 @@ def test_the_dashboard_follows_the_broker(broker, page, tmp_path):
         assert broker.request(agent, "POST", "/register", {})[0] == 200
     expect(page.locator("#agents tbody tr")).to_have_count(2, timeout=WAIT_MS)
     expect(row(page, "agents", "beta")).to_contain_text("online")
+    expect(page.locator("#t-online-label")).to_have_text("agents online")
+    # The chart is drawn in its own pixels: five rate labels and four time labels.
+    expect(page.locator("#throughput text.tick")).to_have_count(9)
+    expect(page.locator("#offline")).to_be_hidden()
+
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError):  # unsigned: an authentication failure
+        urllib.request.urlopen(f"{broker.url}/peers", timeout=10)
+    expect(page.locator("#t-authfailures")).to_have_text("1", timeout=WAIT_MS)
+    expect(page.locator("#t-authfailures").locator("..")).to_have_class("tile alert")
+    expect(page.locator("#t-ratelimited")).to_have_text("0")
 
     for i in range(3):
         assert broker.request("alpha", "POST", "/messages", {"to": "beta", "id": f"b{i}"})[0] == 201

@@ -28,6 +28,24 @@ function svg(tag, attrs, text) {
   return node;
 }
 
+function plural(count, one, many) {
+  return count === 1 ? one : many;
+}
+
+function sum(counts) {
+  return Object.values(counts || {}).reduce((a, b) => a + b, 0);
+}
+
+function pairs(counts) {
+  return Object.entries(counts || {}).filter(([, n]) => n)
+    .map(([k, n]) => `${k.replace(/_/g, " ")} ${n}`).join(", ");
+}
+
+// A short label that fits: the name itself, or its start and an ellipsis.
+function shorten(name, chars) {
+  return name.length <= chars ? name : name.slice(0, chars - 1) + "…";
+}
+
 function age(seconds) {
   if (seconds === null || seconds === undefined) return "–";
   const s = Math.max(0, Math.round(seconds));
@@ -79,6 +97,7 @@ function showBroker(overview) {
   health.className = "badge " + (b.healthy ? "ok" : "bad");
   const t = overview.totals;
   $("t-online").textContent = t.agentsOnline;
+  $("t-online-label").textContent = plural(t.agentsOnline, "agent online", "agents online");
   $("t-queued").textContent = t.queued;
   $("t-leased").textContent = t.leased;
   $("t-delayed").textContent = t.delayed;
@@ -86,39 +105,105 @@ function showBroker(overview) {
   $("t-sent").textContent = t.sent;
   $("t-delivered").textContent = t.delivered;
   $("t-waiting").textContent = t.pullWaiting;
+  const refused = [
+    ["t-ratelimited", t.rateLimited || 0], ["t-sendsrefused", sum(t.sendsRefused)],
+    ["t-authfailures", sum(t.authFailures)], ["t-lockouts", t.lockouts],
+  ];
+  for (const [id, count] of refused) {
+    $(id).textContent = count;
+    $(id).parentElement.classList.toggle("alert", count > 0);
+  }
+  const detail = [pairs(t.sendsRefused), pairs(t.authFailures)].filter(Boolean).join("; ");
+  $("refusal-detail").textContent = detail ? "by reason: " + detail : "";
 }
 
+// An id cut to the column's width (a table cell's own max-width is ignored);
+// the whole id on hover.
+function idCell(id) {
+  const cell = el("td", null, "id");
+  const text = el("span", id, "cut");
+  text.title = id;
+  cell.append(text);
+  return cell;
+}
+
+function cardCell(card) {
+  const cell = el("td", null, "wrap opt");
+  if (card) {
+    if (card.description) cell.append(el("div", card.description));
+    if (card.skills && card.skills.length) {
+      cell.append(el("div", card.skills.join(", "), "card-skills"));
+    }
+  }
+  return cell;
+}
+
+function seen(now, lastSeen) {
+  return lastSeen === null ? "–" : age(now - lastSeen) + " ago";
+}
+
+// Online agents and those holding messages are listed; offline agents with
+// nothing are folded, and the throwaway agents of `relay selfcheck` only counted.
 function showAgents(overview) {
   const now = overview.broker.now;
-  const rows = overview.agents.map((a) => {
+  const held = (a) => a.queued + a.leased + a.delayed + a.failed;
+  const listed = overview.agents.filter((a) => a.online || held(a) > 0);
+  const folded = overview.agents.filter((a) => !a.online && held(a) === 0);
+  const offline = folded.filter((a) => !a.selfcheck);
+  const throwaway = folded.length - offline.length;
+  const rows = listed.map((a) => {
     const online = el("td");
     online.append(el("span", null, "dot" + (a.online ? " on" : "")));
     online.append(" " + (a.online ? "online" : a.registered ? "offline" : "never registered"));
     const oldest = el("td", age(a.oldestAgeSeconds), "n");
     if (a.oldestAgeSeconds !== null && a.oldestAgeSeconds > 300) oldest.classList.add("late");
-    const card = el("td");
-    if (a.card) {
-      if (a.card.description) card.append(el("div", a.card.description));
-      if (a.card.skills && a.card.skills.length) {
-        card.append(el("div", a.card.skills.join(", "), "card-skills"));
-      }
-    }
+    const name = el("td", null, "name");
+    name.append(el("span", a.agent, "cut"));
+    name.title = a.agent;
     return [
-      el("td", a.agent), online,
-      el("td", a.lastSeen === null ? "–" : age(now - a.lastSeen) + " ago"),
-      el("td", a.queued, "n"), el("td", a.leased, "n"), el("td", a.delayed, "n"),
-      el("td", a.failed, "n"), oldest, card,
+      name, online, el("td", seen(now, a.lastSeen), "opt"),
+      el("td", a.queued, "n"), el("td", a.leased, "n"), el("td", a.delayed, "n opt"),
+      el("td", a.failed, "n"), oldest, cardCell(a.card),
     ];
   });
-  fill($("agents").tBodies[0], rows, 9, "no agents yet");
+  fill($("agents").tBodies[0], rows, 9,
+    overview.agents.length ? "no agent online" : "no agents yet");
+  fill($("offline-agents").tBodies[0], offline.map((a) => {
+    const name = el("td", a.agent, "name");
+    name.title = a.agent;
+    return [name, el("td", seen(now, a.lastSeen)), cardCell(a.card)];
+  }), 3, "none");
+  $("offline").hidden = !folded.length;
+  $("offline-summary").textContent =
+    `${offline.length} offline ${plural(offline.length, "agent", "agents")} with no messages` +
+    (throwaway ? ` (and ${throwaway} throwaway selfcheck ${plural(throwaway, "agent", "agents")}, not listed)` : "");
+  $("agents-count").textContent = overview.agents.length
+    ? `${listed.length} listed of ${overview.agentsTotal}` : "";
   $("agents-note").textContent = overview.agentsTotal > overview.agentsListed
-    ? `showing ${overview.agentsListed} of ${overview.agentsTotal} agents` : "";
+    ? `the overview holds the first ${overview.agentsListed} of ${overview.agentsTotal} agents` : "";
 }
 
+// The smallest of 1, 2 or 5 times a power of ten that is at least `value`.
+function niceTop(value) {
+  const power = Math.pow(10, Math.floor(Math.log10(value)));
+  for (const step of [1, 2, 5, 10]) if (step * power >= value) return step * power;
+  return 10 * power;
+}
+
+function rate(value) {
+  if (value === 0) return "0";
+  return value >= 10 ? value.toFixed(0) : value >= 1 ? value.toFixed(1) : value.toPrecision(1);
+}
+
+// Drawn in the chart's own pixels (the viewBox is its size), so text is never
+// stretched: a grid line and a label at each fifth of a round top value, and a
+// time label every 5 minutes.
 function showThroughput(points) {
   const chart = $("throughput");
   chart.replaceChildren();
-  const W = 900, H = 200, PAD = 24;
+  const W = Math.max(320, Math.round(chart.clientWidth || 900)), H = 220;
+  chart.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  const LEFT = 44, RIGHT = 12, TOP = 12, BOTTOM = 26;
   const legend = $("legend");
   legend.replaceChildren();
   for (const [, label, color] of SERIES) {
@@ -128,20 +213,32 @@ function showThroughput(points) {
     item.append(swatch, label);
     legend.append(item);
   }
+  const end = points.length ? points[points.length - 1].at : Date.now() / 1000;
+  const start = end - 900;
+  let most = 0;
+  for (const p of points) for (const [key] of SERIES) most = Math.max(most, p[key]);
+  const top = most > 0 ? niceTop(most) : 1;
+  const x = (at) => LEFT + ((at - start) / 900) * (W - LEFT - RIGHT);
+  const y = (v) => H - BOTTOM - (v / top) * (H - TOP - BOTTOM);
+  for (let i = 0; i <= 4; i++) {
+    const value = (top * i) / 4;
+    chart.append(svg("line", { x1: LEFT, y1: y(value), x2: W - RIGHT, y2: y(value),
+      class: i ? "grid" : "axis" }));
+    chart.append(svg("text", { x: LEFT - 6, y: y(value) + 4, "text-anchor": "end",
+      class: "tick" }, rate(value) + "/s"));
+  }
+  for (const minutes of [15, 10, 5, 0]) {
+    const at = end - minutes * 60;
+    chart.append(svg("line", { x1: x(at), y1: TOP, x2: x(at), y2: H - BOTTOM, class: "grid" }));
+    chart.append(svg("text", { x: x(at), y: H - 8, class: "tick",
+      "text-anchor": minutes === 15 ? "start" : minutes === 0 ? "end" : "middle" },
+      minutes ? `−${minutes} min` : "now"));
+  }
   if (points.length < 1) {
-    chart.append(svg("text", { x: 20, y: 100 }, "collecting samples…"));
+    chart.append(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "note" },
+      "collecting samples (every 10 s)…"));
     return;
   }
-  const end = points[points.length - 1].at;
-  const start = end - 900;
-  let top = 0.001;
-  for (const p of points) for (const [key] of SERIES) top = Math.max(top, p[key]);
-  const x = (at) => PAD + ((at - start) / 900) * (W - 2 * PAD);
-  const y = (v) => H - PAD - (v / top) * (H - 2 * PAD);
-  chart.append(svg("line", { x1: PAD, y1: H - PAD, x2: W - PAD, y2: H - PAD, class: "axis" }));
-  chart.append(svg("text", { x: 2, y: PAD }, top.toFixed(top < 10 ? 2 : 0) + "/s"));
-  chart.append(svg("text", { x: PAD, y: H - 6 }, "−15 min"));
-  chart.append(svg("text", { x: W - PAD - 24, y: H - 6 }, "now"));
   for (const [key, , color] of SERIES) {
     const path = points.filter((p) => p.at >= start)
       .map((p, i) => (i ? "L" : "M") + x(p.at).toFixed(1) + "," + y(p[key]).toFixed(1)).join(" ");
@@ -151,35 +248,53 @@ function showThroughput(points) {
   }
 }
 
+// Senders on the left, recipients on the right, a band per pair as thick as its
+// share; in the picture's own pixels, with names cut to fit (the full name on hover).
 function showFlow(flow) {
   $("flow-since").textContent = flow.since
     ? "since " + new Date(flow.since * 1000).toLocaleTimeString() : "since the broker started";
   const pairs = flow.pairs.slice(0, 40);
   fill($("pairs").tBodies[0], pairs.slice(0, 15).map((p) => [
-    el("td", p.from), el("td", p.to), el("td", p.count, "n"),
+    el("td", p.from, "name"), el("td", p.to, "name"), el("td", p.count, "n"),
   ]), 3, "no messages in the last minutes");
   const picture = $("flow");
   picture.replaceChildren();
-  if (!pairs.length) return;
   const senders = [...new Set(pairs.map((p) => p.from))].slice(0, 12);
   const recipients = [...new Set(pairs.map((p) => p.to))].slice(0, 12);
-  const rowY = (list, name) => 20 + (list.indexOf(name) + 0.5) * (200 / list.length);
+  const rows = Math.max(senders.length, recipients.length, 1);
+  const W = Math.max(300, Math.round(picture.clientWidth || 440));
+  const H = Math.max(120, 24 + rows * 28);
+  picture.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  picture.style.height = H + "px";
+  if (!pairs.length) {
+    picture.append(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "note" },
+      "no messages in the last minutes"));
+    return;
+  }
+  const label = Math.min(170, Math.round(W * 0.3));
+  const chars = Math.max(6, Math.floor(label / 7.5));
+  const left = label + 8, right = W - label - 8;
+  const rowY = (list, name) => 12 + (list.indexOf(name) + 0.5) * ((H - 24) / list.length);
   const most = Math.max(...pairs.map((p) => p.count));
   for (const p of pairs) {
     if (!senders.includes(p.from) || !recipients.includes(p.to)) continue;
     const y1 = rowY(senders, p.from), y2 = rowY(recipients, p.to);
-    picture.append(svg("path", {
-      d: `M110,${y1} C220,${y1} 220,${y2} 330,${y2}`, fill: "none",
+    const middle = (left + right) / 2;
+    const band = svg("path", {
+      d: `M${left},${y1} C${middle},${y1} ${middle},${y2} ${right},${y2}`, fill: "none",
       stroke: "var(--sent)", "stroke-opacity": 0.45,
-      "stroke-width": (1 + 9 * p.count / most).toFixed(1),
-    }));
+      "stroke-width": (1.5 + 9 * p.count / most).toFixed(1),
+    });
+    band.append(svg("title", {}, `${p.from} → ${p.to}: ${p.count}`));
+    picture.append(band);
   }
-  for (const name of senders) {
-    picture.append(svg("text", { x: 104, y: rowY(senders, name) + 4, "text-anchor": "end" }, name));
-  }
-  for (const name of recipients) {
-    picture.append(svg("text", { x: 336, y: rowY(recipients, name) + 4 }, name));
-  }
+  const name = (x, y, anchor, text) => {
+    const node = svg("text", { x, y: y + 4, "text-anchor": anchor }, shorten(text, chars));
+    node.append(svg("title", {}, text));
+    picture.append(node);
+  };
+  for (const n of senders) name(left - 6, rowY(senders, n), "end", n);
+  for (const n of recipients) name(right + 6, rowY(recipients, n), "start", n);
 }
 
 function showLeases(leases) {
@@ -190,7 +305,7 @@ function showLeases(leases) {
     button.addEventListener("click", () => act("/api/cancel", "cancelled", m.id, button));
     action.append(button);
     return [
-      el("td", m.id, "id"), el("td", `${m.from} → ${m.to}`), el("td", m.attempts, "n"),
+      idCell(m.id), el("td", `${m.from} → ${m.to}`, "wrap"), el("td", m.attempts, "n"),
       el("td", m.secondsLeft > 0 ? age(m.secondsLeft) : "lapsing", "n"), action,
     ];
   }), 5, "no leases in flight");
@@ -204,9 +319,9 @@ function showDeadLetters(dead) {
     button.addEventListener("click", () => act("/api/requeue", "requeued", m.id, button));
     action.append(button);
     return [
-      el("td", m.id, "id"), el("td", m.from), el("td", m.to), el("td", m.attempts, "n"),
-      el("td", m.deliveries, "n"), el("td", [m.reason, m.error].filter(Boolean).join(": ")),
-      action,
+      idCell(m.id), el("td", m.from, "name"), el("td", m.to, "name"),
+      el("td", m.attempts, "n"), el("td", m.deliveries, "n opt"),
+      el("td", [m.reason, m.error].filter(Boolean).join(": "), "wrap"), action,
     ];
   }), 7, "no dead letters");
 }
