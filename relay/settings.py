@@ -61,6 +61,8 @@ class Settings:
     ca_file: Optional[str] = None
     client_cert: Optional[str] = None
     client_key: Optional[str] = None
+    # The file the secret was read from (None: it was given itself).
+    secret_file: Optional[str] = None
 
 
 # Settings taken level by level: flag key, environment variable, settings-file key.
@@ -154,12 +156,14 @@ def resolve_settings(
         return None
 
     secret: Optional[str] = None
+    secret_file: Optional[str] = None
     for level in levels:
         if level["secret"]:
             secret = level["secret"]
             break
         if level["secret_file"]:
-            secret = _read_secret_file(level["secret_file"] or "")
+            secret_file = level["secret_file"] or ""
+            secret = _read_secret_file(secret_file)
             break
     client_cert, client_key = first("client_cert"), first("client_key")
     if client_key and not client_cert:
@@ -174,4 +178,5 @@ def resolve_settings(
         ca_file=first("ca_file"),
         client_cert=client_cert,
         client_key=client_key,
+        secret_file=secret_file,
     )
