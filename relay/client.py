@@ -78,6 +78,9 @@ DEFAULT_LONG_POLL_SECONDS = 20.0
 # an answer leased by a pull that was cut off comes back soon).
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 60.0
 REPLY_POLL_SECONDS = 2.0
+# Without failure notices, how many looks for the answer go by between two looks at
+# the request's /v1/status (a failed request is then seen within 5 polls).
+STATUS_EVERY_LOOKS = 5
 REPLY_LEASE_SECONDS = 60
 # How long past its timeout request() may take for a last answer to come back.
 REQUEST_GRACE_SECONDS = 2.0
@@ -1327,8 +1330,8 @@ class RelayClient:
         answer alone, which is then acknowledged ``completed``; no other
         message is touched. A v1.1 broker is asked every ``poll_interval``
         seconds with read-only queries for the reply and ``/v1/status`` for a
-        failure of the request: nothing is leased or acknowledged, so the
-        answer stays queued in this agent's inbox.
+        failure of the request (every fifth look): nothing is leased or
+        acknowledged, so the answer stays queued in this agent's inbox.
         """
         request_id = message_id or str(uuid.uuid4())
 
@@ -1413,7 +1416,9 @@ class RelayClient:
             to = await self._recipient_of(request_id)
         # Without failure notices only /v1/status tells that the request failed.
         check_status = not (by_parent and failure_notices(self.info))
+        looks = 0
         while True:
+            looks += 1
             maximum = self.long_poll_seconds if by_parent else None
             remaining = deadline - self._clock.seconds()
             # Whole seconds, rounded down: a long poll never outlasts the deadline.
@@ -1430,7 +1435,12 @@ class RelayClient:
                 answer = await self._query_answer(request_id, to)
             if answer is not None:
                 return answer
-            if check_status:
+            # A short look (polling, or a long poll cut short) asks for the status
+            # only every STATUS_EVERY_LOOKS looks: each costs a request of the
+            # budget every local client shares.
+            if check_status and (wait >= STATUS_EVERY_LOOKS * poll_interval
+                                 or looks % STATUS_EVERY_LOOKS == 0
+                                 or deadline - self._clock.seconds() <= poll_interval):
                 await self._check_request(request_id, to)
             remaining = deadline - self._clock.seconds()
             if remaining <= 0:

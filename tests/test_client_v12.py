@@ -408,7 +408,8 @@ def test_on_a_v11_broker_request_polls_read_only_and_leases_nothing() -> None:
     net.run(alpha.register())
     net.run(beta.send("alpha", {"text": "unrelated"}, message_id="u"))
     d = net.start(alpha.request("beta", {"text": "2 + 2?"}, timeout=30, poll_interval=1))
-    net.settle(3)
+    for _ in range(5):
+        net.settle(1)
     (message,) = net.run(beta.pull())["messages"]
     net.run(beta.send("alpha", {"text": "4"}, message_id="r", kind="reply",
                       reply_to=message["id"], parent_id=message["id"]))
@@ -433,10 +434,27 @@ def test_on_a_v11_broker_a_failed_request_is_seen_in_its_status(notices: bool) -
     d = net.start(alpha.request("beta", {"text": "bad"}, timeout=30, poll_interval=1))
     (message,) = net.run(beta.pull())["messages"]
     net.run(beta.ack_outcome(message["id"], message["leaseId"], "retry", "broken"))
-    net.settle(1)
+    for _ in range(5):  # without notices, /v1/status is asked every fifth look
+        net.settle(1)
     error = failure_of(d, RequestFailed)
     assert (error.event, error.error) == ("failed", "broken")
     assert (error.notice is not None) == notices, "a notice the query finds tells it too"
+
+
+def test_on_a_v11_broker_the_status_is_asked_every_fifth_look() -> None:
+    """Each look used to ask /v1/status too: a minute's wait cost 62 requests of the
+    budget every local client shares (31 looks, 31 statuses); now 38."""
+    net = Net()
+    alpha, _ = v11_pair(net)
+    net.run(alpha.register())
+    d = net.start(alpha.request("beta", {"text": "2 + 2?"}, timeout=60))
+    for _ in range(70):
+        net.settle(1)
+    failure_of(d, RequestTimeout)
+    paths = [path for _, path, headers, _ in net.http.requests
+             if headers.get("X-Relay-Agent") == ["alpha"]]
+    looks, statuses = paths.count("/v1/messages/query"), paths.count("/v1/status")
+    assert looks == 31 and statuses == 7, (looks, statuses)
 
 
 def test_a_broker_without_any_way_to_wait_is_refused_clearly() -> None:
