@@ -20,11 +20,14 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
 from twisted.application.service import IService
+from twisted.logger import Logger
 from twisted.python import usage
 
 from relay.agent import (
@@ -51,6 +54,8 @@ from relay.settings import (
     resolve_settings,
 )
 from relay.tap import EXIT_CONFIG_ERROR
+
+_log = Logger(namespace="relay.agent")
 
 
 def _positive(kind: Any) -> Any:
@@ -250,6 +255,19 @@ def _exit_failed() -> None:
     os._exit(1)
 
 
+def _a_second_signal_stops_at_once(agent: str) -> None:
+    """Once the agent is stopping (it may wait for handlers, and for a broker that is
+    down), a second Ctrl-C or SIGTERM ends the process at once, by the signal's own
+    action. Twisted's handler would only try to stop the stopping reactor again, and
+    log the traceback of ReactorNotRunning."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+    _log.info("agent {agent}: stopping; a second Ctrl-C or SIGTERM stops it at once",
+              agent=agent)
+
+
 def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
     """The agent runtime described by ``options``."""
     if reactor is None:
@@ -276,6 +294,8 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
     home = Path(options["receipts-dir"]).expanduser() if options["receipts-dir"] else Path.home()
     receipts = ReceiptStore.for_agent(client.agent, home, reactor)
     reactor.addSystemEventTrigger("after", "shutdown", receipts.close)
+    reactor.addSystemEventTrigger("before", "shutdown", _a_second_signal_stops_at_once,
+                                  client.agent)
 
     def fatal(error: Exception) -> None:
         if reactor.running:

@@ -711,3 +711,50 @@ def test_the_agent_chooses_its_own_pid_file(
     broker.parseOptions((["--nodaemon"] if nodaemon else []) + [f"--pidfile={given}", "relay"])
     expected = chosen.replace("relay-agent-w.pid", "relay.pid")
     assert broker["pidfile"] == (os.path.abspath(expected) if expected else "")
+
+
+def test_a_second_signal_stops_a_stopping_agent_at_once_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """Stopping waits for the handler (and, with the broker down, for its ack's
+    retries); a second SIGTERM used to log ReactorNotRunning's traceback."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.broker_proc import BrokerProcess
+
+    broker = BrokerProcess(str(tmp_path)).start()
+    twistd = Path(sys.executable).parent / "twistd"
+    env = dict(os.environ, HOME=str(tmp_path))
+    log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
+    agent = subprocess.Popen(
+        [str(twistd), "-n", "--pidfile=", "relay-agent", "--broker", broker.url, "--agent",
+         "w", "--secret", broker.secret, "--exec", "exec sleep 60", "--shutdown-grace", "60"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        assert broker.request("a", "POST", "/register", {})[0] == 200
+        deadline = time.monotonic() + 30
+        while broker.request("a", "POST", "/messages", {"id": "q1", "to": "w",
+                                                        "kind": "request"})[0] not in (200, 201):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        while broker.request("a", "POST", "/v1/status", {"messageIds": ["q1"]})[1][
+                "messages"][0]["status"] != "leased":
+            assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
+            time.sleep(0.2)
+        broker.stop()
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert agent.poll() is None, "the first signal waits for the handler"
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(10)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        broker.stop()
+        log.close()
+    output = (tmp_path / "agent.log").read_text()
+    assert "a second Ctrl-C or SIGTERM stops it at once" in output
+    assert "Traceback" not in output and "ReactorNotRunning" not in output, output
