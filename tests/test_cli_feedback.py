@@ -556,11 +556,12 @@ def test_the_next_steps_of_init_work_as_printed(tmp_path: Path) -> None:
 
     from tests.broker_proc import free_port
 
-    port = free_port()
+    port, ops_port = free_port(), free_port()
     env = {"HOME": str(tmp_path), "PYTHONPATH": str(REPO),
            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
     done = subprocess.run(
-        [sys.executable, "-m", "relay.cli", "init", "--port", str(port), "--json"],
+        [sys.executable, "-m", "relay.cli", "init", "--port", str(port), "--ops-port",
+         str(ops_port), "--json"],
         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
@@ -582,6 +583,10 @@ def test_the_next_steps_of_init_work_as_printed(tmp_path: Path) -> None:
                                  timeout=60, env=env, cwd=tmp_path)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert checked.stdout.strip().endswith("selfcheck passed")
+        dashboard = json.loads(done.stdout)["dashboardUrl"]
+        assert dashboard == f"http://127.0.0.1:{ops_port}/"
+        with urllib.request.urlopen(dashboard, timeout=10) as page:
+            assert b"/static/dashboard.js" in page.read()
         assert sorted(p.name for p in (tmp_path / ".dsh-agent-relay").iterdir()) == [
             "data", "relay.secret", "relay.yaml"]
     finally:

@@ -16,6 +16,15 @@ MAX_RECEIPTS_REMEMBERED = 10_000
 _RECEIPTS_KEY = "receiptsSent"
 
 
+def load_state(path: Path) -> Dict[str, Any]:
+    """The state file's document; empty when it is missing or unreadable."""
+    try:
+        loaded = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
 class CursorState:
     """The state of one broker and agent in ``~/.dsh-relay-state.json``.
 
@@ -31,11 +40,7 @@ class CursorState:
         self.key = f"{broker_url.rstrip('/')}|{agent}"
 
     def _load(self) -> Dict[str, Any]:
-        try:
-            loaded = read_json(self.path)
-        except (OSError, ValueError):
-            return {}
-        return loaded if isinstance(loaded, dict) else {}
+        return load_state(self.path)
 
     def get(self) -> Optional[str]:
         """The saved cursor, if any."""
@@ -112,7 +117,7 @@ class BrokerMemory:
         self.key = f"{self.url}|{agent}"
 
     def _load(self) -> Dict[str, Any]:
-        return CursorState(self.path, self.url, "")._load()
+        return load_state(self.path)
 
     def info(self, now: float) -> Optional[Dict[str, Any]]:
         """The broker's ``GET /`` document, when a run learnt it less than
