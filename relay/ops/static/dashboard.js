@@ -192,7 +192,8 @@ function niceTop(value) {
 
 function rate(value) {
   if (value === 0) return "0";
-  return value >= 10 ? value.toFixed(0) : value >= 1 ? value.toFixed(1) : value.toPrecision(1);
+  // Quarters of a round top: 0.25, 2.5, 25 are shown as such, never rounded away.
+  return String(Number(value.toPrecision(3)));
 }
 
 // Drawn in the chart's own pixels (the viewBox is its size), so text is never
