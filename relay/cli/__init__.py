@@ -181,8 +181,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             reactor.callFromThread(command.cancel)
 
-        # After the reactor's own handlers, which would stop it, close the
-        # connections and let the command retry them as if the broker had failed.
+        # In place of the reactor's own handler (installed when it starts), which
+        # stops the reactor: that closes the connections, and the command took
+        # the closed ones for a failing broker and retried them.
         reactor.callWhenRunning(signal.signal, signal.SIGINT, interrupt)
 
         def finish(status: int) -> None:
