@@ -1266,3 +1266,13 @@ class ExtensionContract(_Contract):
         assert (await store.peers())[1][2] == {}
         await store.register("beta", START + 7, None)
         assert (await store.peers())[1] == ("beta", int(START) + 7, None)
+
+
+def build_site(config: Config, clock: Clock, store=None):
+    """The broker's production site over ``store`` (a memory store when None)."""
+    from relay.http import RelaySite
+    from relay.service import make_api as build
+    from relay.store.memory import MemoryStore
+
+    api = build(config, store if store is not None else MemoryStore(), clock)
+    return RelaySite(api.resource(), reactor=clock)
