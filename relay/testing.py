@@ -74,11 +74,7 @@ class SignedClient:
         self.api = api
         self.clock = clock
         self.secret = secret
-        from relay.http import RelayRequest
-
         self.treq = StubTreq(api.resource())
-        # Serve through the broker's own request class, as RelaySite does.
-        self.treq._agent._serverFactory.requestFactory = RelayRequest
 
     def headers(self, agent: str, method: str, path: str, raw: bytes,
                 secret: Optional[str] = None, timestamp: Optional[int] = None) -> Dict[str, str]:

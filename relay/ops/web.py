@@ -21,7 +21,6 @@ import base64
 import binascii
 import functools
 import hmac
-import uuid
 from importlib import resources
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -29,20 +28,16 @@ from klein import Klein
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
-from twisted.python.failure import Failure
-from werkzeug.exceptions import MethodNotAllowed, NotFound
-from werkzeug.routing import RequestRedirect
 
 from relay import __version__, errors, protocol
 from relay.auth import EVERY_ADDRESS, Lockout
 from relay.broker import Broker
 from relay.counters import Counters
 from relay.delivery import Message
-from relay.errors import RelayError
 from relay.http import host_name
+from relay.jsonapi import add_error_handling, no_route, read_body, write_error, write_json
 from relay.ops import metrics
 from relay.protocol import FAILED, LEASED, is_loopback_host
-from relay.web import check_body_size, raw_body, write_json
 
 log = Logger(namespace="relay.ops")
 
@@ -148,6 +143,7 @@ class OpsAPI:
     authentication ``lockout`` (its locks listed and cleared) when given."""
 
     app = Klein()
+    add_error_handling(app)
 
     def __init__(self, broker: Broker, clock: IReactorTime, tokens: Sequence[str] = (),
                  started: Optional[float] = None, extra_collectors: Iterable = (),
@@ -197,7 +193,7 @@ class OpsAPI:
 
     def check_post(self, request) -> Dict[str, Any]:
         """The JSON object of a state-changing request from this listener's own page."""
-        check_body_size(request)
+        body = read_body(request)
         content_type = (request.getHeader(b"content-type") or b"").split(b";")[0].strip()
         if content_type.lower() != b"application/json":
             raise errors.bad_request("content-type must be application/json")
@@ -205,32 +201,14 @@ class OpsAPI:
         host = request.getHeader(b"host")
         if origin is not None and (host is None or origin.split(b"://", 1)[-1] != host):
             raise errors.forbidden("cross-origin requests are refused")
-        return protocol.parse_json_object(raw_body(request))
+        return protocol.parse_json_object(body)
 
     # -- errors ------------------------------------------------------------------------
 
-    @app.handle_errors(RelayError)
-    def relay_error(self, request, failure: Failure) -> bytes:
-        error = failure.value
-        return write_json(request, error.status, error.to_body())
-
-    @app.handle_errors(NotFound, MethodNotAllowed, RequestRedirect)
-    def no_route(self, request, failure: Failure) -> bytes:
-        try:
-            self.check_access(request)
-        except RelayError as error:
-            return write_json(request, error.status, error.to_body())
-        path = request.path.decode("utf-8", "replace")
-        error = errors.not_found(f"no route {request.method.decode('latin-1')} {path}")
-        return write_json(request, 404, error.to_body())
-
-    @app.handle_errors(Exception)
-    def unexpected(self, request, failure: Failure) -> bytes:
-        incident = uuid.uuid4().hex[:12]
-        log.error("ops incident {incident}: {kind}", incident=incident,
-                  kind=failure.type.__name__)
-        error = errors.busy(f"internal broker error (incident {incident})")
-        return write_json(request, 503, error.to_body())
+    def unrouted(self, request) -> bytes:
+        """401 or 403 where access is refused, else 404."""
+        self.check_access(request)
+        return write_error(request, no_route(request))
 
     # -- health and metrics ------------------------------------------------------------
 
@@ -293,7 +271,7 @@ class OpsAPI:
     @guarded
     def page(self, request) -> bytes:
         if request.path != b"/":
-            return self.no_route(request, None)
+            return self.unrouted(request)
         request.setHeader(b"content-type", b"text/html; charset=utf-8")
         for name, value in PAGE_HEADERS:
             request.setHeader(name, value)

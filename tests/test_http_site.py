@@ -1,5 +1,5 @@
-"""A request that arrives whole in one read is parsed in one pass and answered in one
-write (relay/http.py); every answer must equal twisted.web's own, byte for byte."""
+"""The broker's site (relay/http.py) on twisted.web: requests in pieces, pipelined
+or trickled, large answers to slow readers, and idle keep-alive connections."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ import pytest
 from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
-from twisted.web import http, server
 
-from relay import http as relay_http
-from relay.http import RelaySite, parse_whole_request
+from relay.http import RelaySite
 from relay.signing import sign
 from relay.testing import SECRET, START, make_api
 from tests.broker_proc import BrokerProcess
@@ -36,110 +34,24 @@ def signed(method: str, path: str, body: Optional[dict] = None, agent: str = "al
                length, extra, raw))
 
 
-# -- parse_whole_request: pure -----------------------------------------------
-
-PLAIN = b"POST /v1/pull HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nx-relay-agent: a\r\n\r\n{}"
-
-
-def parse(data: bytes):
-    return parse_whole_request(data, max_headers=500, max_size=16384)
-
-
-def test_a_whole_request_is_read_in_one_pass_with_canonical_header_names() -> None:
-    method, uri, version, headers, length, start = parse(PLAIN)
-    assert (method, uri, version, length) == (b"POST", b"/v1/pull", b"HTTP/1.1", 2)
-    assert headers == [(b"Host", b"x"), (b"Content-Length", b"2"), (b"X-Relay-Agent", b"a")]
-    assert PLAIN[start:] == b"{}"
-
-
-def test_a_request_without_a_body_is_whole_at_its_blank_line() -> None:
-    whole = parse(b"GET /peers?x=1 HTTP/1.1\r\nHost: x\r\nX-A:  spaced \t\r\n\r\n")
-    assert whole is not None and whole[3][-1] == (b"X-A", b"spaced") and whole[4] == 0
-
-
-@pytest.mark.parametrize("data", [
-    PLAIN[:-1],                                                   # body still coming
-    PLAIN + b"G",                                                 # another request follows
-    PLAIN[:40],                                                   # head still coming
-    PLAIN.replace(b"HTTP/1.1", b"HTTP/1.0"),                      # not persistent
-    PLAIN.replace(b"POST /v1/pull", b"POST  /v1/pull"),           # malformed request line
-    PLAIN.replace(b"POST", b"PO(ST"),                             # method not a token
-    b"\r\n" + PLAIN,                                              # a stray blank line first
-    PLAIN.replace(b"host: x", b"host: x\r\n folded"),             # a folded header
-    PLAIN.replace(b"host: x", b"host x"),                         # no colon
-    PLAIN.replace(b"host:", b"ho st:"),                           # name not a token
-    PLAIN.replace(b"host: x", b"host: x\x00y"),                   # NUL in a value
-    PLAIN.replace(b"host: x", b"host: x\ny"),                     # bare LF in a value
-    PLAIN.replace(b"content-length: 2", b"content-length: +2"),   # not digits
-    PLAIN.replace(b"host: x", b"content-length: 2"),              # two lengths
-    PLAIN.replace(b"host: x", b"transfer-encoding: chunked"),     # framing left to Twisted
-    PLAIN.replace(b"host: x", b"expect: 100-continue"),           # an interim answer
-])
-def test_anything_else_is_left_to_twisted_web(data: bytes) -> None:
-    assert parse(data) is None
-
-
-def twisted_headers(raw: bytes) -> dict:
-    """The request headers twisted.web's own parser keeps for ``raw``."""
-    kept = {}
-
-    class Capture(http.Request):
-        def process(self) -> None:
-            kept.update(self.requestHeaders._rawHeaders)
-            self.finish()
-
-    channel = http.HTTPChannel()
-    channel.requestFactory = Capture
-    channel.makeConnection(StringTransport())
-    channel.dataReceived(raw)
-    return kept
-
-
-@pytest.mark.parametrize("lines", [
-    b"X-A:  spaced \t\r\n",
-    b"X-B:\tinner  space\t\r\n",
-    b"X-C:\r\nX-D: \t \r\n",
-    b"x-relay-AGENT: a\r\nCONTENT-type: text/plain\r\n",
-    b"X-E: a\t \tb  \r\nX-E: second\r\n",
-    b"Host: 127.0.0.1:9\r\nWww-Authenticate: x\r\nContent-MD5: y\r\n",
-])
-def test_headers_are_read_as_twisted_web_reads_them(lines: bytes) -> None:
-    raw = b"GET /peers HTTP/1.1\r\n" + lines + b"\r\n"
-    mine: dict = {}
-    for name, value in parse(raw)[3]:
-        mine.setdefault(name, []).append(value)
-    assert mine == twisted_headers(raw)
-
-
-def test_the_limits_of_the_head_are_kept() -> None:
-    many = PLAIN.replace(b"host: x", b"\r\n".join([b"x-h: 1"] * 3))
-    assert parse_whole_request(many, max_headers=5, max_size=16384) is not None
-    assert parse_whole_request(many, max_headers=4, max_size=16384) is None
-    assert parse_whole_request(PLAIN, max_headers=500, max_size=len(PLAIN) - 7) is None
-
-
 # -- the same answers either way ---------------------------------------------
 
-def relay_site() -> Tuple[RelaySite, Clock]:
+def relay_site(timeout: float = 60.0) -> Tuple[RelaySite, Clock]:
     clock = Clock()
     clock.advance(START)
     api, _, _ = make_api(clock, rateLimitLoopback=10**9)
     api.broker.store.register("beta", START)
     clock.advance(0)
-    return RelaySite(api.resource(), reactor=clock), clock
+    return RelaySite(api.resource(), reactor=clock, timeout=timeout), clock
 
 
-def exchange(requests: List[bytes], split: bool) -> Tuple[List[bytes], int]:
+def exchange(requests: List[bytes], split: bool) -> List[bytes]:
     """Every request on one fresh keep-alive connection, each whole in one read or
-    (``split``) in two: the answers with their Date and lease ids masked, and how many requests
-    took the one-read path."""
+    (``split``) in two: the answers with their Date and lease ids masked."""
     site, clock = relay_site()
     channel = site.buildProtocol(PEER)
     transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
     channel.makeConnection(transport)
-    taken = []
-    serve = channel._serve_whole
-    channel._serve_whole = lambda *a: (taken.append(1), serve(*a))
     answers = []
     for raw in requests:
         if split:
@@ -151,7 +63,7 @@ def exchange(requests: List[bytes], split: bool) -> Tuple[List[bytes], int]:
         answer = re.sub(rb"Date: [^\r]+", b"Date: -", transport.value())
         answers.append(re.sub(rb'"leaseId":"[^"]+"', b'"leaseId":"-"', answer))
         transport.clear()
-    return answers, len(taken)
+    return answers
 
 
 EXCHANGES = [
@@ -180,50 +92,14 @@ EXCHANGES = [
 ]
 
 
-def test_every_answer_equals_twisted_webs_own() -> None:
-    whole, taken = exchange(EXCHANGES, split=False)
-    split, none = exchange(EXCHANGES, split=True)
-    assert none == 0 and taken == len(EXCHANGES)
+def test_a_request_in_pieces_is_answered_as_one_arriving_whole() -> None:
+    whole = exchange(EXCHANGES, split=False)
+    split = exchange(EXCHANGES, split=True)
     for request, mine, theirs in zip(EXCHANGES, whole, split):
         assert mine == theirs, request
     assert whole[3].startswith(b"HTTP/1.1 201 Created\r\n")
     assert whole[-1].endswith(b"\r\n\r\n" + whole[0].split(b"\r\n\r\n", 1)[1])
     assert b"Connection: close" in whole[-1]
-
-
-def test_the_requests_own_processing_answers_as_twisted_webs(monkeypatch) -> None:
-    """RelayRequest.process (default headers set directly) against twisted.web's own."""
-    mine, _ = exchange(EXCHANGES, split=False)
-    monkeypatch.setattr(relay_http.RelayRequest, "process", server.Request.process)
-    theirs, _ = exchange(EXCHANGES, split=True)
-    for request, ours, twisteds in zip(EXCHANGES, mine, theirs):
-        assert ours == twisteds, request
-
-
-def test_the_path_segments_are_unescaped_as_twisted_web_does(monkeypatch) -> None:
-    requests = [b"GET /a%2Fb/c%20d/e HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
-                b"GET /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"]
-    seen: List[List[bytes]] = []
-    render = relay_http.RelayRequest.render
-
-    def noting(request, resource) -> None:
-        seen.append(list(request.postpath))
-        render(request, resource)
-
-    monkeypatch.setattr(relay_http.RelayRequest, "render", noting)
-    exchange(requests, split=False)
-    monkeypatch.setattr(relay_http.RelayRequest, "process", server.Request.process)
-    exchange(requests, split=True)
-    assert seen[:2] == [[b"a/b", b"c d", b"e"], [b"v1", b"pull"]]
-    assert seen[2:] == seen[:2]
-
-
-def test_the_date_header_is_formatted_once_a_second() -> None:
-    date = relay_http._HTTPDate()
-    first = date(START + 0.2)
-    assert first == http.datetimeToString(int(START))
-    assert date(START + 0.9) is first
-    assert date(START + 1.0) == http.datetimeToString(int(START) + 1) != first
 
 
 def test_pipelined_and_trickled_requests_are_answered_in_order() -> None:
@@ -243,10 +119,6 @@ def test_pipelined_and_trickled_requests_are_answered_in_order() -> None:
     assert b'"peers"' in answers[1] and b'"peers"' in answers[3]
 
 
-def test_the_one_read_path_is_on_with_the_installed_twisted() -> None:
-    assert relay_http.ONE_READ_PARSING, "a Twisted upgrade turned the one-read path off"
-
-
 # -- over a real socket --------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -257,8 +129,8 @@ def broker(tmp_path_factory):
 
 
 def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
-    """The first write goes straight to the socket; what it does not take at once
-    is queued after it, so a slow reader still gets every byte in order."""
+    """What the socket does not take at once is queued after it, so a slow reader
+    still gets every byte in order."""
     assert broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
     assert broker.request("alpha", "POST", "/register", {"agent": "alpha"})[0] == 200
     for i in range(40):
@@ -290,11 +162,10 @@ def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
     assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))
 
 
-# -- idle connections: one timestamp per channel, checked by the reaper -----------
+# -- idle connections: twisted.web's idle timeout ----------------------------------
 
 def idle_site(timeout: float = 60.0) -> Tuple[RelaySite, Clock]:
-    site, clock = relay_site()
-    site.idle_seconds = timeout
+    site, clock = relay_site(timeout)
     site.startFactory()
     return site, clock
 
@@ -330,14 +201,4 @@ def test_a_waiting_long_poll_is_not_idle() -> None:
     assert transport.value().startswith(b"HTTP/1.1 200") and not transport.disconnecting
     clock.pump([0.5] * 12)
     assert transport.disconnecting
-    site.stopFactory()
-
-
-def test_twisteds_own_idle_timer_is_not_used() -> None:
-    site, clock = idle_site(60.0)
-    before = len(clock.getDelayedCalls())
-    channel, _ = connect(site)
-    for _ in range(3):
-        channel.dataReceived(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        assert len(clock.getDelayedCalls()) == before, "no timer per connection or request"
     site.stopFactory()
