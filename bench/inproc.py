@@ -34,8 +34,7 @@ from twisted.internet.address import IPv4Address  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from twisted.internet.testing import StringTransport  # noqa: E402
 
-from relay.http import RelaySite  # noqa: E402
-from relay.service import make_api  # noqa: E402
+from relay.assembly import assemble  # noqa: E402
 from relay.signing import sign  # noqa: E402
 from relay.store.plugins import open_configured_store  # noqa: E402
 from relay.testing import SECRET, START, make_config  # noqa: E402
@@ -142,7 +141,7 @@ def relay_site(backend: str, clock: Clock, data_dir: str) -> Any:
     store = open_configured_store(config, clock)
     store.register("beta", clock.seconds())
     clock.advance(0)
-    return RelaySite(make_api(config, store, clock).resource(), reactor=clock)
+    return assemble(config, store, clock, listen=False).site
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

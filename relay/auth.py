@@ -76,6 +76,11 @@ class RateLimiter:
         self._windows: Bounded = Bounded(max_tracked)
         self._loopback_cache: Bounded = Bounded(1024)
 
+    def configure(self, loopback: int, remote: int) -> None:
+        """Apply the limits a reload may change."""
+        self.loopback = loopback
+        self.remote = remote
+
     def limit_for(self, host: str) -> int:
         """The per-minute limit of a source address."""
         return self.loopback if self._classify(host)[0] else self.remote

@@ -99,6 +99,10 @@ class Broker:
         self._stopped = False
         store.subscribe(self.changed)
 
+    def configure(self, policy: Policy) -> None:
+        """Apply the policy of a reloaded config."""
+        self.policy = policy
+
     # -- wake-ups -------------------------------------------------------------------
 
     def changed(self, changes: Changes) -> None:

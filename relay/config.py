@@ -29,8 +29,18 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tup
 
 import yaml
 
+from relay.endpoints import (  # noqa: F401 (endpoint helpers, named here too)
+    beyond_loopback,
+    endpoint_kind,
+    escape_endpoint_value,
+    listen_interface,
+    plaintext_remote,
+    resolve_endpoint_paths,
+    split_endpoint,
+    unescape_endpoint_value,
+)
 from relay.errors import ConfigError
-from relay.protocol import MAX_LEASE_SECONDS, is_loopback_host, is_valid_agent_name
+from relay.protocol import MAX_LEASE_SECONDS, is_valid_agent_name
 
 __all__ = ["AgentConfig", "Config", "ConfigError", "OpsConfig", "RESTART_KEYS", "SETTINGS",
            "Setting", "load_config", "parse_config", "read_settings"]
@@ -393,7 +403,6 @@ _SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes", "requireNonce"})
 _AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets"})
 
 # Endpoint-string options that name files; resolved against the config file.
-_PATH_OPTIONS = frozenset({"privateKey", "certKey", "extraCertChain", "dhParameters", "caCertsDir"})
 
 
 def _section(data: Mapping[str, Any], key: str) -> Dict[str, Any]:
@@ -476,116 +485,6 @@ def _resolve(base_dir: str, path: str) -> str:
     return os.path.normpath(os.path.join(base_dir, os.path.expanduser(path)))
 
 
-def split_endpoint(description: str) -> List[str]:
-    """Split an endpoint string on its unescaped colons, keeping the escapes."""
-    parts, current, escaped = [], [], False
-    for ch in description:
-        if escaped:
-            current.append(ch)
-            escaped = False
-        elif ch == "\\":
-            current.append(ch)
-            escaped = True
-        elif ch == ":":
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    parts.append("".join(current))
-    return parts
-
-
-def unescape_endpoint_value(value: str) -> str:
-    """An endpoint-string value with its ``\\:`` and ``\\\\`` escapes undone."""
-    return value.replace("\\:", ":").replace("\\\\", "\\")
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace(":", "\\:")
-
-
-def resolve_endpoint_paths(description: str, base_dir: str) -> str:
-    """Make the file options of an endpoint string absolute, relative to ``base_dir``."""
-    parts = split_endpoint(description)
-    out = [parts[0]]
-    for part in parts[1:]:
-        name, sep, value = part.partition("=")
-        if sep and name in _PATH_OPTIONS and value:
-            value = _escape(_resolve(base_dir, unescape_endpoint_value(value)))
-            part = f"{name}={value}"
-        out.append(part)
-    return ":".join(out)
-
-
-# Where the ``interface`` argument of each endpoint type sits among its positional ones.
-_INTERFACE_POSITION = {"tcp": 2, "tcp6": 2, "ssl": 5}
-
-
-def endpoint_kind(description: str) -> str:
-    """The type of an endpoint string, as Twisted matches it (case-insensitively)."""
-    return split_endpoint(description)[0].strip().lower()
-
-
-def listen_interface(description: str) -> Optional[str]:
-    """The interface a ``tcp``, ``tcp6`` or ``ssl`` endpoint string binds (``0.0.0.0``
-    or ``::`` when it names none); None for any other endpoint type."""
-    parts = split_endpoint(description)
-    kind = endpoint_kind(description)
-    position = _INTERFACE_POSITION.get(kind)
-    if position is None:
-        return None
-    interface = None
-    positional = 0
-    for part in parts[1:]:
-        name, sep, value = part.partition("=")
-        if sep:
-            if name == "interface":
-                interface = unescape_endpoint_value(value)
-        else:
-            positional += 1
-            if positional == position:
-                interface = unescape_endpoint_value(part)
-    if not interface:
-        return "::" if kind == "tcp6" else "0.0.0.0"
-    return interface
-
-
-def _unix_path(description: str) -> Optional[str]:
-    parts = split_endpoint(description)[1:]
-    for part in parts:
-        name, sep, value = part.partition("=")
-        if sep and name == "address":
-            return unescape_endpoint_value(value)
-    positional = [p for p in parts if "=" not in p]
-    return unescape_endpoint_value(positional[0]) if positional else None
-
-
-def beyond_loopback(description: str) -> Optional[str]:
-    """What an endpoint string exposes beyond this machine, or None when it is
-    provably local: a ``tcp``/``tcp6``/``ssl`` endpoint on a loopback interface, or a
-    ``unix`` socket at a filesystem path. The interface of any other TCP endpoint,
-    and ``unknown <type>`` for every other endpoint type (``systemd``, plugins, an
-    abstract unix socket), which counts as remote."""
-    kind = endpoint_kind(description)
-    if kind == "unix":
-        path = _unix_path(description)
-        if path and not path.startswith(("\0", "@")):  # not an abstract socket
-            return None
-        return "unknown unix address"
-    interface = listen_interface(description)
-    if interface is None:
-        return f"unknown endpoint type {kind!r}"
-    return None if is_loopback_host(interface) else interface
-
-
-def plaintext_remote(description: str) -> Optional[str]:
-    """What a plaintext endpoint exposes beyond loopback (see :func:`beyond_loopback`),
-    or None: an ``ssl`` endpoint is never plaintext."""
-    if endpoint_kind(description) == "ssl":
-        return None
-    return beyond_loopback(description)
-
-
 def read_hosts(section: Mapping[str, Any], key: str, prefix: str,
                default: Tuple[str, ...]) -> Tuple[str, ...]:
     """``section[key]``, a list of host names (in lower case); ``default`` when absent."""
@@ -616,7 +515,7 @@ def read_endpoints(section: Mapping[str, Any], key: str, prefix: str, default: A
 def default_listen(host: str, port: int) -> str:
     """The endpoint string for the reference keys ``broker.host``/``broker.port``."""
     if ":" in host:
-        return f"tcp6:{port}:interface={_escape(host)}"
+        return f"tcp6:{port}:interface={escape_endpoint_value(host)}"
     return f"tcp:{port}:interface={host}"
 
 

@@ -142,6 +142,7 @@ class RelayChannel(http.HTTPChannel):
     answering = False
     _host = None
     _peer = None
+    _secure: Optional[bool] = None
 
     def dataReceived(self, data: bytes) -> None:
         if self.reading_since is None and not self.answering:
@@ -168,6 +169,12 @@ class RelayChannel(http.HTTPChannel):
         if self._peer is None:
             self._peer = self.transport.getPeer()
         return self._peer
+
+    def isSecure(self) -> bool:  # noqa: N802 (twisted.web's name)
+        """Whether the connection is TLS, asked of the transport once per connection."""
+        if self._secure is None:
+            self._secure = super().isSecure()
+        return self._secure
 
     def connectionLost(self, reason) -> None:
         self.reading_since = None

@@ -53,9 +53,11 @@ def fail(error: Exception) -> None:
 
 
 def makeService(options: Options, reactor=None):
-    """Load the config, open the store, build the broker service."""
+    """Load the config, open the store, build the broker through the composition
+    root (:func:`relay.assembly.assemble`) and hand it to the service."""
     if reactor is None:
         from twisted.internet import reactor
+    from relay.assembly import assemble
     from relay.config import load_config
     from relay.service import RelayService
     from relay.store.plugins import open_configured_store, store_factories
@@ -65,10 +67,13 @@ def makeService(options: Options, reactor=None):
         path, overrides = options["config"], options.overrides()
         config, created = load_config(path, overrides, factories)
         store = open_configured_store(config, reactor, factories)
-        return RelayService(config, store, reactor, created=created,
+        try:
+            assembly = assemble(config, store, reactor)
+        except BaseException:
+            store.close()
+            raise
+        return RelayService(assembly, reactor, created=created,
                             reload_config=lambda: load_config(path, overrides, factories),
                             handle_signals=True)
     except ConfigError as error:
         fail(error)
-    except ValueError as error:  # a malformed endpoint string
-        fail(ConfigError("broker.listen", str(error)))

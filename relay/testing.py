@@ -114,7 +114,7 @@ def make_api(clock: Optional[Clock] = None, store=None, config: Optional[Config]
 
     ``api.broker`` is the :class:`relay.broker.Broker` behind it.
     """
-    from relay.service import make_api as build
+    from relay.assembly import make_api as build
     from relay.store.memory import MemoryStore
 
     clock = clock if clock is not None else Clock()
@@ -1265,10 +1265,10 @@ class ExtensionContract(_Contract):
 
 
 def build_site(config: Config, clock: Clock, store=None):
-    """The broker's production site over ``store`` (a memory store when None)."""
-    from relay.http import RelaySite
-    from relay.service import make_api as build
+    """The broker's production site over ``store`` (a memory store when None), built
+    by the composition root (:func:`relay.assembly.assemble`) without listeners."""
+    from relay.assembly import assemble
     from relay.store.memory import MemoryStore
 
-    api = build(config, store if store is not None else MemoryStore(), clock)
-    return RelaySite(api.resource(), reactor=clock)
+    store = store if store is not None else MemoryStore()
+    return assemble(config, store, clock, listen=False).site

@@ -1,16 +1,15 @@
-"""TLS listeners: ``ssl:`` endpoint strings with checked files and optional client certificates.
+"""The relay's TLS listener: the ``relay-tls:`` endpoint-string parser plugin.
 
-An ``ssl:`` string of ``broker.listen`` takes the options of Twisted's own
-``ssl:`` server endpoint (``port``, ``privateKey``, ``certKey``, ``sslmethod``,
-``interface``, ``backlog``, ``extraCertChain``, ``dhParameters``). Every file
-it names is read and checked before the broker listens, so a missing,
-unreadable, malformed or mismatched key or certificate stops the start with
-the path and the reason. When ``broker.tlsClientCA`` is set, every ``ssl:``
-listener also requires a client certificate signed by a CA in that file and
-refuses any other client during the handshake. A client that speaks plain
-HTTP to an ``ssl:`` listener gets a plain ``400`` saying the port speaks TLS.
-Other endpoint strings go to :func:`twisted.internet.endpoints.serverFromString`
-unchanged.
+It takes the options of Twisted's own ``ssl:`` server endpoint (``port``,
+``privateKey``, ``certKey``, ``sslmethod``, ``interface``, ``backlog``,
+``extraCertChain``, ``dhParameters``) and ``clientCA``; the ``ssl:`` strings of
+the relay's config are served by it (:func:`relay.endpoints.twisted_description`).
+Every file it names is read and checked before the broker listens, so a
+missing, unreadable, malformed or mismatched key or certificate stops the start
+with the path and the reason. With ``clientCA`` (``broker.tlsClientCA``), the
+listener requires a client certificate signed by a CA in that file and refuses
+any other client during the handshake. A client that speaks plain HTTP to it
+gets a plain ``400`` saying the port speaks TLS.
 """
 
 from __future__ import annotations
@@ -22,19 +21,25 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from cryptography import x509
 from OpenSSL import SSL, crypto
 from twisted.internet import ssl
-from twisted.internet.endpoints import TCP4ServerEndpoint, serverFromString
-from twisted.internet.interfaces import IProtocolFactory, IStreamServerEndpoint
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.interfaces import (
+    IProtocolFactory,
+    IStreamServerEndpoint,
+    IStreamServerEndpointStringParser,
+)
 from twisted.logger import Logger
+from twisted.plugin import IPlugin
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
 from relay import pem
-from relay.config import endpoint_kind, split_endpoint, unescape_endpoint_value
+from relay.endpoints import TLS_PREFIX, server_endpoints, split_endpoint, unescape_endpoint_value
 from relay.errors import ConfigError
 from relay.http import closing_response
 
-__all__ = ["TLSListener", "TLSServerEndpoint", "parse_ssl_endpoint", "server_endpoints"]
+__all__ = ["TLSListener", "TLSListenerParser", "TLSServerEndpoint", "parse_ssl_endpoint",
+           "server_endpoints"]
 
 log = Logger(namespace="relay.tls")
 
@@ -74,37 +79,43 @@ class TLSListener:
     sslmethod: Optional[str] = None
     extra_cert_chain: Optional[str] = None
     dh_parameters: Optional[str] = None
-
-
-def _is_ssl(description: str) -> bool:
-    return endpoint_kind(description) == "ssl"
+    client_ca: Optional[str] = None
 
 
 def parse_ssl_endpoint(description: str) -> TLSListener:
-    """The settings of an ``ssl:`` endpoint string; ConfigError when malformed.
-
-    Positional and ``name=value`` arguments follow Twisted's ``ssl:`` parser;
-    ``privateKey`` is required (``certKey`` defaults to it, for a file that
-    holds both).
-    """
-    parts = split_endpoint(description)
-    values: Dict[str, str] = {}
-    positional = 0
-    for part in parts[1:]:
+    """The settings of an ``ssl:`` (or ``relay-tls:``) endpoint string; ConfigError
+    when malformed."""
+    args, kwargs = [], {}
+    for part in split_endpoint(description)[1:]:
         name, sep, value = part.partition("=")
         if sep:
-            if name not in _SSL_PARAMETERS:
-                raise ConfigError(
-                    LISTEN_KEY, f"{description!r}: unknown ssl: endpoint option {name!r}"
-                )
+            if name in kwargs:
+                raise ConfigError(LISTEN_KEY, f"{description!r}: {name} is given twice")
+            kwargs[name] = unescape_endpoint_value(value)
         else:
-            if positional >= len(_SSL_PARAMETERS):
-                raise ConfigError(LISTEN_KEY, f"{description!r}: too many arguments")
-            name, value = _SSL_PARAMETERS[positional], part
-            positional += 1
+            args.append(unescape_endpoint_value(part))
+    return listener_settings(description, args, kwargs)
+
+
+def listener_settings(description: str, args: Sequence[str],
+                      kwargs: Dict[str, str]) -> TLSListener:
+    """The settings of a TLS listener from its endpoint string's arguments, as
+    Twisted's ``ssl:`` parser reads them; ConfigError when malformed.
+
+    ``privateKey`` is required (``certKey`` defaults to it, for a file that holds
+    both).
+    """
+    if len(args) > len(_SSL_PARAMETERS):
+        raise ConfigError(LISTEN_KEY, f"{description!r}: too many arguments")
+    values: Dict[str, str] = dict(zip(_SSL_PARAMETERS, args))
+    for name, value in kwargs.items():
+        if name not in _SSL_PARAMETERS and name != "clientCA":
+            raise ConfigError(
+                LISTEN_KEY, f"{description!r}: unknown ssl: endpoint option {name!r}"
+            )
         if name in values:
             raise ConfigError(LISTEN_KEY, f"{description!r}: {name} is given twice")
-        values[name] = unescape_endpoint_value(value)
+        values[name] = value
 
     port = _number(description, values, "port", None, 0, 65535)
     private_key = values.get("privateKey")
@@ -124,6 +135,7 @@ def parse_ssl_endpoint(description: str) -> TLSListener:
         sslmethod=sslmethod,
         extra_cert_chain=values.get("extraCertChain") or None,
         dh_parameters=values.get("dhParameters") or None,
+        client_ca=values.get("clientCA") or None,
     )
 
 
@@ -328,32 +340,19 @@ class TLSServerEndpoint:
         return self._tcp.listen(_TLSServerFactory(self.options, False, protocolFactory))
 
 
-def server_endpoints(
-    reactor, descriptions: Sequence[str], client_ca_path: Optional[str] = None
-) -> List[IStreamServerEndpoint]:
-    """One endpoint per listen string, in order.
+@implementer(IPlugin, IStreamServerEndpointStringParser)
+class TLSListenerParser:
+    """The ``relay-tls:`` endpoint-string parser (a Twisted plugin, found through
+    ``twisted/plugins/relay_endpoints.py``)."""
 
-    ``ssl:`` strings are built here with checked files (and client
-    certificate verification when ``client_ca_path`` is given); the others
-    go to ``serverFromString``. Raises ConfigError for a bad file, and when a
-    client CA is set but no ``ssl:`` listener would use it.
-    """
-    ssl_listeners = [d for d in descriptions if _is_ssl(d)]
-    client_ca = None
-    if client_ca_path is not None:
-        if not ssl_listeners:
-            raise ConfigError(
-                CLIENT_CA_KEY, "is set, but broker.listen has no ssl: endpoint to apply it to"
-            )
-        client_ca = load_client_ca(client_ca_path)
-    endpoints: List[IStreamServerEndpoint] = []
-    for description in descriptions:
-        if not _is_ssl(description):
-            endpoints.append(serverFromString(reactor, description))
-            continue
-        listener = parse_ssl_endpoint(description)
+    prefix = TLS_PREFIX
+
+    def parseStreamServer(self, reactor: Any, *args: str,  # noqa: N802 (the interface's name)
+                          **kwargs: str) -> TLSServerEndpoint:
+        """A checked TLS listener; ConfigError naming the file and the problem."""
+        description = ":".join([TLS_PREFIX, *args, *(f"{k}={v}" for k, v in kwargs.items())])
+        listener = listener_settings(description, args, kwargs)
+        client_ca = load_client_ca(listener.client_ca) if listener.client_ca else None
         options = certificate_options(listener, client_ca)
-        endpoints.append(
-            TLSServerEndpoint(reactor, listener.port, options, listener.backlog, listener.interface)
-        )
-    return endpoints
+        return TLSServerEndpoint(reactor, listener.port, options, listener.backlog,
+                                 listener.interface)

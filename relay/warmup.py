@@ -23,12 +23,11 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
 from twisted.logger import Logger
 
 from relay.config import Config, parse_config
+from relay.loopback import MemoryTransport, connect, disconnect
 from relay.signing import sign
 
 log = Logger(namespace="relay.warmup")
@@ -41,8 +40,6 @@ PYPY_DEFAULT_SECONDS = 6.0
 # ~600 req/s after 4 s of warm-up where a warm one serves ~3,600. With lower
 # thresholds the same warm-up reaches the warm rate in about 6 s (bench/README.md).
 PYPY_JIT_PARAMS = "threshold=100,function_threshold=150,trace_eagerness=20"
-_PEER = IPv4Address("TCP", "127.0.0.1", 40000)
-_HOST = IPv4Address("TCP", "127.0.0.1", 19121)
 
 
 def default_seconds() -> float:
@@ -59,27 +56,20 @@ def default_seconds() -> float:
 
 
 class _Scratch:
-    """A throwaway broker behind its own site, fed raw HTTP over an in-memory transport."""
+    """A throwaway broker (built by :func:`relay.assembly.assemble`, without
+    listeners), fed raw HTTP over in-memory connections of its own site."""
 
     def __init__(self, config: Config, clock: Clock) -> None:
-        from relay.http import RelaySite
-        from relay.ops.counters import Counters
-        from relay.service import make_api
+        from relay.assembly import assemble
         from relay.store.plugins import open_configured_store
 
         self.config = config
         self.clock = clock
         self.store = open_configured_store(config, clock)
-        api = make_api(config, self.store, clock, Counters())
-        self.site = RelaySite(api.resource(), reactor=clock, counters=Counters())
+        self.site = assemble(config, self.store, clock, listen=False).site
         # Two connections: a long poll waits on one while a send on the other wakes it.
-        self.connections = [self._connect(), self._connect()]
-
-    def _connect(self) -> Tuple[Any, StringTransport]:
-        channel = self.site.buildProtocol(_PEER)
-        transport = StringTransport(peerAddress=_PEER, hostAddress=_HOST)
-        channel.makeConnection(transport)
-        return channel, transport
+        self.connections: List[Tuple[Any, MemoryTransport]] = [connect(self.site),
+                                                               connect(self.site)]
 
     def start(self, method: str, path: str, agent: str, value: Any = None,
               connection: int = 0) -> None:
@@ -97,9 +87,7 @@ class _Scratch:
 
     def answer(self, connection: int = 0) -> Any:
         """The decoded JSON answer waiting on ``connection`` (None when empty)."""
-        transport = self.connections[connection][1]
-        raw = transport.value()
-        transport.clear()
+        raw = self.connections[connection][1].take()
         head, _, payload = raw.partition(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 2"):
             raise RuntimeError("warm-up request refused: " + head.split(b"\r\n", 1)[0].decode(
@@ -140,8 +128,8 @@ class _Scratch:
         return 16 + len(pulled["messages"]) + len(woken["messages"])
 
     def close(self) -> None:
-        for channel, _ in self.connections:
-            channel.connectionLost(None)
+        for protocol, _ in self.connections:
+            disconnect(protocol)
         self.store.close()
 
 

@@ -15,6 +15,7 @@ from twisted.logger import capturedLogs
 from twisted.plugin import IPlugin, getPlugins
 from zope.interface.verify import verifyObject
 
+from relay.assembly import assemble
 from relay.service import RelayService
 from relay.store.interface import IMessageStore, IStoreFactory
 from relay.store.memory import MemoryStore
@@ -127,7 +128,8 @@ def make_service(store=None, **broker):
     clock = Clock()
     clock.advance(START)
     config = make_config(listen=["tcp:0:interface=127.0.0.1"], sweepSeconds=5, **broker)
-    service = RelayService(config, store or MemoryStore(), MemoryReactorClock(), clock=clock)
+    reactor = MemoryReactorClock()
+    service = RelayService(assemble(config, store or MemoryStore(), reactor, clock), reactor)
     return service, clock
 
 

@@ -158,6 +158,10 @@ class OpsAPI:
         self._page = _static("index.html")
         self._files = {name: _static(name) for name in STATIC_FILES}
 
+    def configure(self, tokens: Sequence[str]) -> None:
+        """Apply the ops tokens of a reloaded config."""
+        self.tokens = tuple(tokens)
+
     @property
     def counters(self) -> Counters:
         return self.broker.counters

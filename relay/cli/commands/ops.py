@@ -22,7 +22,7 @@ import yaml
 
 from relay.cli.command import Context
 from relay.cli.output import span, table
-from relay.config import listen_interface, split_endpoint, unescape_endpoint_value
+from relay.endpoints import TLS_KINDS, endpoint_kind, endpoint_option, listen_interface
 from relay.errors import RelayError
 from relay.settings import UsageError
 
@@ -51,18 +51,14 @@ def stats_arguments(parser: argparse.ArgumentParser) -> None:
 def ops_url(description: str) -> str:
     """The URL of an ops endpoint string (``tcp:``, ``tcp6:``, ``ssl:``); a wildcard
     interface is reached on loopback."""
-    parts = split_endpoint(description)
     interface = listen_interface(description)
     if interface is None:
         raise UsageError(f"cannot reach ops endpoint {description!r} over HTTP: pass --ops URL")
-    port = next((unescape_endpoint_value(p.partition("=")[2]) for p in parts[1:]
-                 if p.startswith("port=")), None)
-    if port is None:
-        port = next((p for p in parts[1:] if "=" not in p), "")
+    port = endpoint_option(description, "port", 1) or ""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(interface, interface)
     if ":" in host:
         host = f"[{host}]"
-    scheme = "https" if parts[0].strip().lower() == "ssl" else "http"
+    scheme = "https" if endpoint_kind(description) in TLS_KINDS else "http"
     return f"{scheme}://{host}:{port}"
 
 
