@@ -21,7 +21,7 @@ from relay.assembly import (  # noqa: F401 (named here for the callers that know
     make_api,
     make_authenticator,
 )
-from relay.config import Config
+from relay.config import RESTART_KEYS, Config
 from relay.errors import ConfigError
 from relay.warmup import warm_up
 
@@ -56,22 +56,6 @@ def raise_open_files_limit(reactor, resource_module=None) -> Optional[int]:
             return soft
         return wanted
     return soft
-
-
-# Keys read only at start: a reload that changes them says so and keeps them.
-RESTART_KEYS = (
-    ("broker.listen", "listen"),
-    ("broker.opsListen", "ops.listen"),
-    ("broker.storage", "storage_backend"),
-    ("broker.dataDir", "data_dir"),
-    ("broker.sync", "sync"),
-    ("broker.tlsClientCA", "tls_client_ca"),
-    ("broker.sweepSeconds", "sweep_seconds"),
-    ("broker.requestReadSeconds", "request_read_seconds"),
-    ("broker.messageTtlDays (the sweep interval)", "message_ttl_seconds"),
-    ("broker.maxConnections", "max_connections"),
-    ("broker.<backend> sections", "backend_sections"),
-)
 
 
 def _value(config: Config, path: str) -> object:
