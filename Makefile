@@ -12,7 +12,7 @@ PYPY_STAMP = $(PYPY_VENV)/.installed-stamp
 # before ~2 GB. 4 MB is faster and keeps the broker's memory flat.
 export PYPY_GC_NURSERY ?= 4MB
 
-.PHONY: run run-cpython run-pypy test test-ops test-pypy lint bench dist clean
+.PHONY: run run-cpython run-pypy test test-ops test-oldest test-pypy lint bench dist clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,20 @@ $(PYPY_STAMP): setup.cfg pyproject.toml
 run-pypy: $(PYPY_STAMP)
 	$(PYPY_VENV)/bin/twistd -n relay --config conf/relay.yaml
 
+OLDEST_VENV ?= .venv-oldest
+OLDEST_STAMP = $(OLDEST_VENV)/.installed-stamp
+
+$(OLDEST_STAMP): setup.cfg pyproject.toml .ci/oldest.txt
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install -q --upgrade pip
+	$(OLDEST_VENV)/bin/pip install -q -c .ci/oldest.txt -e '.[test,postgres]'
+	touch $(OLDEST_STAMP)
+
+## test-oldest: the whole test suite on the lowest versions of Twisted, Klein,
+## treq and the rest that setup.cfg allows (.ci/oldest.txt)
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/python -m pytest -q
+
 ## test-pypy: the whole test suite on PyPy (needs pypy3: apt-get install pypy3)
 test-pypy: $(PYPY_STAMP)
 	$(PYPY_VENV)/bin/python -m pytest -q
@@ -91,4 +105,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/run_suite.py --quick
 
 clean:
-	rm -rf $(VENV) $(PYPY_VENV) build dist *.egg-info data
+	rm -rf $(VENV) $(PYPY_VENV) $(OLDEST_VENV) build dist *.egg-info data
