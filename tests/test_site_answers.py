@@ -220,6 +220,8 @@ def _split(raw: bytes, seen: Dict[bytes, bytes]) -> List[Dict[str, Any]]:
             key, value = key.strip().lower(), value.strip()
             if key == b"content-length":
                 length = int(value)
+            if key == b"server":  # twisted.web names its version
+                value = re.sub(rb"TwistedWeb/[0-9.a-z]+", b"TwistedWeb/<version>", value)
             if key != b"date":
                 headers.append(f"{key.decode()}: {_normalise(value, seen)}")
         body, raw = rest[:length], rest[length:]
