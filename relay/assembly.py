@@ -27,9 +27,9 @@ from twisted.python.failure import Failure
 from relay.auth import EVERY_ADDRESS, Authenticator, RateLimiter
 from relay.broker import Broker, Policy
 from relay.config import Config
+from relay.counters import SAMPLE_SECONDS, Counters
 from relay.endpoints import server_endpoints
 from relay.http import RelaySite
-from relay.ops.counters import SAMPLE_SECONDS, Counters
 from relay.store.interface import ISharedLockouts, ISharedNonces
 from relay.web import RelayAPI
 
