@@ -54,10 +54,7 @@ def authenticated(route: Callable) -> Callable:
     @functools.wraps(route)
     def wrapper(self: RelayAPI, request, *args, **kwargs):
         request.route = endpoint  # the route label of the HTTP metrics
-        if request.method == b"HEAD" or request.path.startswith(b"//"):
-            # werkzeug answers HEAD with the GET route (here a HEAD would poll,
-            # spending a once-delivery, and throw the page away), and matches
-            # "//peers" as "/peers": neither is a route of the relay's.
+        if not _routable(request):
             return self.unrouted(request)
         agent, body = self.authenticate(request)
         if agent.__class__ is str:
@@ -66,6 +63,18 @@ def authenticated(route: Callable) -> Callable:
         return agent.addCallback(lambda name: route(self, request, name, body, *args, **kwargs))
 
     return wrapper
+
+
+def _routable(request, head: bool = False) -> bool:
+    """False for what werkzeug would match but no route of the relay's is: a HEAD
+    unless ``head`` (werkzeug answers it with the GET route: a HEAD of a signed
+    route would poll, spending a once-delivery, and throw the page away), a
+    method not in upper case (methods are case-sensitive, RFC 9110 §9.1;
+    werkzeug upper-cases them), and a path starting with ``//`` (which werkzeug
+    matches as ``/``)."""
+    method = request.method
+    return ((head or method != b"HEAD") and method.isupper()
+            and not request.path.startswith(b"//"))
 
 
 def _path_parameter(value: str) -> str:
@@ -134,7 +143,7 @@ class RelayAPI:
 
     @app.route("/", methods=["GET"])
     def root(self, request) -> bytes:
-        if request.path != b"/":
+        if request.path != b"/" or not _routable(request, head=True):
             return self.unrouted(request)
         request.route = "info"
         self.rate_limiter.hit(_peer_host(request))

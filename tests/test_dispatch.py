@@ -98,3 +98,15 @@ def test_a_client_that_goes_away_cancels_its_route(route: str, monkeypatch) -> N
     assert transport.take() == b"" and cancelled == []
     disconnect(protocol)
     assert cancelled == [route]
+
+
+@pytest.mark.parametrize("method, target", [("get", "/peers"), ("post", "/messages"),
+                                            ("Post", "/v1/pull"), ("get", "/")])
+def test_a_method_not_in_upper_case_is_no_route(method: str, target: str) -> None:
+    site, _, clock = site_and_broker()
+    protocol, transport = connect(site)
+    protocol.dataReceived(request_bytes(method, target, None))
+    clock.advance(0)
+    answer = transport.take()
+    assert answer.startswith(b"HTTP/1.1 404 "), answer
+    assert b'"no route %s %s"' % (method.encode(), target.encode()) in answer
