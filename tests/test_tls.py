@@ -679,3 +679,17 @@ async def test_only_forward_secret_suites_and_no_client_renegotiation(rsa_listen
                 == "renegotiation refused")
     finally:
         await listening.stopListening()
+
+
+def test_the_relay_tls_endpoint_type_is_a_twisted_plugin(pki: Path) -> None:
+    """``relay-tls:`` comes from Twisted's plugin scan; ``clientCA`` asks for
+    client certificates as ``broker.tlsClientCA`` does for ``ssl:``."""
+    from twisted.internet.endpoints import serverFromString
+
+    key, cert, ca = pki / "server.key", pki / "server.crt", pki / "ca.crt"
+    endpoint = serverFromString(
+        MemoryReactor(), f"relay-tls:1:privateKey={key}:certKey={cert}:clientCA={ca}")
+    mode = _listened_context(endpoint).get_verify_mode()
+    assert mode & SSL.VERIFY_PEER and mode & SSL.VERIFY_FAIL_IF_NO_PEER_CERT
+    plain = serverFromString(MemoryReactor(), f"relay-tls:1:privateKey={key}:certKey={cert}")
+    assert _listened_context(plain).get_verify_mode() == SSL.VERIFY_NONE
