@@ -5,10 +5,11 @@ connection policy, in the places Twisted offers for it:
 
 - :class:`RelaySite` (a ``Site``) builds :class:`RelayRequest`, holds at most
   ``max_connections`` connections (at most ``max_per_address`` from one remote
-  address), closes idle keep-alive connections with twisted.web's own idle
-  timeout, and gives every request ``request_read_seconds`` to arrive whole
+  address), gives every request ``request_read_seconds`` to arrive whole
   (``408`` after that), so a client trickling headers or a body cannot hold a
-  connection.
+  connection, and closes keep-alive connections idle for ``idle_seconds``. Its
+  reaper finds both from two timestamps each :class:`RelayChannel` keeps:
+  twisted.web's own idle timeout would cancel and schedule a timer per request.
 - :class:`RelayRequest` keeps at most 1 MiB of a body in memory (the app answers
   ``400`` for more) and never parses form bodies.
 - :class:`Connection` (a ``twisted.protocols.policies.ProtocolWrapper``) answers
@@ -133,12 +134,13 @@ class RelayRequest(server.Request):
 
 
 class RelayChannel(http.HTTPChannel):
-    """An HTTP channel that notes when a request began to arrive, for the site's
-    read deadline (:meth:`RelaySite.reap`): a timestamp per request is cheaper
-    than a timer per request."""
+    """An HTTP channel that notes when a request began to arrive and when it last
+    went idle, for the site's reaper (:meth:`RelaySite.reap`): a timestamp per
+    request is cheaper than a timer per request."""
 
     request_read_seconds = REQUEST_READ_SECONDS
     reading_since: Optional[float] = None
+    idle_since = 0.0
     answering = False
     _host = None
     _peer = None
@@ -156,7 +158,12 @@ class RelayChannel(http.HTTPChannel):
 
     def requestDone(self, request) -> None:
         self.answering = False
+        self.idle_since = self.site.reactor.seconds()
         super().requestDone(request)
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self.idle_since = self.site.reactor.seconds()
 
     def getHost(self):
         """The local address, asked of the socket once per connection."""
@@ -251,7 +258,8 @@ class RelaySite(server.Site):
                  request_read_seconds: float = REQUEST_READ_SECONDS, reactor=None,
                  counters=None, max_connections: int = MAX_CONNECTIONS,
                  max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS) -> None:
-        super().__init__(resource, timeout=timeout or None, reactor=reactor)
+        super().__init__(resource, timeout=None, reactor=reactor)
+        self.idle_seconds = timeout
         self.request_read_seconds = request_read_seconds
         self.access_log = access_log
         # Hears of every answered request (``http_answered``), or None.
@@ -320,13 +328,20 @@ class RelaySite(server.Site):
             self.refused = 0
 
     def reap(self) -> None:
-        """Answer ``408`` to every request that has been arriving for too long."""
+        """Answer ``408`` to every request that has been arriving for too long, and
+        close every connection idle for ``idle_seconds`` (no request arriving or
+        being answered)."""
         now = self.reactor.seconds()
+        idle = self.idle_seconds
         for connection in list(self.connections):
             channel = connection.channel
             since = channel.reading_since
-            if since is not None and now - since >= channel.request_read_seconds:
-                channel.read_too_slow()
+            if since is not None:
+                if now - since >= channel.request_read_seconds:
+                    channel.read_too_slow()
+            elif idle and not channel.answering and now - channel.idle_since >= idle:
+                channel.idle_since = float("inf")  # closing: once is enough
+                channel.timeoutConnection()
 
     def startFactory(self) -> None:
         super().startFactory()

@@ -162,7 +162,7 @@ def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
     assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))
 
 
-# -- idle connections: twisted.web's idle timeout ----------------------------------
+# -- idle connections: one timestamp per channel, checked by the reaper -----------
 
 def idle_site(timeout: float = 60.0) -> Tuple[RelaySite, Clock]:
     site, clock = relay_site(timeout)
@@ -201,4 +201,14 @@ def test_a_waiting_long_poll_is_not_idle() -> None:
     assert transport.value().startswith(b"HTTP/1.1 200") and not transport.disconnecting
     clock.pump([0.5] * 12)
     assert transport.disconnecting
+    site.stopFactory()
+
+
+def test_twisteds_own_idle_timer_is_not_used() -> None:
+    site, clock = idle_site(60.0)
+    before = len(clock.getDelayedCalls())
+    channel, _ = connect(site)
+    for _ in range(3):
+        channel.dataReceived(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert len(clock.getDelayedCalls()) == before, "no timer per connection or request"
     site.stopFactory()
