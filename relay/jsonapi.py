@@ -109,17 +109,15 @@ def incident(request, failure: Failure) -> bytes:
 
 def answer_failure(request, failure: Failure) -> Any:
     """The answer for ``failure`` of a route or of an error handler's own work: its
-    §6 body for a RelayError (once whatever the error waits for has happened, see
-    :attr:`RelayError.settled`), ``503`` for anything else."""
+    §6 body for a RelayError (a Deferred of it while the error's ``pending`` work,
+    such as counting a refusal in a table shared with other brokers, is not
+    done), ``503`` for anything else."""
     if not failure.check(RelayError):
         return incident(request, failure)
     error = failure.value
-    settled = getattr(error, "settled", None)
-    if settled is not None:
-        error.settled = None
-        d = settled
-        d.addBoth(lambda _: write_error(request, error))
-        return d
+    pending = getattr(error, "pending", None)
+    if pending is not None:
+        return pending.addBoth(lambda _: write_error(request, error))
     return write_error(request, error)
 
 
