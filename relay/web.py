@@ -114,13 +114,18 @@ class RelayAPI:
     def authenticate(self, request) -> Tuple[Union[str, Deferred], bytes]:
         """The agent that signed ``request`` and the request body; RelayError on any
         §3 failure or an oversized body. Every request counts toward its address's
-        rate limit, a refused one included. The agent is a Deferred firing with the
-        name (or failing) while a nonce new to this broker is claimed from the store
-        it shares with other brokers."""
-        self.rate_limiter.hit(_peer_host(request))
+        rate limit, a refused one included.
+
+        Verification is synchronous; behind brokers sharing their nonces, a nonce
+        new to this broker is then claimed from the shared table, and the agent is
+        a Deferred of the name (failing with the 401 of a replay).
+        """
+        source = _peer_host(request)
+        self.rate_limiter.hit(source)
         body = read_body(request)
         headers = request.requestHeaders
-        return self.auth.authenticate(
+        auth = self.auth
+        signed = auth.verify(
             request.method,
             request.uri,
             _header(headers, b"x-relay-agent"),
@@ -128,7 +133,11 @@ class RelayAPI:
             _header(headers, b"x-relay-signature"),
             body,
             _header(headers, b"x-relay-nonce"),
-        ), body
+            source,
+        )
+        if signed.nonce is not None and auth.shares_nonces:
+            return auth.claim(signed), body
+        return signed.agent, body
 
     def unrouted(self, request) -> Union[bytes, Deferred]:
         """The answer to a request no route matches: 401 for an unsigned request
