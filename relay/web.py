@@ -171,8 +171,11 @@ class RelayAPI:
     @app.route("/peers", methods=["GET"])
     @authenticated
     def peers(self, request, agent: str, body: bytes) -> Deferred:
-        d = self.broker.peers()
-        d.addCallback(lambda peers: write_json(request, 200, {"peers": peers}))
+        query = protocol.parse_peers_query(query_arg(request, b"after"),
+                                           query_arg(request, b"limit"),
+                                           query_arg(request, b"cards"))
+        d = self.broker.peers_page(*query)
+        d.addCallback(lambda document: write_json(request, 200, document))
         return d
 
     # The hot routes (send, pull, ack) chain callbacks rather than use
@@ -198,7 +201,7 @@ class RelayAPI:
     @app.route("/messages", methods=["GET"])
     @authenticated
     def poll(self, request, agent: str, body: bytes) -> Deferred:
-        since = query_arg(request, b"since") or None
+        since = protocol.optional_query_id(query_arg(request, b"since"), "since")
         limit = protocol.clamp_limit(query_arg(request, b"limit"))
         wait = protocol.parse_wait_seconds(query_arg(request, b"wait"), "wait")
         request.waits = wait > 0
@@ -211,7 +214,9 @@ class RelayAPI:
     @app.route("/messages/<path:message_id>/ack", methods=["POST"])
     @authenticated
     def receipt(self, request, agent: str, body: bytes, message_id: str) -> Deferred:
-        d = self.broker.receipt(agent, _path_parameter(message_id), body)
+        message_id = _path_parameter(message_id)
+        protocol.check_id(message_id, "the message id")
+        d = self.broker.receipt(agent, message_id, body)
         d.addCallback(lambda receipt_id: write_json(request, 201,
                                                     {"accepted": True, "id": receipt_id}))
         return d

@@ -19,7 +19,7 @@ from relay.testing import SECRET, START, build_site, make_config
 # route -> (the Broker method it calls, method, path, body)
 ROUTES: Dict[str, Tuple[str, str, str, Any]] = {
     "register": ("register", "POST", "/register", {"agent": "alpha"}),
-    "peers": ("peers", "GET", "/peers", None),
+    "peers": ("peers_page", "GET", "/peers", None),
     "send": ("send", "POST", "/messages", {"to": "beta", "body": {}}),
     "poll": ("poll", "GET", "/messages?limit=1", None),
     "receipt": ("receipt", "POST", "/messages/m-1/ack", {}),
