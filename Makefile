@@ -12,7 +12,7 @@ PYPY_STAMP = $(PYPY_VENV)/.installed-stamp
 # before ~2 GB. 4 MB is faster and keeps the broker's memory flat.
 export PYPY_GC_NURSERY ?= 4MB
 
-.PHONY: run run-cpython run-pypy test test-ops test-oldest test-pypy lint bench dist clean
+.PHONY: run run-cpython run-pypy test test-ops test-oldest test-pypy lint bench dist failover-drill clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -103,6 +103,12 @@ dist: $(DIST_STAMP)
 ## bench: the benchmark suite (prints figures; not part of the tests)
 bench: $(STAMP)
 	$(BIN)/python bench/run_suite.py --quick
+
+## failover-drill: two brokers on a primary and a synchronous standby of the local
+## PostgreSQL (temporary clusters on free ports), the primary killed under load, the
+## standby promoted, every acknowledged send and completion checked (about a minute)
+failover-drill: $(STAMP)
+	$(BIN)/python bench/failover.py
 
 clean:
 	rm -rf $(VENV) $(PYPY_VENV) $(OLDEST_VENV) build dist *.egg-info data
