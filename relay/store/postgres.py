@@ -1479,6 +1479,52 @@ def _driver() -> Any:
     return psycopg
 
 
+def standby_refusal(conn: Any, key: str) -> Optional[ConfigError]:
+    """The start's refusal when ``conn`` reached a hot standby, which can take no
+    writes (None when it reached a primary)."""
+    if not conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:
+        return None
+    return ConfigError(key, f"{conn.info.host}:{conn.info.port} is a read-only standby: "
+                       f"point {key} at the primary, or list every host with "
+                       "target_session_attrs=read-write")
+
+
+def _standby_behind(conninfo: str, key: str) -> Optional[ConfigError]:
+    """When a connection that asks for a writable server failed: the refusal of a
+    standby, if what the connection string names is one."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    given = conninfo_to_dict(conninfo)
+    if given.get("target_session_attrs") in (None, "any"):
+        return None
+    try:
+        conn = connect(make_conninfo(conninfo, target_session_attrs="any"), autocommit=True)
+    except psycopg.Error:
+        return None
+    try:
+        return standby_refusal(conn, key)
+    finally:
+        conn.close()
+
+
+def _check_writable(conninfo: str, key: str) -> None:
+    """Refuse the start when ``conninfo`` leads to a standby (the listener's own DSN)."""
+    import psycopg
+
+    try:
+        conn = connect(conninfo, autocommit=True)
+    except psycopg.Error as e:
+        raise _standby_behind(conninfo, key) or ConfigError(
+            key, f"cannot connect: {_reason(e)}") from None
+    try:
+        refusal = standby_refusal(conn, key)
+    finally:
+        conn.close()
+    if refusal is not None:
+        raise refusal
+
+
 def open_store(config: Config, options: PostgresOptions, reactor: Any) -> PostgresStore:
     """Connect, migrate the schema, start the workers and the listener (the
     IStoreFactory entry point); ConfigError with the reason when impossible.
@@ -1500,7 +1546,8 @@ def open_store(config: Config, options: PostgresOptions, reactor: Any) -> Postgr
     try:
         conn = connect(conninfo, autocommit=True)
     except psycopg.Error as e:
-        raise ConfigError("broker.postgres.dsn", f"cannot connect: {_reason(e)}") from None
+        raise _standby_behind(conninfo, "broker.postgres.dsn") or ConfigError(
+            "broker.postgres.dsn", f"cannot connect: {_reason(e)}") from None
     except TypeError as e:  # psycopg's ctypes binding of libpq on PyPy 7.3.11
         raise ConfigError(
             "broker.storage",
@@ -1508,12 +1555,18 @@ def open_store(config: Config, options: PostgresOptions, reactor: Any) -> Postgr
             "run this broker on CPython",
         ) from None
     try:
+        refusal = standby_refusal(conn, "broker.postgres.dsn")
+        if refusal is not None:
+            raise refusal
         migrate(conn)
     except psycopg.Error as e:
         raise ConfigError("broker.postgres.dsn", f"cannot migrate the schema: {_reason(e)}"
                           ) from None
     finally:
         conn.close()
+    if options.listen_dsn:
+        # LISTEN is refused on a standby: the broker would never hear another one
+        _check_writable(listen_conninfo, "broker.postgres.listenDsn")
     return PostgresStore(conninfo, listen_conninfo, options.pool_size, reactor)
 
 
