@@ -3,6 +3,7 @@ every promise they made.
 
     .venv/bin/python bench/failover.py            # about a minute (make failover-drill)
     .venv/bin/python bench/failover.py --short    # about half as long (what CI runs)
+    .venv/bin/python bench/failover.py --asynchronous --stall 1   # what async loses
 
 In a temporary folder, on free loopback ports (never the machine's own cluster), the
 drill makes two clusters of the machine's PostgreSQL: a primary, and a synchronous
@@ -187,6 +188,19 @@ class Cluster:
         self.orphans = _children(pid)
         os.kill(pid, signal.SIGKILL)
 
+    def wal_senders(self) -> List[int]:
+        """Process ids of the processes streaming this cluster's WAL to standbys."""
+        pid = self.postmaster_pid()
+        found = []
+        for child in _children(pid) if pid is not None else []:
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as fh:
+                    if b"walsender" in fh.read():
+                        found.append(child)
+            except OSError:
+                continue
+        return found
+
     def stop(self) -> None:
         """Stop the cluster at once (no checkpoint) and kill what is left of a killed one."""
         pid = self.postmaster_pid()
@@ -217,8 +231,9 @@ class Pair:
     both are stopped on exit). ``root`` must be empty and is handed to ``user``."""
 
     def __init__(self, bindir: str, root: str, ports: Tuple[int, int],
-                 user: Optional[str] = None) -> None:
+                 user: Optional[str] = None, synchronous: bool = True) -> None:
         self.user = user if user is not None else ("postgres" if os.geteuid() == 0 else None)
+        self.synchronous = synchronous
         self.primary = Cluster(bindir, root, "primary", ports[0], self.user)
         self.standby = Cluster(bindir, root, "standby", ports[1], self.user)
         self.root = root
@@ -254,7 +269,8 @@ class Pair:
             "max_wal_senders": "4", "wal_keep_size": "64MB", "max_connections": "60",
             "shared_buffers": "16MB",
             # every commit waits until the standby has the WAL on disk
-            "synchronous_standby_names": "*", "synchronous_commit": "on",
+            "synchronous_standby_names": "*" if self.synchronous else "",
+            "synchronous_commit": "on",
         })
         p.start()
         s = self.standby
@@ -267,11 +283,10 @@ class Pair:
         while True:
             with _connect(p.dsn) as conn:
                 row = conn.execute("SELECT sync_state FROM pg_stat_replication").fetchone()
-            if row is not None and row[0] == "sync":
+            if row is not None and (row[0] == "sync" or not self.synchronous):
                 return
             if time.monotonic() > deadline:
-                raise DrillError("the standby did not become synchronous within 30s:\n"
-                                 + s.log_tail())
+                raise DrillError("the standby did not stream within 30s:\n" + s.log_tail())
             time.sleep(0.1)
 
     def __exit__(self, *exc: Any) -> None:
@@ -500,16 +515,27 @@ def stored_facts(dsn: str, ledger: Ledger) -> JsonDict:
 
 
 def recovery(ledger: Ledger, killed: float, names: Sequence[str]) -> Dict[str, Optional[float]]:
-    """Seconds from the kill to each broker's first acknowledged send after it."""
-    out: Dict[str, Optional[float]] = {n: None for n in names}
-    for t, broker, operation, status in ledger.answers:
-        if operation == "send" and status in (200, 201) and t > killed and out[broker] is None:
-            out[broker] = round(t - killed, 2)
+    """Seconds from the kill to each broker's first acknowledged send after the last
+    request it failed (None: it never acknowledged one again)."""
+    out: Dict[str, Optional[float]] = {}
+    for name in names:
+        mine = [(t, op, status) for t, broker, op, status in ledger.answers
+                if broker == name and t > killed]
+        failed = [t for t, _, status in mine if status in (0, 503)]
+        after = max(failed, default=killed)
+        served = [t for t, op, status in mine
+                  if op == "send" and status in (200, 201) and t > after]
+        out[name] = round(min(served) - killed, 2) if served else None
     return out
 
 
-def run_drill(prof: JsonDict, bindir: str, python: str) -> JsonDict:
-    """Set up, load, kill, promote, check; everything stopped and removed on return."""
+def run_drill(prof: JsonDict, bindir: str, python: str, synchronous: bool = True,
+              stall: float = 0.0) -> JsonDict:
+    """Set up, load, kill, promote, check; everything stopped and removed on return.
+
+    ``synchronous=False`` runs the standby asynchronously; ``stall`` seconds before
+    the kill the primary stops streaming its WAL (its WAL sender is stopped), as a
+    lagging standby or a slow network would: what asynchronous replication loses."""
     started = time.monotonic()
     bound = started + prof["bound"]
     workdir = tempfile.mkdtemp(prefix="relay-failover-")
@@ -520,8 +546,10 @@ def run_drill(prof: JsonDict, bindir: str, python: str) -> JsonDict:
     load: Optional[Load] = None
     version = os.path.basename(os.path.dirname(bindir))
     try:
-        say(f"PostgreSQL {version}: a primary and a synchronous standby in {pgroot}")
-        with Pair(bindir, pgroot, (servers.free_port(), servers.free_port())) as pair:
+        mode = "synchronous" if synchronous else "asynchronous"
+        say(f"PostgreSQL {version}: a primary and its {mode} standby in {pgroot}")
+        with Pair(bindir, pgroot, (servers.free_port(), servers.free_port()),
+                  synchronous=synchronous) as pair:
             say(f"  primary on :{pair.primary.port}, standby on :{pair.standby.port}")
             extra = {"postgres": {"dsn": pair.multi_host_dsn, "poolSize": 4},
                      "leaseSeconds": 3600, "maxDeliveries": 0}
@@ -540,9 +568,18 @@ def run_drill(prof: JsonDict, bindir: str, python: str) -> JsonDict:
             load = Load(targets, prof, bound, ledger)
             load.start()
             time.sleep(prof["before"])
+            stalled = pair.primary.wal_senders() if stall else []
+            if stall:
+                say(f"  the primary stops streaming its WAL for {stall:.1f}s")
+                for pid in stalled:
+                    os.kill(pid, signal.SIGSTOP)
+                time.sleep(stall)
             say("  SIGKILL of the primary's postmaster")
             killed = time.monotonic()
             pair.primary.kill()
+            for pid in stalled:  # it dies with the primary, without sending more
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             time.sleep(prof["promoteAfter"])
             pair.standby.promote()
             promoted = time.monotonic() - killed
@@ -560,7 +597,8 @@ def run_drill(prof: JsonDict, bindir: str, python: str) -> JsonDict:
             during = Counter(str(status) for t, _, _, status in ledger.answers
                              if killed <= t <= end_of_switch)
             result = {
-                "postgres": version, "seconds": round(time.monotonic() - started, 1),
+                "postgres": version, "replication": mode, "stallSeconds": stall,
+                "seconds": round(time.monotonic() - started, 1),
                 "promoteSeconds": round(promoted, 2), "recoverSeconds": recovered,
                 "answersDuringSwitch": dict(sorted(during.items())),
                 "answers": dict(sorted(Counter(f"{op} {status}" for _, _, op, status
@@ -592,9 +630,12 @@ def render(r: JsonDict) -> str:
                     for b, s in r["recoverSeconds"].items())
     ack = r["acknowledged"]
     lines = [
-        f"failover drill on PostgreSQL {r['postgres']} ({r['seconds']} s in all)",
+        f"failover drill on PostgreSQL {r['postgres']}, {r['replication']} standby"
+        + (f", WAL stalled {r['stallSeconds']:.1f} s before the kill" if r["stallSeconds"]
+           else "") + f" ({r['seconds']} s in all)",
         f"  promote returned      {r['promoteSeconds']:.2f} s after the kill",
-        f"  time to recover       {rec} (first acknowledged send after the kill)",
+        f"  time to recover       {rec} (from the kill to the first send acknowledged "
+        "after the last failed request)",
         "  answers in the switch " + (", ".join(f"{k}: {v}" for k, v in
                                                r["answersDuringSwitch"].items()) or "none")
         + "  (0 = no answer)",
@@ -642,7 +683,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--python", default=servers.default_python(),
                    help="the interpreter the brokers run on")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("--asynchronous", action="store_true",
+                   help="replicate asynchronously (with --stall: see what that loses)")
+    p.add_argument("--stall", type=float, default=0.0, metavar="SECONDS",
+                   help="stop the primary's WAL sender this long before the kill")
     args = p.parse_args(argv)
+    if not 0 <= args.stall <= 30:
+        p.error("--stall must be from 0 to 30 seconds")
     bindir = find_postgres_bin(args.pg_bin)
     if bindir is None:
         say(f"failover drill: no PostgreSQL server tools ({', '.join(PG_TOOLS)}) in "
@@ -651,7 +698,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     python = os.path.abspath(args.python) if os.sep in args.python else args.python
     try:
         with stop_signals_interrupt():
-            result = run_drill(PROFILES["short" if args.short else "full"], bindir, python)
+            result = run_drill(PROFILES["short" if args.short else "full"], bindir, python,
+                               synchronous=not args.asynchronous, stall=args.stall)
     except KeyboardInterrupt:
         say("failover drill: interrupted; everything it started is stopped")
         return 130
