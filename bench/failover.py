@@ -165,9 +165,35 @@ class Cluster:
             for key, value in settings.items():
                 fh.write(f"{key} = '{value}'\n")
 
+    def init(self, settings: Dict[str, str]) -> None:
+        """initdb (trust authentication, user ``postgres``), loopback only, then
+        ``settings``."""
+        self.run("initdb", "-D", self.data, "-U", "postgres", "--auth=trust", "-E", "UTF8",
+                 "--no-sync", "--locale=C")
+        self.configure({"port": str(self.port), "listen_addresses": "127.0.0.1",
+                        "unix_socket_directories": self.root, **settings})
+
     def start(self) -> None:
         self.run("pg_ctl", "-D", self.data, "-l", self.log_path, "-w", "-t", "60", "start",
                  timeout=90)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the cluster has used so far: the postmaster, the children it has
+        reaped and the ones still running (0.0 when it is not running)."""
+        pid = self.postmaster_pid()
+        if pid is None:
+            return 0.0
+        total = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for proc, fields in ((pid, (11, 12, 13, 14)),
+                             *((child, (11, 12)) for child in _children(pid))):
+            try:
+                with open(f"/proc/{proc}/stat") as fh:
+                    values = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += sum(int(values[i]) for i in fields) / tick
+        return total
 
     def promote(self) -> None:
         self.run("pg_ctl", "-D", self.data, "-w", "-t", "60", "promote", timeout=90)
@@ -226,13 +252,31 @@ def _connect(dsn: str) -> Any:
     return psycopg.connect(dsn, autocommit=True, connect_timeout=3)
 
 
+def cluster_user() -> Optional[str]:
+    """Who runs the clusters: ``postgres`` as root (PostgreSQL refuses root), else
+    the current user (None)."""
+    return "postgres" if os.geteuid() == 0 else None
+
+
+def hand_over(root: str, user: Optional[str]) -> None:
+    """Give the empty folder ``root`` to ``user`` (nothing to do for None)."""
+    if user is None:
+        return
+    try:
+        account = pwd.getpwnam(user)
+    except KeyError:
+        raise DrillError(f"PostgreSQL refuses to run as root and there is no "
+                         f"{user!r} user to run it as") from None
+    os.chown(root, account.pw_uid, account.pw_gid)
+
+
 class Pair:
     """A primary and its synchronous streaming standby, in ``root`` (a context manager:
     both are stopped on exit). ``root`` must be empty and is handed to ``user``."""
 
     def __init__(self, bindir: str, root: str, ports: Tuple[int, int],
                  user: Optional[str] = None, synchronous: bool = True) -> None:
-        self.user = user if user is not None else ("postgres" if os.geteuid() == 0 else None)
+        self.user = user if user is not None else cluster_user()
         self.synchronous = synchronous
         self.primary = Cluster(bindir, root, "primary", ports[0], self.user)
         self.standby = Cluster(bindir, root, "standby", ports[1], self.user)
@@ -245,13 +289,7 @@ class Pair:
                 "user=postgres dbname=postgres target_session_attrs=read-write")
 
     def __enter__(self) -> Pair:
-        if self.user is not None:
-            try:
-                account = pwd.getpwnam(self.user)
-            except KeyError:
-                raise DrillError(f"PostgreSQL refuses to run as root and there is no "
-                                 f"{self.user!r} user to run it as") from None
-            os.chown(self.root, account.pw_uid, account.pw_gid)
+        hand_over(self.root, self.user)
         try:
             self._make()
         except BaseException:
@@ -261,13 +299,9 @@ class Pair:
 
     def _make(self) -> None:
         p = self.primary
-        p.run("initdb", "-D", p.data, "-U", "postgres", "--auth=trust", "-E", "UTF8",
-              "--no-sync", "--locale=C")
-        p.configure({
-            "port": str(p.port), "listen_addresses": "127.0.0.1",
-            "unix_socket_directories": self.root, "wal_level": "replica",
-            "max_wal_senders": "4", "wal_keep_size": "64MB", "max_connections": "60",
-            "shared_buffers": "16MB",
+        p.init({
+            "wal_level": "replica", "max_wal_senders": "4", "wal_keep_size": "64MB",
+            "max_connections": "60", "shared_buffers": "16MB",
             # every commit waits until the standby has the WAL on disk
             "synchronous_standby_names": "*" if self.synchronous else "",
             "synchronous_commit": "on",
