@@ -436,8 +436,11 @@ class Load:
                     with self.ledger.lock:
                         self.ledger.sent[message_id] = to
                     break
+                if status not in (0, 503):  # a refusal (recorded as a problem): go on
+                    break
                 if time.monotonic() > self.bound or self.stop_all.is_set():
-                    self.ledger.unsent.add(message_id)
+                    with self.ledger.lock:
+                        self.ledger.unsent.add(message_id)
                     return
                 time.sleep(RETRY_PAUSE)
             n += 1
