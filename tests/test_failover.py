@@ -115,7 +115,8 @@ def run_drill(pg_bin: str, *options: str) -> Tuple[int, Dict[str, Any]]:
         proc.send_signal(signal.SIGTERM)  # the drill stops what it started
         out, err = proc.communicate(timeout=60)
         pytest.fail(f"the drill ran over {DRILL_SECONDS}s:\n{err.decode(errors='replace')}")
-    assert proc.returncode in (0, 1), err.decode(errors="replace")
+    assert proc.returncode in (0, 1), (f"the drill exited with {proc.returncode}:\n"
+                                       + err.decode(errors="replace"))
     return proc.returncode, json.loads(out)
 
 
@@ -123,14 +124,15 @@ def test_the_failover_drill_loses_nothing_acknowledged(pg_bin):
     """The short drill: both brokers serve again after the promotion, and every
     acknowledged send, completion, lease and v1.0 page holds on the promoted standby."""
     code, result = run_drill(pg_bin)
-    assert result["lostSends"] == [] and result["lostCompletions"] == []
-    assert result["leasedTwice"] == []
-    assert result["pollerGap"] == [] and result["pollerRepeats"] == []
-    assert not result["pollerOutOfOrder"]
-    assert result["problems"] == [], "only successes and 503 busy during the switch"
-    assert all(s is not None for s in result["recoverSeconds"].values())
+    report = drill_module().render(result)
+    assert result["lostSends"] == [] and result["lostCompletions"] == [], report
+    assert result["leasedTwice"] == [], report
+    assert result["pollerGap"] == [] and result["pollerRepeats"] == [], report
+    assert not result["pollerOutOfOrder"], report
+    assert result["problems"] == [], "only successes and 503 busy during the switch:\n" + report
+    assert all(s is not None for s in result["recoverSeconds"].values()), report
     assert result["acknowledged"]["sends"] > 0 and result["acknowledged"]["completions"] > 0
-    assert result["ok"] and code == 0
+    assert result["ok"] and code == 0, report
 
 
 def test_the_drill_sees_what_asynchronous_replication_loses(pg_bin):
