@@ -94,6 +94,20 @@ def test_an_unreachable_server_stops_the_start_with_one_line(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_an_unreachable_listen_dsn_stops_the_start_too(tmp_path):
+    """Else the broker would start and never hear the other brokers' writes."""
+    dsn = reset_postgres()
+    from tests.broker_proc import free_port
+
+    listen = f"postgresql://relay@127.0.0.1:{free_port()}/relay"
+    config = make_config(storage="postgres", postgres={"dsn": dsn, "listenDsn": listen})
+    with pytest.raises(ConfigError) as info:
+        open_configured_store(config, reactor)
+    assert info.value.key == "broker.postgres.listenDsn"
+    assert info.value.reason.startswith("cannot connect: ")
+    assert "\n" not in str(info.value)
+
+
 # -- notification payloads (pure) -------------------------------------------------------
 
 
