@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -525,6 +526,24 @@ def _code(doc: Any) -> str:
 # -- the drill --------------------------------------------------------------------------
 
 
+def register(target: loadgen.Target, agents: Sequence[str], timeout: float = 30.0) -> None:
+    """Register ``agents``, retrying ``503 busy`` (a busy machine's slow database)."""
+    deadline = time.monotonic() + timeout
+    conn = loadgen.Conn(target, timeout=timeout)
+    try:
+        for agent in agents:
+            while True:
+                status, doc = conn.call("POST", "/register", {}, agent)
+                if status == 200:
+                    break
+                if status != 503 or time.monotonic() > deadline:
+                    raise DrillError(f"POST /register for {agent} answered {status}: "
+                                     f"{_code(doc)}")
+                time.sleep(RETRY_PAUSE)
+    finally:
+        conn.close()
+
+
 def stored_facts(dsn: str, ledger: Ledger) -> JsonDict:
     """What the promoted database holds of what the brokers acknowledged."""
     with _connect(dsn) as conn:
@@ -600,7 +619,7 @@ def run_drill(prof: JsonDict, bindir: str, python: str, synchronous: bool = True
                 brokers.append(server)
             targets = [loadgen.Target(s.url, secret or "") for s in brokers]
             say(f"  brokers A {brokers[0].url} and B {brokers[1].url}")
-            loadgen.register(targets[0], ["work", "slow", "log"])
+            register(targets[0], ["work", "slow", "log"])
             ledger = Ledger()
             load = Load(targets, prof, bound, ledger)
             load.start()
@@ -742,6 +761,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except (DrillError, servers.StartError) as e:
         say(f"failover drill: could not run: {e}")
+        return 2
+    except Exception:  # noqa: BLE001 (the drill did not run through: exit 2, as above)
+        say("failover drill: could not run:\n" + traceback.format_exc())
         return 2
     print(json.dumps(result) if args.json else render(result), flush=True)
     return 0 if result["ok"] else 1
