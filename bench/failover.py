@@ -8,8 +8,9 @@ every promise they made.
 In a temporary folder, on free loopback ports (never the machine's own cluster), the
 drill makes two clusters of the machine's PostgreSQL: a primary, and a synchronous
 streaming standby cloned from it with ``pg_basebackup -R``. Two brokers
-(``twistd -n relay``, ``broker.storage: postgres``) share it through one libpq
-multi-host DSN (``host=127.0.0.1,127.0.0.1 port=P1,P2 target_session_attrs=read-write``).
+(``twistd -n relay``, ``broker.storage: postgres``) share it through a libpq
+multi-host DSN (``host=127.0.0.1,127.0.0.1 port=P1,P2 target_session_attrs=read-write``
+for one, its URI form for the other).
 Load runs through both: senders, pullers that ack what they lease, a long-poll and a
 v1.0 poller. Then the primary's postmaster is killed with SIGKILL, the standby is
 promoted with ``pg_ctl promote``, the load goes on, and at the end every acknowledged
@@ -288,6 +289,12 @@ class Pair:
         """The DSN a broker is given: both hosts, the writable one chosen at connect."""
         return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} "
                 "user=postgres dbname=postgres target_session_attrs=read-write")
+
+    @property
+    def multi_host_uri(self) -> str:
+        """:attr:`multi_host_dsn` in the URI form."""
+        return (f"postgresql://postgres@127.0.0.1:{self.primary.port},"
+                f"127.0.0.1:{self.standby.port}/postgres?target_session_attrs=read-write")
 
     def __enter__(self) -> Pair:
         hand_over(self.root, self.user)
@@ -607,13 +614,12 @@ def run_drill(prof: JsonDict, bindir: str, python: str, synchronous: bool = True
         with Pair(bindir, pgroot, (servers.free_port(), servers.free_port()),
                   synchronous=synchronous) as pair:
             say(f"  primary on :{pair.primary.port}, standby on :{pair.standby.port}")
-            extra = {"postgres": {"dsn": pair.multi_host_dsn, "poolSize": 4},
-                     "leaseSeconds": 3600, "maxDeliveries": 0}
             secret = None
-            for _ in range(2):
-                server = servers.broker(python, "postgres", workdir,
-                                        extra=dict(extra, **({"secret": secret} if secret
-                                                             else {})))
+            # A has the key=value form of the multi-host DSN, B the URI form
+            for dsn in (pair.multi_host_dsn, pair.multi_host_uri):
+                extra = {"postgres": {"dsn": dsn, "poolSize": 4}, "leaseSeconds": 3600,
+                         "maxDeliveries": 0, **({"secret": secret} if secret else {})}
+                server = servers.broker(python, "postgres", workdir, extra=extra)
                 server.start(timeout=60)
                 secret = secret or server.secret
                 brokers.append(server)

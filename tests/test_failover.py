@@ -91,9 +91,15 @@ def test_a_listen_dsn_on_a_standby_refuses_to_start(pair, tmp_path):
                               + STANDBY_ADVICE.format(key=key))
 
 
-def test_the_multi_host_dsn_starts_on_the_primary_whichever_host_comes_first(pair, tmp_path):
-    dsn = (f"host=127.0.0.1,127.0.0.1 port={pair.standby.port},{pair.primary.port} "
-           "user=postgres dbname=postgres target_session_attrs=read-write")
+@pytest.mark.parametrize("form", [
+    "host=127.0.0.1,127.0.0.1 port={first},{second} user=postgres dbname=postgres "
+    "target_session_attrs=read-write",
+    "postgresql://postgres@127.0.0.1:{first},127.0.0.1:{second}/postgres"
+    "?target_session_attrs=read-write",
+])
+def test_the_multi_host_dsn_starts_on_the_primary_whichever_host_comes_first(pair, tmp_path,
+                                                                            form):
+    dsn = form.format(first=pair.standby.port, second=pair.primary.port)
     broker = BrokerProcess(str(tmp_path), storage="postgres", postgres={"dsn": dsn})
     broker.start(timeout=60)
     try:
