@@ -656,13 +656,16 @@ def run_drill(prof: JsonDict, bindir: str, python: str, synchronous: bool = True
             last = max((t for t, _, _, _ in ledger.answers), default=killed)
             end_of_switch = killed + max([r for r in recovered.values() if r is not None],
                                          default=last - killed)
-            during = Counter(str(status) for t, _, _, status in ledger.answers
-                             if killed <= t <= end_of_switch)
+            in_switch = [(op, status) for t, _, op, status in ledger.answers
+                         if killed <= t <= end_of_switch]
+            during = Counter(str(status) for _, status in in_switch)
+            by_operation = Counter(f"{op} {status}" for op, status in in_switch)
             result = {
                 "postgres": version, "replication": mode, "stallSeconds": stall,
                 "seconds": round(time.monotonic() - started, 1),
                 "promoteSeconds": round(promoted, 2), "recoverSeconds": recovered,
                 "answersDuringSwitch": dict(sorted(during.items())),
+                "answersDuringSwitchByOperation": dict(sorted(by_operation.items())),
                 "answers": dict(sorted(Counter(f"{op} {status}" for _, _, op, status
                                                in ledger.answers).items())),
                 "acknowledged": {"sends": len(ledger.sent), "completions": len(ledger.completed),
@@ -701,6 +704,8 @@ def render(r: JsonDict) -> str:
         "  answers in the switch " + (", ".join(f"{k}: {v}" for k, v in
                                                r["answersDuringSwitch"].items()) or "none")
         + "  (0 = no answer)",
+        "    by operation        " + (", ".join(
+            f"{k}: {v}" for k, v in r["answersDuringSwitchByOperation"].items()) or "none"),
         f"  acknowledged          {ack['sends']} sends, {ack['completions']} completions, "
         f"{ack['leases']} messages leased, {ack['polled']} polled by v1.0",
         f"  lost sends            {len(r['lostSends'])}",
