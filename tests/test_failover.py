@@ -46,10 +46,17 @@ def pg_bin() -> str:
         skip_postgres("the PostgreSQL server tools (initdb, pg_ctl, pg_basebackup) are not "
                       "installed: apt-get install postgresql")
     try:
-        import psycopg  # noqa: F401
+        import psycopg
     except ImportError:
         pytest.fail("the postgres extra is not installed: pip install -e '.[test,postgres]'",
                     pytrace=False)
+    try:  # nothing listens there: an OperationalError, unless the driver cannot run
+        psycopg.connect(f"host=127.0.0.1 port={free_port()} connect_timeout=1").close()
+    except psycopg.Error:
+        pass
+    except TypeError as e:  # psycopg's ctypes libpq binding on PyPy 7.3.11
+        skip_postgres(f"psycopg cannot connect on this interpreter ({e}): the postgres "
+                      "backend runs on CPython")
     return bindir
 
 
