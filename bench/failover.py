@@ -349,6 +349,9 @@ class Ledger:
         self.unsent: Set[str] = set()  # sends given up at the drill's bound
         self.grants: Dict[str, List[str]] = {}  # id -> lease ids seen
         self.completed: Set[str] = set()
+        # acks retried after an unanswered try and answered 409 not_leased: the
+        # message is done by the try whose answer was lost (checked at the end)
+        self.completed_unanswered: Set[str] = set()
         self.polled: List[str] = []  # the v1.0 poller's ids, in page order
         self.problems: List[str] = []
 
@@ -374,15 +377,16 @@ class Load:
         self.conns: List[loadgen.Conn] = []
 
     def call(self, i: int, conn: loadgen.Conn, operation: str, method: str, path: str,
-             body: Any, agent: str) -> Tuple[int, Any]:
-        """One request; a broken connection is recorded as status 0 (no answer)."""
+             body: Any, agent: str, expected: Tuple[int, ...] = ()) -> Tuple[int, Any]:
+        """One request; a broken connection is recorded as status 0 (no answer). An
+        answer other than a success, ``503``, or one of ``expected`` is a problem."""
         try:
             status, doc = conn.call(method, path, body, agent)
         except (OSError, loadgen.HttpError):
             conn.close()
             status, doc = 0, None
         self.ledger.answer(self.names[i], operation, status)
-        if status not in (0, 503) and not 200 <= status < 300:
+        if status not in (0, 503, *expected) and not 200 <= status < 300:
             with self.ledger.lock:
                 self.ledger.problems.append(f"{operation} through broker {self.names[i]} "
                                             f"answered {status}: {_code(doc)}")
@@ -485,17 +489,30 @@ class Load:
                 self._ack(conns, turn, m, agent)
 
     def _ack(self, conns: Sequence[loadgen.Conn], turn: int, m: JsonDict, agent: str) -> None:
+        """Ack ``m`` completed; retried on ``503`` or no answer. A retried ack is
+        ``409 not_leased`` when the unanswered one completed the message (a plain ack
+        is not answered again as a duplicate; PROTOCOL.md): the end checks it."""
         ack = {"messageId": m["id"], "leaseId": m["leaseId"], "outcome": "completed"}
+        unanswered = False
         while not self.stop_all.is_set():
             i = turn % len(conns)
             turn += 1
-            status, doc = self.call(i, conns[i], "ack", "POST", "/v1/ack", ack, agent)
+            status, doc = self.call(i, conns[i], "ack", "POST", "/v1/ack", ack, agent,
+                                    expected=(409,) if unanswered else ())
             if status == 200 and isinstance(doc, dict) and doc.get("status") == "done":
                 with self.ledger.lock:
                     self.ledger.completed.add(m["id"])
                 return
+            if unanswered and status == 409 and _code(doc) == "not_leased":
+                with self.ledger.lock:
+                    self.ledger.completed_unanswered.add(m["id"])
+                return
+            if unanswered and status == 409:  # another 409: a problem after all
+                with self.ledger.lock:
+                    self.ledger.problems.append(f"a retried ack answered 409: {_code(doc)}")
             if status not in (0, 503) or time.monotonic() > self.bound:
                 return
+            unanswered = True
             time.sleep(RETRY_PAUSE)
 
     def _poller(self) -> None:
@@ -553,14 +570,18 @@ def register(target: loadgen.Target, agents: Sequence[str], timeout: float = 30.
 
 def stored_facts(dsn: str, ledger: Ledger) -> JsonDict:
     """What the promoted database holds of what the brokers acknowledged."""
+    asked = list(set(ledger.sent) | ledger.completed_unanswered)
     with _connect(dsn) as conn:
         rows = conn.execute("SELECT id, status FROM relay_messages WHERE id = ANY(%s)",
-                            (list(ledger.sent),)).fetchall()
+                            (asked,)).fetchall()
         log_ids = [r[0] for r in conn.execute(
             "SELECT id FROM relay_messages WHERE recipient = 'log' ORDER BY seq").fetchall()]
     status = dict(rows)
     lost_sends = sorted(set(ledger.sent) - set(status))
     undone = sorted(m for m in ledger.completed if status.get(m) != "done")
+    # A retried ack refused as not leased while the message is not done: the
+    # unanswered try did not complete it, and the lease was lost.
+    lost_leases = sorted(m for m in ledger.completed_unanswered if status.get(m) != "done")
     twice = sorted(m for m, leases in ledger.grants.items() if len(leases) > 1)
     seen = Counter(ledger.polled)
     gap = [m for m in log_ids if m not in seen]
@@ -568,6 +589,8 @@ def stored_facts(dsn: str, ledger: Ledger) -> JsonDict:
     return {
         "lostSends": lost_sends,
         "lostCompletions": undone,
+        "completedUnanswered": len(ledger.completed_unanswered),
+        "lostLeases": lost_leases,
         "leasedTwice": twice,
         "pollerGap": gap,
         "pollerRepeats": repeats,
@@ -673,6 +696,7 @@ def run_drill(prof: JsonDict, bindir: str, python: str, synchronous: bool = True
                 "gaveUp": len(ledger.unsent), "problems": ledger.problems[:20], **facts,
             }
             result["lost"] = (len(facts["lostSends"]) + len(facts["lostCompletions"])
+                              + len(facts["lostLeases"])
                               + len(facts["leasedTwice"]) + len(facts["pollerGap"])
                               + len(facts["pollerRepeats"]) + int(facts["pollerOutOfOrder"]))
             result["ok"] = (result["lost"] == 0 and not ledger.problems
@@ -711,10 +735,14 @@ def render(r: JsonDict) -> str:
         f"  lost sends            {len(r['lostSends'])}",
         f"  lost completions      {len(r['lostCompletions'])}",
         f"  leased twice          {len(r['leasedTwice'])}",
+        f"  leases lost           {len(r['lostLeases'])}",
         f"  v1.0 poller gap       {len(r['pollerGap'])} missed, "
         f"{len(r['pollerRepeats'])} repeated"
         + (", out of order" if r["pollerOutOfOrder"] else ""),
     ]
+    if r["completedUnanswered"] and not r["lostLeases"]:
+        lines.append(f"  (acks whose answer was lost, retried and answered 409 not_leased: "
+                     f"{r['completedUnanswered']}, each message found done)")
     if r["leasedUnseen"]:
         lines.append(f"  (leased in an answer lost in the switch: {r['leasedUnseen']}, "
                      "delivered again when that lease ends)")
