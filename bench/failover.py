@@ -17,7 +17,9 @@ promoted with ``pg_ctl promote``, the load goes on, and at the end every acknowl
 fact is checked against the promoted database:
 
 - every send answered ``201`` (or ``200 duplicate``) is stored;
-- every ack answered ``done`` is still done;
+- every ack answered ``done`` is still done, and so is the message of an ack that
+  was retried after a lost answer and refused as ``409 not_leased`` (the lost one
+  completed it: a plain ack is not answered again as a duplicate);
 - no message was leased twice (the lease outlives the drill, so a second lease could
   only be a broken promise);
 - the v1.0 poller's pages, in order, are exactly the recipient's stored messages: no
@@ -25,7 +27,7 @@ fact is checked against the promoted database:
 
 It prints the time to recover, the answers by status during the switch and what was
 lost, and exits 1 when anything acknowledged was lost or a broker answered anything
-but success or ``503 busy``. Everything it starts is stopped and the folder removed,
+but success, ``503 busy`` or that ``409``. Everything it starts is stopped and the folder removed,
 on success, failure, timeout or Ctrl-C. As root, the clusters run as the ``postgres``
 user (PostgreSQL refuses root).
 """
