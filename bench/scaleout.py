@@ -256,6 +256,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prof = PROFILES["quick" if args.quick else "full"]
     python = os.path.abspath(args.python) if os.sep in args.python else args.python
     bindir = None if args.dsn else failover.find_postgres_bin(args.pg_bin)
+    if args.pg_bin and bindir is None:
+        p.error(f"--pg-bin {args.pg_bin} has no initdb, pg_ctl and pg_basebackup")
     workdir = servers.workspace()
     results: Dict[str, JsonDict] = {}
     try:
