@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install -q -e '.[test,postgres,mcp]'
 	touch $(STAMP)
 
-# `make run` uses PyPy when it is on the machine: its JIT serves about twice the
+# `make run` uses PyPy when it is on the machine: its JIT serves two to three times the
 # requests of CPython. The CPython venv is made either way: it holds the `relay`
 # command the README uses beside the broker.
 HAVE_PYPY := $(shell command -v $(PYPY) 2>/dev/null)
@@ -31,7 +31,7 @@ ifneq ($(HAVE_PYPY),)
 	@echo "make run: the broker runs on PyPy ($(HAVE_PYPY)); 'make run-cpython' runs it on CPython"
 	$(PYPY_VENV)/bin/twistd -n relay --config conf/relay.yaml
 else
-	@echo "make run: the broker runs on CPython; with PyPy installed (apt-get install pypy3) it runs on PyPy, about twice as fast"
+	@echo "make run: the broker runs on CPython; with PyPy installed (apt-get install pypy3) it runs on PyPy, two to three times as fast"
 	$(BIN)/twistd -n relay --config conf/relay.yaml
 endif
 
@@ -62,7 +62,7 @@ $(PYPY_STAMP): setup.cfg pyproject.toml
 	$(PYPY_VENV)/bin/pip install -q -e '.[test,postgres]'
 	touch $(PYPY_STAMP)
 
-## run-pypy: the broker on PyPy, about twice as fast (needs pypy3: apt-get install pypy3)
+## run-pypy: the broker on PyPy, two to three times as fast (needs pypy3: apt-get install pypy3)
 run-pypy: $(PYPY_STAMP)
 	$(PYPY_VENV)/bin/twistd -n relay --config conf/relay.yaml
 
@@ -72,7 +72,7 @@ OLDEST_STAMP = $(OLDEST_VENV)/.installed-stamp
 $(OLDEST_STAMP): setup.cfg pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/pip install -q --upgrade pip
-	$(OLDEST_VENV)/bin/pip install -q -c .ci/oldest.txt -e '.[test,postgres]'
+	$(OLDEST_VENV)/bin/pip install -q -c .ci/oldest.txt -e '.[test,postgres,mcp]'
 	touch $(OLDEST_STAMP)
 
 ## test-oldest: the whole test suite on the lowest versions of Twisted, Klein,

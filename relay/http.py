@@ -177,7 +177,7 @@ class RelayChannel(http.HTTPChannel):
             self._peer = self.transport.getPeer()
         return self._peer
 
-    def isSecure(self) -> bool:  # noqa: N802 (twisted.web's name)
+    def isSecure(self) -> bool:
         """Whether the connection is TLS, asked of the transport once per connection."""
         if self._secure is None:
             self._secure = super().isSecure()

@@ -271,9 +271,10 @@ def certificate_options(
         **kwargs,
     )
     try:
-        # Every connection is made from this context: clients may not renegotiate
-        # (OpenSSL's default too, pinned here).
-        options.getContext().set_options(SSL.OP_NO_RENEGOTIATION)
+        # Clients may not renegotiate: OpenSSL refuses it by default, and
+        # tests/test_tls.py pins that (setting the option here would change the
+        # context after Twisted has made a connection of it, which pyOpenSSL refuses).
+        options.getContext()
     except SSL.Error as e:
         files = ", ".join(
             p for p in (listener.cert_key, listener.extra_cert_chain, listener.dh_parameters) if p
