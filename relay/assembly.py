@@ -31,6 +31,7 @@ from relay.counters import SAMPLE_SECONDS, Counters
 from relay.endpoints import server_endpoints
 from relay.http import RelaySite
 from relay.store.interface import ISharedLockouts, ISharedNonces
+from relay.streams import EventStreams
 from relay.web import RelayAPI
 
 log = Logger(namespace="relay.service")
@@ -162,7 +163,10 @@ def make_api(config: Config, store, clock: IReactorTime,
              counters: Optional[Counters] = None) -> RelayAPI:
     """The broker over ``store`` under ``config``'s policy, and its HTTP API."""
     counters = counters if counters is not None else Counters()
-    broker = Broker(store, clock, Policy.from_config(config), counters=counters)
+    streams = EventStreams(store, clock, config.max_streams_per_agent, config.max_streams,
+                           counters)
+    broker = Broker(store, clock, Policy.from_config(config), counters=counters,
+                    streams=streams)
     store.observe_commits(counters.commit_timed)
     auth = make_authenticator(config, clock, counters)
     if ISharedLockouts.providedBy(store):  # several brokers count failures together
@@ -199,6 +203,7 @@ class Assembly:
                            config.allowed_hosts)
         self.api.rate_limiter.configure(config.rate_limit_loopback, config.rate_limit_remote)
         self.broker.configure(Policy.from_config(config))
+        self.broker.streams.configure(config.max_streams_per_agent, config.max_streams)
         self.site.configure(config.access_log, config.max_connections_per_address)
         if self.ops is not None:
             self.ops.configure(config.ops.tokens)

@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from relay import __version__, delivery, errors, protocol
 from relay.counters import Counters
 from relay.delivery import Changes, Message, Rules
+from relay.events import KEEPALIVE_SECONDS
 from relay.protocol import HEARTBEAT_TTL_SECONDS, KEEP_CARD, MAX_WAIT_SECONDS
 from relay.waiters import Waiters
 
@@ -48,6 +49,8 @@ class Policy:
     max_agents: int
     # sends are refused (503 busy) while the store's disk has less free space (0: never)
     min_free_disk_bytes: int
+    # REACH §11: how long events are kept
+    event_retention_seconds: float
 
     @classmethod
     def from_config(cls, config) -> Policy:
@@ -67,6 +70,7 @@ class Policy:
             require_nonce=config.require_nonce,
             max_agents=config.max_agents,
             min_free_disk_bytes=config.min_free_disk_mb * 1024 * 1024,
+            event_retention_seconds=config.event_retention_seconds,
         )
 
     @property
@@ -85,8 +89,11 @@ class Broker:
     """Every operation of the relay over one store, under one policy and one clock."""
 
     def __init__(self, store, clock: IReactorTime, policy: Policy,
-                 waiters: Optional[Waiters] = None, counters: Optional[Counters] = None) -> None:
+                 waiters: Optional[Waiters] = None, counters: Optional[Counters] = None,
+                 streams: Any = None) -> None:
         self.store = store
+        # The open event streams (relay.streams.EventStreams), when the broker serves them.
+        self.streams = streams
         self.clock = clock
         self.policy = policy
         self.waiters = waiters if waiters is not None else Waiters(clock)
@@ -184,6 +191,8 @@ class Broker:
                 "delayedDelivery": {"maxSeconds": protocol.MAX_DELAY_SECONDS},
                 "peerCards": True,
                 "signedNonce": {"required": self.policy.require_nonce},
+                "events": {"retentionSeconds": int(self.policy.event_retention_seconds),
+                           "keepaliveSeconds": KEEPALIVE_SECONDS},
             },
             "storage": self.storage(),
         }
@@ -416,15 +425,19 @@ class Broker:
             if count:
                 log.info("expired {count} messages", count=count)
                 self.counters.messages_expired(count)
+            trimming = self.store.trim_events(now - self.policy.event_retention_seconds)
+            trimming.addCallback(lambda _: forget())
+            return trimming
+
+        def forget() -> Deferred:
             # Agents offline for longer than messages live (never while they may be
             # online) and with nothing addressed to them are forgotten.
             offline = max(self.policy.message_ttl_seconds, HEARTBEAT_TTL_SECONDS)
             forgetting = self.store.forget_peers(now - offline)
             forgetting.addCallback(self._forgotten)
-            forgetting.addCallback(lambda _: count)
             return forgetting
 
-        d.addCallback(removed)
+        d.addCallback(lambda count: removed(count).addCallback(lambda _: count))
         return d
 
     def _forgotten(self, agents: List[str]) -> None:
@@ -441,6 +454,10 @@ class Broker:
     def disk_free(self) -> Optional[int]:
         """The bytes free where the store writes, or None when the broker cannot tell."""
         return self.store.space_left()
+
+    def event_streams(self) -> Dict[str, int]:
+        """Open event streams per agent."""
+        return self.streams.counts() if self.streams is not None else {}
 
     def waiting(self) -> int:
         """How many requests wait for messages now (``/v1/pull`` ``waitSeconds`` and
@@ -478,6 +495,8 @@ class Broker:
             self._expiry_call.cancel()
         self._expiries.clear()
         self.waiters.stop()
+        if self.streams is not None:
+            self.streams.stop()
 
 
 def _found_page(page: Tuple[List[Message], Optional[str]]) -> bool:

@@ -261,6 +261,10 @@ SETTINGS: Tuple[Setting, ...] = (
     _broker("inboxMaxBytes", "inbox_max_bytes", "int", 100 * 1024 * 1024, 0, 2**62),
     _broker("minFreeDiskMB", "min_free_disk_mb", "int", 64, 0, 2**40),
     _broker("maxAgents", "max_agents", "int", 10_000, 0, _INT32),
+    # Events (REACH §11): how long they are kept, and the open streams allowed.
+    _broker("eventRetentionSeconds", "event_retention_seconds", "int", 3600, 1, 30 * 86400),
+    _broker("maxStreamsPerAgent", "max_streams_per_agent", "int", 4, 1, 1000),
+    _broker("maxStreams", "max_streams", "int", 10_000, 1, 10**6),
     # Seconds of self-exercise before listening; unset: the interpreter's default
     # (relay.warmup.default_seconds). Read at each start only, before anything runs.
     _broker("warmupSeconds", "warmup_seconds", "number", None, 0, 60,
@@ -392,6 +396,9 @@ _BROKER_KEYS = frozenset(
         "inboxMaxBytes",
         "minFreeDiskMB",
         "maxAgents",
+        "eventRetentionSeconds",
+        "maxStreamsPerAgent",
+        "maxStreams",
         "tlsClientCA",
         "opsListen",
         "opsToken",

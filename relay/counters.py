@@ -104,6 +104,9 @@ class Counters:
         self.flow_history: Deque[Tuple[Optional[float], Dict[str, Dict[str, int]]]] = deque(
             maxlen=FLOW_SAMPLES)
         self.history: Deque[Sample] = deque(maxlen=HISTORY_SAMPLES + 1)
+        # REACH §11: event streams opened and events written to them
+        self.streams_opened = 0
+        self.events_sent = 0
 
     # -- events (the hot path) ---------------------------------------------------------
 
@@ -128,6 +131,14 @@ class Counters:
     def messages_delivered(self, count: int) -> None:
         """Messages handed to a recipient: leases granted, or returned by a v1.0 poll."""
         self.delivered += count
+
+    def stream_opened(self) -> None:
+        """An event stream (``GET /v1/events``) was opened."""
+        self.streams_opened += 1
+
+    def events_streamed(self, count: int) -> None:
+        """``count`` events were written to an event stream."""
+        self.events_sent += count
 
     def message_acked(self, outcome: str) -> None:
         self.acked[outcome] = self.acked.get(outcome, 0) + 1

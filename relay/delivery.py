@@ -450,9 +450,13 @@ class Changes:
     ``expiring`` holds the ``expiresAt`` times (epoch seconds) of new requests sent
     with a TTL: the broker sweeps then, so the sender's failure notice is stored
     when the request expires, not at the next periodic sweep.
+
+    ``events`` holds the agents for which events were recorded (REACH §11): their
+    open event streams and webhooks read them.
     """
 
-    __slots__ = ("ready", "due", "held", "released", "stored", "dead", "lapsed", "expiring")
+    __slots__ = ("ready", "due", "held", "released", "stored", "dead", "lapsed", "expiring",
+                 "events")
 
     def __init__(self) -> None:
         self.ready: Set[str] = set()
@@ -463,10 +467,11 @@ class Changes:
         self.dead: List[str] = []
         self.lapsed = 0
         self.expiring: Set[float] = set()
+        self.events: Set[str] = set()
 
     def __bool__(self) -> bool:
         return bool(self.ready or self.due or self.held or self.released or self.stored
-                    or self.dead or self.lapsed or self.expiring)
+                    or self.dead or self.lapsed or self.expiring or self.events)
 
     def update(self, other: Changes) -> None:
         self.ready |= other.ready
@@ -477,6 +482,7 @@ class Changes:
         self.dead += other.dead
         self.lapsed += other.lapsed
         self.expiring |= other.expiring
+        self.events |= other.events
 
     def __repr__(self) -> str:
         return f"<Changes ready={sorted(self.ready)} due={sorted(self.due)}>"

@@ -1264,6 +1264,108 @@ class ExtensionContract(_Contract):
         assert (await store.peers())[1] == ("beta", int(START) + 7, None)
 
 
+class EventContract(_Contract):
+    """REACH §11 events as a store records them: with the change that causes them,
+    in order per agent, resumable without loss or repeat, and trimmed by retention."""
+
+    async def read(self, store, agent: str, after: Optional[int], limit: int = 100):
+        return await store.events(agent, after, limit)
+
+    async def events_of(self, store, agent: str, after: int = 0) -> List[Tuple[str, Dict]]:
+        page = await self.read(store, agent, after)
+        assert page.reset is None
+        return [(e.type, json.loads(e.data)) for e in page.events]
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_send_pull_and_ack_record_their_events(self, store):
+        sent = await self.send(store, id="m1", kind="request", rootId="r", parentId="p",
+                               body={"text": "never in an event"})
+        assert await self.events_of(store, "beta") == [
+            ("message", {"id": "m1", "from": "alpha", "to": "beta", "kind": "request",
+                         "rootId": "r", "parentId": "p"})]
+        (leased,) = await store.pull("beta", 1, self.LEASE, START, RULES)
+        await ack(store, sent.id, "beta", leased.lease_id, "reject", "bad input", START)
+        seen = await self.events_of(store, "alpha")
+        assert seen[:2] == [
+            ("status", {"id": "m1", "to": "beta", "status": LEASED, "attempts": 0,
+                        "deliveries": 1}),
+            ("status", {"id": "m1", "to": "beta", "status": FAILED, "attempts": 0,
+                        "deliveries": 1, "error": "bad input"}),
+        ]
+        # the failure notice to the sender is a message like any other
+        assert seen[2][0] == "message" and seen[2][1]["parentId"] == "m1"
+        everything = await self.read(store, "alpha", 0)
+        assert "never in an event" not in repr(everything)
+        assert await self.events_of(store, "beta") == [("message", {
+            "id": "m1", "from": "alpha", "to": "beta", "kind": "request", "rootId": "r",
+            "parentId": "p"})]
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_lapsed_lease_is_a_new_message_event_and_a_status(self, store):
+        await self.send(store, id="m1")
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        await store.sweep_leases(START + self.LEASE + 1, RULES)
+        kinds = [(t, d["id"], d.get("status")) for t, d in await self.events_of(store, "beta")]
+        assert kinds == [("message", "m1", None), ("message", "m1", None)]
+        statuses = [d["status"] for _, d in await self.events_of(store, "alpha")]
+        assert statuses == [LEASED, QUEUED]
+
+    @pytest_twisted.ensureDeferred
+    async def test_resume_gives_exactly_the_events_after_the_id(self, store):
+        for i in range(5):
+            await self.send(store, id=f"m{i}")
+        page = await self.read(store, "beta", 0)
+        ids = [e.id for e in page.events]
+        assert ids == sorted(ids) and len(set(ids)) == 5
+        await self.send(store, to="gamma", id="other")
+        for i in range(5, 8):
+            await self.send(store, id=f"m{i}")
+        resumed = await self.read(store, "beta", ids[2])
+        assert [json.loads(e.data)["id"] for e in resumed.events] == [
+            "m3", "m4", "m5", "m6", "m7"]
+        assert resumed.last == resumed.events[-1].id
+        small = await self.read(store, "beta", ids[2], limit=2)
+        assert [json.loads(e.data)["id"] for e in small.events] == ["m3", "m4"]
+        again = await self.read(store, "beta", small.last)
+        assert [json.loads(e.data)["id"] for e in again.events] == ["m5", "m6", "m7"]
+        assert (await self.read(store, "beta", again.last)).events == []
+
+    @pytest_twisted.ensureDeferred
+    async def test_no_position_starts_at_the_present(self, store):
+        await self.send(store, id="m0")
+        page = await self.read(store, "beta", None)
+        assert page.events == [] and page.reset is None
+        await self.send(store, id="m1")
+        later = await self.read(store, "beta", page.last)
+        assert [json.loads(e.data)["id"] for e in later.events] == ["m1"]
+
+    @pytest_twisted.ensureDeferred
+    async def test_an_unknown_or_trimmed_position_is_a_reset(self, store):
+        await self.send(store, id="old", now=START)
+        first = (await self.read(store, "beta", 0)).events[0].id
+        await self.send(store, id="new", now=START + 100)
+        unknown = await self.read(store, "beta", first + 1000)
+        assert unknown.reset == "unknown event id" and unknown.events == []
+        assert (await self.read(store, "beta", -1)).reset == "unknown event id"
+        assert await store.trim_events(START + 50) == 1
+        trimmed = await self.read(store, "beta", 0)
+        assert trimmed.reset is not None and "eventRetentionSeconds" in trimmed.reset
+        assert trimmed.last >= first + 1
+        kept = await self.read(store, "beta", first)
+        assert [json.loads(e.data)["id"] for e in kept.events] == ["new"]
+
+    @pytest_twisted.ensureDeferred
+    async def test_changes_name_the_agents_with_new_events(self, store):
+        heard = Recorder()
+        store.subscribe(heard)
+        await self.send(store, id="m1")
+        await store.pull("beta", 1, self.LEASE, START, RULES)
+        agents = set()
+        for changes in heard.heard:
+            agents |= changes.events
+        assert agents == {"alpha", "beta"}
+
+
 def build_site(config: Config, clock: Clock, store=None):
     """The broker's production site over ``store`` (a memory store when None), built
     by the composition root (:func:`relay.assembly.assemble`) without listeners."""

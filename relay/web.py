@@ -22,7 +22,7 @@ from klein import Klein
 from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
 
-from relay import errors, protocol
+from relay import errors, events, protocol
 from relay.auth import Authenticator, Bounded, RateLimiter
 from relay.broker import Broker
 from relay.errors import RelayError
@@ -317,6 +317,18 @@ class RelayAPI:
         d.addCallback(lambda page: write_body(
             request, 200, message_list(page[0], count=len(page[0]), cursor=page[1])))
         return d
+
+
+    # -- v1.3 (REACH.md) ------------------------------------------------------
+
+    @app.route("/v1/events", methods=["GET"])
+    @authenticated
+    def events(self, request, agent: str, body: bytes) -> Deferred:
+        since = query_arg(request, b"since")
+        if since is None:
+            header = _header(request.requestHeaders, b"last-event-id")
+            since = header.decode("latin-1") if header is not None else None
+        return self.broker.streams.open(agent, request, events.parse_event_id(since))
 
 
 class ListenerFront(Resource):

@@ -40,6 +40,8 @@ async def snapshot(store) -> Dict[str, Any]:
         },
         "peers": await store.peers(),
         "next_seq": state.next_seq,
+        "events": list(state.event_log),
+        "event_marks": state.event_marks(),
     }
 
 
@@ -56,13 +58,17 @@ async def test_torn_last_line_is_skipped_and_the_log_stays_usable(tmp_path):
     await store.close()
     path = tmp_path / "messages.jsonl"
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) - 25])  # a crash in the middle of the last write
+    # a crash in the middle of the last write (the last message's snapshot; its event
+    # record came after it)
+    last = data.rindex(b'{"seq"')
+    path.write_bytes(data[: last + 25])
 
     with capturedLogs() as events:
         store = open_jsonl(tmp_path)
     try:
         assert sorted(store.records.by_id) == ["beta0", "beta1"]
-        skipped = [e for e in events if e.get("line") == 3]
+        torn = data[:last].count(b"\n") + 1
+        skipped = [e for e in events if e.get("line") == torn]
         assert len(skipped) == 1 and MARKER not in repr(events)
         await fill(store, 1, to="gamma")
     finally:
@@ -163,8 +169,8 @@ async def test_compaction_keeps_everything(tmp_path):
 
         await store.compact()
         assert store.compactions == 1
-        live = len(before["messages"]) + len(before["peers"])
-        assert len(lines(tmp_path)) == live + 1  # + the next-seq record
+        live = len(before["messages"]) + len(before["peers"]) + len(before["events"])
+        assert len(lines(tmp_path)) == live + 2  # + the next-seq and event-marks records
         assert not os.path.exists(tmp_path / "messages.jsonl.compact")
         assert await snapshot(store) == before
         await store.add(new_message("alpha", "beta", START, id="after"), RULES)
@@ -175,6 +181,8 @@ async def test_compaction_keeps_everything(tmp_path):
         after = await snapshot(store)
         assert after["messages"].pop("after")[0] == before["next_seq"]
         after["next_seq"] -= 1
+        assert after.pop("events")[:-1] == before.pop("events")  # + the event of "after"
+        assert after.pop("event_marks")[1] == before.pop("event_marks")[1] + 1
         assert after == before
         assert "beta0" not in store.records.by_id
         assert store.records.by_id["beta2"].recovery is True
@@ -256,6 +264,8 @@ async def test_no_rewrite_per_operation(tmp_path):
         store.compact_min_records = 100
         for r in range(40, 640):
             await churn_one(store, r)
+            if r % 10 == 0:  # events past retention leave, as messages do
+                await store.trim_events(START + 1)
         await drain(store)
         # compaction is amortised: at most one per compact_min_records appended records
         assert 1 <= store.compactions <= (600 * 4) // 100
@@ -300,7 +310,7 @@ async def test_sync_normal_writes_before_the_result_without_fsync(tmp_path, monk
         d = store.add(new_message("alpha", "beta", START, id="w"), RULES)
         assert len(lines(tmp_path)) == 0
         await d
-        assert len(lines(tmp_path)) == 1 and synced == []
+        assert len(lines(tmp_path)) == 2 and synced == []  # the message and its event
     finally:
         await store.close()
 

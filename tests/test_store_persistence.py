@@ -245,3 +245,42 @@ async def test_restart_keeps_every_v12_field(persistent, tmp_path):
         assert [n.id for n in notices].count(delivery.notice_id("x1")) == 1
     finally:
         await store.close()
+
+
+async def every_event(store, agents=("alpha", "beta", "gamma")) -> Dict[str, Any]:
+    out = {}
+    for agent in agents:
+        page = await store.events(agent, 0, 1000)
+        out[agent] = (page.reset, list(page.events))
+    return out
+
+
+@pytest_twisted.ensureDeferred
+async def test_restart_keeps_the_events_their_order_and_the_retention_floor(persistent,
+                                                                           tmp_path):
+    store = open_backend(persistent, tmp_path)
+    await populate(store)
+    before = await every_event(store)
+    assert before["beta"][1] and before["alpha"][1]
+    last = max(e.id for _, events in before.values() for e in events)
+    await store.close()
+
+    store = open_backend(persistent, tmp_path)
+    try:
+        assert await every_event(store) == before
+        await store.add(new_message("alpha", "beta", START + 50, id="after"), RULES)
+        (newest,) = (await store.events("beta", last, 10)).events
+        assert newest.id > last, "event ids never go back"
+        trimmed = await store.trim_events(START + 40)
+        assert trimmed > 0
+    finally:
+        await store.close()
+
+    store = open_backend(persistent, tmp_path)
+    try:
+        page = await store.events("beta", 0, 10)
+        assert page.reset is not None, "the retention floor survives a restart"
+        assert [e.id for e in (await store.events("beta", newest.id - 1, 10)).events] == [
+            newest.id]
+    finally:
+        await store.close()

@@ -243,7 +243,8 @@ async def test_a_version_1_database_is_brought_to_the_newest_version(tmp_path):
     version_1_database(str(tmp_path / "relay.db"))
     store = open_sqlite(tmp_path)
     try:
-        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 4
+        (version,) = store.db.execute("SELECT version FROM version").fetchone()
+        assert version == backend.SCHEMA_VERSION
         indexes = {row[0]: row[1] for row in store.db.execute(
             "SELECT name, sql FROM sqlite_master WHERE type = 'index'")}
         assert "(sender, seq)" in indexes["messages_outbox"]
@@ -298,7 +299,8 @@ async def test_a_real_version_2_database_is_upgraded_after_a_backup(tmp_path):
     shutil.copy(V2_DATABASE, tmp_path / "relay.db")
     store = open_sqlite(tmp_path)
     try:
-        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 4
+        (version,) = store.db.execute("SELECT version FROM version").fetchone()
+        assert version == backend.SCHEMA_VERSION
         found = {i: await store.find(f"v2-{i}", START) for i in range(6)}
         assert [found[i].status for i in range(6)] == [
             DONE, "failed", LEASED, QUEUED, QUEUED, QUEUED]
@@ -372,7 +374,8 @@ async def test_a_version_3_database_is_upgraded_and_its_sent_box_reads_the_same(
     stored = version_3_database(str(tmp_path / "relay.db"))
     store = open_sqlite(tmp_path)
     try:
-        assert store.db.execute("SELECT version FROM version").fetchone()[0] == 4
+        (version,) = store.db.execute("SELECT version FROM version").fetchone()
+        assert version == backend.SCHEMA_VERSION
         for sender in ("alpha", "gamma"):
             for filters in ({}, {"status": QUEUED}, {"status": LEASED}, {"status": DONE},
                             {"status": "failed"}, {"kind": "request"}, {"to": "beta"}):

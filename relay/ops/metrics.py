@@ -44,6 +44,7 @@ class Scrape:
     storage: str
     agents_registered: int = 0
     disk_free_bytes: Optional[int] = None
+    event_streams: int = 0
 
 
 def capped_depths(depths: Iterable[QueueDepth], limit: int = MAX_AGENT_SERIES) -> List[QueueDepth]:
@@ -114,6 +115,11 @@ class Report:
                        "passed.", c.lease_expirations)
         yield GaugeMetricFamily("relay_pull_waiting", "Long-poll requests waiting (/v1/pull "
                                 "waitSeconds and GET /messages wait).", value=s.pull_waiting)
+        yield GaugeMetricFamily("relay_event_streams", "Event streams open (GET /v1/events).",
+                                value=s.event_streams)
+        yield _counter("relay_event_streams_opened", "Event streams opened.", c.streams_opened)
+        yield _counter("relay_events_streamed", "Events written to event streams.",
+                       c.events_sent)
         yield GaugeMetricFamily("relay_agents_online", "Agents with a heartbeat in the last "
                                 "90 seconds.", value=s.agents_online)
         requests = CounterMetricFamily("relay_http_requests", "HTTP requests answered by the "

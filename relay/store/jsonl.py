@@ -29,6 +29,11 @@ JSON object per line:
     addressed to it).
 ``{"op": "next", "seq": N}``
     The next sequence number (head of a compacted file), so seqs never repeat.
+``{"op": "event", "id": N, "agent": NAME, "at": SECONDS, "type": TYPE, "data": {...}}``
+    An event of REACH §11 (``data`` never holds a body).
+``{"op": "events", "floor": N, "last": N}``
+    Retention removed every event up to id ``floor``; ``last`` is the highest
+    id given so far (also the head of a compacted file), so ids never repeat.
 
 A line that is not one of these — a corrupt one, or a torn last line after a
 crash — is skipped, counted and logged by its line number only; a torn last
@@ -67,12 +72,14 @@ from twisted.logger import Logger
 from relay.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
 from relay.delivery import DEAD_REASONS, Message
 from relay.errors import ConfigError, RelayError
+from relay.events import MESSAGE, STATUS, Event
 from relay.files import FreeSpace, private_file
 from relay.protocol import (
     KEEP_CARD,
     MESSAGE_KINDS,
     MESSAGE_TYPES,
     STATUSES,
+    compact_json,
     iso_timestamp,
     parse_card,
 )
@@ -88,6 +95,7 @@ COMPACT_SUFFIX = ".compact"
 COMPACT_MIN_RECORDS = 10_000
 COMPACT_CHUNK = 1000
 LOGGED_SKIPS = 20
+EVENT_TYPES = (MESSAGE, STATUS)
 
 
 # -- records ---------------------------------------------------------------------
@@ -146,6 +154,18 @@ def peer_record(agent: str, last_seen: int, card: Any = KEEP_CARD) -> Dict[str, 
     if card is not KEEP_CARD:
         record["card"] = card
     return record
+
+
+def event_record(event: Event) -> Dict[str, Any]:
+    """The log record of ``event``."""
+    return {"op": "event", "id": event.id, "agent": event.agent, "at": event.at,
+            "type": event.type, "data": json.loads(event.data)}
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("not a number")
+    return float(value)
 
 
 def _time(value: Any) -> Optional[float]:
@@ -284,6 +304,9 @@ class LoadedLog:
         self.skipped = 0
         self.ends_with_newline = True
         self.whole_bytes = 0  # the length of the file up to its last whole line
+        self.events: List[Event] = []
+        self.event_floor = 0
+        self.last_event = 0
 
 
 def read_log(path: str, now: float) -> LoadedLog:
@@ -335,6 +358,16 @@ def read_log(path: str, now: float) -> LoadedLog:
                     loaded.cards.pop(agent, None)
                 elif op == "next":
                     max_seq = max(max_seq, _int(record["seq"]) - 1)
+                elif op == "event":
+                    data = record["data"]
+                    if not isinstance(data, dict) or record["type"] not in EVENT_TYPES:
+                        raise ValueError("not an event")
+                    loaded.events.append(Event(
+                        _int(record["id"]), _text(record["agent"], optional=False),
+                        record["type"], compact_json(data), _number(record["at"])))
+                elif op == "events":
+                    loaded.event_floor = max(loaded.event_floor, _int(record["floor"]))
+                    loaded.last_event = max(loaded.last_event, _int(record["last"]))
                 else:
                     raise ValueError("unknown op")
             except (ValueError, KeyError, TypeError, RecursionError):
@@ -354,6 +387,8 @@ def read_log(path: str, now: float) -> LoadedLog:
         seen.add(message.seq)
         loaded.messages.append(message)
     loaded.next_seq = next_seq
+    loaded.events = sorted((e for e in loaded.events if e.id > loaded.event_floor),
+                           key=lambda e: e.id)
     return loaded
 
 
@@ -388,8 +423,14 @@ class LoggedRecords(MemoryRecords):
             if message.seq > through:
                 self.append({"op": "drop", "id": message.id})
 
+    def evented(self, event: Event) -> None:
+        self.append(event_record(event))
+
+    def trimmed(self, floor: int) -> None:
+        self.append({"op": "events", "floor": floor, "last": self.last_event})
+
     def live_records(self) -> int:
-        return len(self.by_id) + len(self.peer_seen)
+        return len(self.by_id) + len(self.peer_seen) + len(self.event_log)
 
 
 def _fsync_directory(directory: str) -> None:
@@ -415,9 +456,14 @@ class Compaction:
         self.tail_records = 0
         self.records = 1 + len(state.peer_seen)
         self.file.write(_encode({"op": "next", "seq": state.next_seq}))
+        self.file.write(_encode({"op": "events", "floor": state.event_floor,
+                                 "last": state.last_event}))
         for agent, seen in sorted(state.peer_seen.items()):
             card = state.cards.get(agent, KEEP_CARD)
             self.file.write(_encode(peer_record(agent, seen, card)))
+        # the kept events (few: retention bounds them) at once, before any later one
+        self.file.write(b"".join(_encode(event_record(e)) for e in state.event_log))
+        self.records += 1 + len(state.event_log)
         self.waiters: List[Deferred] = []
         self.call = None
 
@@ -714,6 +760,10 @@ def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
     state.peer_seen.update(loaded.peers)
     state.cards.update(loaded.cards)
     state.next_seq = max(state.next_seq, loaded.next_seq)
+    for event in loaded.events:
+        state.load_event(event)
+    state.event_floor = loaded.event_floor
+    state.last_event = max(state.last_event, loaded.last_event, loaded.event_floor)
 
 
 __all__ = ["JsonlStore", "LoadedLog", "open_store", "read_log", "snapshot_record"]

@@ -14,6 +14,7 @@ from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence
 from relay import delivery
 from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
+from relay.events import Event
 from relay.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
 from relay.store.interface import QueueDepth
 from relay.store.records import Records, RecordStore
@@ -61,6 +62,13 @@ class MemoryRecords(Records):
         self.held: Dict[str, int] = {}
         # agent -> UTF-8 bytes of the bodies of its pending (queued or leased) messages
         self.pending_bytes: Dict[str, int] = {}
+        # REACH §11: every kept event in id order, each agent's in id order, the
+        # highest id given and the highest removed by retention
+        self.event_log: Deque[Event] = deque()
+        self.agent_events: Dict[str, List[Event]] = {}
+        self.agent_event_ids: Dict[str, List[int]] = {}
+        self.last_event = 0
+        self.event_floor = 0
 
     # -- indexes -----------------------------------------------------------------------
 
@@ -171,6 +179,67 @@ class MemoryRecords(Records):
 
     def registered(self, agent: str, card_changed: bool) -> None:
         """``agent`` sent a heartbeat (with a new card or none, when ``card_changed``)."""
+
+    def evented(self, event: Event) -> None:
+        """``event`` was recorded."""
+
+    def trimmed(self, floor: int) -> None:
+        """Retention removed every event up to id ``floor``."""
+
+    # -- events ------------------------------------------------------------------------
+
+    def load_event(self, event: Event) -> None:
+        """Keep an event that already has its id (when replaying a log)."""
+        self.event_log.append(event)
+        self.agent_events.setdefault(event.agent, []).append(event)
+        self.agent_event_ids.setdefault(event.agent, []).append(event.id)
+        self.last_event = max(self.last_event, event.id)
+
+    def append_event(self, agent: str, event_type: str, data: str, at: float) -> None:
+        event = Event(self.last_event + 1, agent, event_type, data, at)
+        self.load_event(event)
+        self.evented(event)
+
+    def events_after(self, agent: str, after: int, limit: int) -> List[Event]:
+        ids = self.agent_event_ids.get(agent)
+        if not ids or ids[-1] <= after:
+            return []
+        start = bisect_right(ids, after)
+        return self.agent_events[agent][start:start + limit]
+
+    def event_marks(self) -> Tuple[int, int]:
+        return self.event_floor, self.last_event
+
+    def drop_events(self, floor: int) -> int:
+        """Forget the events up to id ``floor``; returns how many."""
+        log = self.event_log
+        count = 0
+        gone: Dict[str, int] = {}
+        while log and log[0].id <= floor:
+            event = log.popleft()
+            gone.setdefault(event.agent, 0)
+            gone[event.agent] += 1
+            count += 1
+        for agent, how_many in gone.items():
+            kept = self.agent_events[agent]
+            if how_many == len(kept):
+                del self.agent_events[agent], self.agent_event_ids[agent]
+            else:
+                del kept[:how_many], self.agent_event_ids[agent][:how_many]
+        self.event_floor = max(self.event_floor, floor)
+        return count
+
+    def trim_events(self, cutoff: float) -> int:
+        floor = 0
+        for event in self.event_log:
+            if event.at >= cutoff:
+                break
+            floor = event.id
+        if not floor:
+            return 0
+        count = self.drop_events(floor)
+        self.trimmed(floor)
+        return count
 
     # -- Records ---------------------------------------------------------------------
 

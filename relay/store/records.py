@@ -28,8 +28,9 @@ from typing import (
 from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
 from zope.interface import implementer
 
-from relay import delivery, errors
+from relay import delivery, errors, events
 from relay.delivery import Changes, Message, Rules, Transition, WithStored
+from relay.events import Event, EventPage
 from relay.protocol import KEEP_CARD
 from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore, QueueDepth
@@ -150,20 +151,52 @@ class Records:
         """``[(agent, last_seen, card or None)]`` sorted by name."""
         raise NotImplementedError
 
+    # -- events (REACH §11) -------------------------------------------------------------
+
+    def append_event(self, agent: str, event_type: str, data: str, at: float) -> None:
+        """Record an event of ``agent``'s stream in the operation's transaction, under
+        the next event id (increasing in each agent's stream)."""
+        raise NotImplementedError
+
+    def events_after(self, agent: str, after: int, limit: int) -> List[Event]:
+        """Up to ``limit`` events of ``agent`` with an id above ``after``, in order."""
+        raise NotImplementedError
+
+    def event_marks(self) -> Tuple[int, int]:
+        """``(floor, last)``: the highest event id removed by retention (0: none) and
+        the highest ever given (0: none)."""
+        raise NotImplementedError
+
+    def trim_events(self, cutoff: float) -> int:
+        """Remove the events recorded before ``cutoff`` (raising the floor); returns
+        how many."""
+        raise NotImplementedError
+
 
 # -- the operations, once for every backend -------------------------------------------
 
 
-def _saved(records: Records, befores: List[Tuple[Any, ...]], messages: List[Message]) -> None:
+def _note(records: Records, before: Optional[Tuple[Any, ...]], message: Message,
+          now: float) -> None:
+    """What a change of ``message`` means: the wake-ups, and the events it causes,
+    recorded in the same transaction."""
+    delivery.wakes(records.changes, before, message)
+    for agent, event_type, data in events.derive(before, message):
+        records.append_event(agent, event_type, data, now)
+        records.changes.events.add(agent)
+
+
+def _saved(records: Records, befores: List[Tuple[Any, ...]], messages: List[Message],
+           now: float) -> None:
     records.save(messages, befores)
     for before, message in zip(befores, messages):
-        delivery.wakes(records.changes, before, message)
+        _note(records, before, message, now)
 
 
-def _store_notices(records: Records, notices: Iterable[Message]) -> None:
+def _store_notices(records: Records, notices: Iterable[Message], now: float) -> None:
     for notice in notices:
         if records.insert(notice):  # an existing id: that request's notice is stored
-            delivery.wakes(records.changes, None, notice)
+            _note(records, None, notice, now)
 
 
 def release_lapsed(records: Records, now: float, rules: Rules) -> int:
@@ -175,8 +208,8 @@ def release_lapsed(records: Records, now: float, rules: Rules) -> int:
     notices: List[Message] = []
     for message in lapsed:
         notices.extend(delivery.catch_up(message, now, rules))
-    _saved(records, befores, lapsed)
-    _store_notices(records, notices)
+    _saved(records, befores, lapsed, now)
+    _store_notices(records, notices, now)
     records.changes.lapsed += len(lapsed)
     return len(lapsed)
 
@@ -203,7 +236,7 @@ def add(records: Records, message: Message, rules: Rules,
     _refuse_if_full(records, message, rules)
     if not records.insert(message):
         return False
-    delivery.wakes(records.changes, None, message)
+    _note(records, None, message, message.created)
     return True
 
 
@@ -237,7 +270,7 @@ def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: fl
         befores = [m.state() for m in messages]
         for message in messages:
             delivery.lease(message, lease_seconds, now)
-        _saved(records, befores, messages)
+        _saved(records, befores, messages, now)
     return messages
 
 
@@ -260,8 +293,8 @@ def settle(records: Records, message_id: str,
             outcome = transition(message, now)
     except errors.RelayError:
         if message.state() != before:
-            _saved(records, [before], [message])
-        _store_notices(records, notices)
+            _saved(records, [before], [message], now)
+        _store_notices(records, notices, now)
         raise
     reply = outcome.reply
     if reply is not None:
@@ -271,10 +304,10 @@ def settle(records: Records, message_id: str,
                     and transition.other_id == reply.id):
                 raise Raced(reply.id)  # decided on a read another writer overtook
             raise delivery.IdConflict(reply.id)
-        delivery.wakes(records.changes, None, reply)
+        _note(records, None, reply, now)
     if message.state() != before:
-        _saved(records, [before], [message])
-    _store_notices(records, notices + list(outcome.notices))
+        _saved(records, [before], [message], now)
+    _store_notices(records, notices + list(outcome.notices), now)
     return outcome.value
 
 
@@ -344,8 +377,25 @@ def peers(records: Records) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
 
 def expire(records: Records, cutoff: float, now: float, rules: Rules, batch: int) -> int:
     count, unprocessed = records.expire(cutoff, now, batch)
-    _store_notices(records, delivery.expiry_notices(unprocessed, now, rules))
+    _store_notices(records, delivery.expiry_notices(unprocessed, now, rules), now)
     return count
+
+
+def read_events(records: Records, agent: str, position: Optional[int],
+                limit: int) -> EventPage:
+    """The events of ``agent`` after ``position`` (:func:`relay.events.parse_event_id`;
+    None: none, the stream starts at the present), or a reset when the store cannot
+    resume from there."""
+    floor, last = records.event_marks()
+    reason = events.resume(position, floor, last)
+    if position is None or reason is not None:
+        return EventPage([], reason, last)
+    found = records.events_after(agent, position, limit)
+    return EventPage(found, None, found[-1].id if found else position)
+
+
+def trim_events(records: Records, cutoff: float) -> int:
+    return records.trim_events(cutoff)
 
 
 def depths(records: Records, now: float) -> List[QueueDepth]:
@@ -462,6 +512,12 @@ class RecordStore:
 
     def queue_depths(self, now: float) -> Deferred:
         return self._run(depths, now)
+
+    def events(self, agent: str, position: Optional[int], limit: int) -> Deferred:
+        return self._run(read_events, agent, position, limit)
+
+    def trim_events(self, cutoff: float) -> Deferred:
+        return self._run(trim_events, cutoff)
 
     def health(self) -> Deferred:
         return succeed(self.commits.failure if self.commits is not None else None)

@@ -59,6 +59,7 @@ from relay import delivery
 from relay.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
 from relay.delivery import PENDING, Message
 from relay.errors import ConfigError
+from relay.events import Event
 from relay.files import FreeSpace, private_file
 from relay.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
 from relay.store import make_data_dir, off_the_reactor
@@ -68,7 +69,7 @@ from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
@@ -79,6 +80,8 @@ LISTING_CHUNK = 16
 # LEASED_BODY_CHARS characters (its length is known; its UTF-8 size would be computed).
 LEASED_KEPT = 1024
 LEASED_BODY_CHARS = 8192
+# The most events one run of retention removes (the sweep runs again soon).
+EVENT_TRIM_BATCH = 20_000
 
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
@@ -193,6 +196,19 @@ STATEMENTS = {
         "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen",
         "INSERT INTO peers (agent, last_seen, card) VALUES (?, ?, ?) "
         "ON CONFLICT (agent) DO UPDATE SET last_seen = excluded.last_seen, card = excluded.card",
+    ],
+    # REACH §11: one row per event (its id chosen by the store), a stream's read, the
+    # marks, and retention (oldest first, by the primary key).
+    "events": [
+        "INSERT INTO events (id, agent, at, type, data) VALUES (?, ?, ?, ?, ?)",
+        "SELECT id, agent, type, data, at FROM events WHERE agent = ? AND id > ? "
+        "ORDER BY id LIMIT ?",
+        "SELECT key, value FROM meta WHERE key IN ('event_floor', 'last_event')",
+        "SELECT id, at FROM events WHERE id > 0 ORDER BY id LIMIT ?",
+        "INSERT INTO meta (key, value) VALUES (?, ?) "
+        "ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)",
+        "DELETE FROM events WHERE id <= ?",
+        "SELECT max(id) FROM events",
     ],
     # One index seek per recipient (a loose scan of messages_inbox), then counts of
     # its queued, leased and failed ranges: done messages are never visited.
@@ -446,6 +462,14 @@ class SQLiteRecords(Records):
         # by that read, replaced or dropped by every write of the row, and the whole
         # map is dropped when a transaction is rolled back.
         self.leased: Dict[str, Message] = {}
+        self._event_marks()
+
+    def _event_marks(self) -> None:
+        """Read the event floor and the next event id from the database."""
+        marks = dict(self.db.execute(STATEMENTS["events"][2]).fetchall())
+        (newest,) = self.db.execute(STATEMENTS["events"][6]).fetchone()
+        self.event_floor = marks.get("event_floor", 0)
+        self.last_event = max(newest or 0, marks.get("last_event", 0))
 
     def _begin(self) -> None:
         """Open the turn's transaction (if needed) before a write."""
@@ -463,6 +487,7 @@ class SQLiteRecords(Records):
                 self.cursor.execute("ROLLBACK")
                 self._count_pending()  # the counters followed what was rolled back
                 self.leased.clear()
+                self._event_marks()
             raise
 
     def _select(self, sql: str, *args: Any) -> List[Message]:
@@ -657,6 +682,39 @@ class SQLiteRecords(Records):
                 self.cursor.executemany(STATEMENTS["expire"][6], [(seq,) for seq in ttl])
                 removed += len(ttl)
         return removed, unprocessed
+
+    def append_event(self, agent: str, event_type: str, data: str, at: float) -> None:
+        self._begin()
+        self.last_event += 1
+        self.cursor.execute(STATEMENTS["events"][0],
+                            (self.last_event, agent, at, event_type, data))
+
+    def events_after(self, agent: str, after: int, limit: int) -> List[Event]:
+        return [Event(event_id, agent, event_type, data, at) for event_id, _, event_type, data, at
+                in self.cursor.execute(STATEMENTS["events"][1], (agent, after, limit)).fetchall()]
+
+    def event_marks(self) -> Tuple[int, int]:
+        return self.event_floor, self.last_event
+
+    def trim_events(self, cutoff: float) -> int:
+        """Removes at most EVENT_TRIM_BATCH events a run, the oldest first."""
+        floor = 0
+        scan = self.db.cursor()  # stops early: closed at once, as in expire
+        try:
+            for event_id, at in scan.execute(STATEMENTS["events"][3], (EVENT_TRIM_BATCH,)):
+                if at >= cutoff:
+                    break
+                floor = event_id
+        finally:
+            scan.close()
+        if not floor:
+            return 0
+        self._begin()
+        self.cursor.executemany(STATEMENTS["events"][4], [("event_floor", floor),
+                                                          ("last_event", self.last_event)])
+        removed = self.cursor.execute(STATEMENTS["events"][5], (floor,)).rowcount
+        self.event_floor = max(self.event_floor, floor)
+        return removed
 
     def depths(self, now: float) -> List[QueueDepth]:
         next_recipient, counts, delayed, oldest = STATEMENTS["depths"]

@@ -1,0 +1,10 @@
+-- Schema version 4 -> 5: the events of REACH §11 (see sqlite-v5.sql).
+CREATE TABLE events
+(
+  id INTEGER PRIMARY KEY,
+  agent TEXT NOT NULL,
+  at REAL NOT NULL,
+  type TEXT NOT NULL,
+  data TEXT NOT NULL
+);
+CREATE INDEX events_agent ON events (agent, id);

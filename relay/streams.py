@@ -1,0 +1,181 @@
+"""The open event streams of ``GET /v1/events`` (REACH §11).
+
+:class:`EventStreams` holds each stream's request and its position (the id of the
+last event written). It reads the store's recorded events — never anything held
+only in memory — so a stream and a resumed stream see the same events in the same
+order, whichever broker recorded them: the store's change report
+(:attr:`relay.delivery.Changes.events`, also heard from other brokers on a shared
+store) says which agents' streams have something new. One periodic call writes
+the ``: keepalive`` comment to every open stream.
+
+Limits: at most ``max_per_agent`` streams per agent (a new one closes that agent's
+oldest) and ``max_total`` in all (a new one beyond it is ``503 busy``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from relay import errors, events
+from relay.delivery import Changes
+from relay.events import EventPage
+
+log = Logger(namespace="relay.streams")
+
+EVENT_STREAM_TYPE = b"text/event-stream"
+
+
+class Stream:
+    """One open stream: the agent's, written to ``request``, after ``position``."""
+
+    __slots__ = ("agent", "request", "position", "reading", "again", "closed", "done")
+
+    def __init__(self, agent: str, request: Any, position: Optional[int]) -> None:
+        self.agent = agent
+        self.request = request
+        self.position = position
+        self.reading = False
+        self.again = False
+        self.closed = False
+        self.done: Optional[Deferred] = None
+
+
+class EventStreams:
+    """Every open event stream of one broker, over the store that records events."""
+
+    def __init__(self, store: Any, clock: IReactorTime, max_per_agent: int,
+                 max_total: int, counters: Any = None) -> None:
+        self.store = store
+        self.clock = clock
+        self.max_per_agent = max_per_agent
+        self.max_total = max_total
+        self.counters = counters
+        # agent -> its open streams, oldest first
+        self.by_agent: Dict[str, List[Stream]] = {}
+        self.total = 0
+        self._keepalive = LoopingCall(self.keepalive)
+        self._keepalive.clock = clock
+        self._stopped = False
+        store.subscribe(self.changed)
+
+    def configure(self, max_per_agent: int, max_total: int) -> None:
+        """Apply the limits of a reloaded config (open streams stay open)."""
+        self.max_per_agent = max_per_agent
+        self.max_total = max_total
+
+    def counts(self) -> Dict[str, int]:
+        """Open streams per agent (the dashboard, ``relay stats``)."""
+        return {agent: len(streams) for agent, streams in sorted(self.by_agent.items())}
+
+    # -- opening and closing -----------------------------------------------------------
+
+    def open(self, agent: str, request: Any, position: Optional[int]) -> Deferred:
+        """Start ``agent``'s stream on ``request`` after ``position`` (None: the present;
+        -1: an unknown id, answered with a ``reset``). Returns the route's Deferred,
+        which fires when the broker closes the stream; cancelling it (the client went
+        away) closes it too. 503 ``busy`` beyond ``broker.maxStreams``."""
+        if self._stopped:
+            raise errors.busy("the broker is stopping")
+        if self.total >= self.max_total:
+            raise errors.busy(f"this broker holds {self.max_total} event streams "
+                              "(broker.maxStreams): try again later")
+        mine = self.by_agent.setdefault(agent, [])
+        while len(mine) >= self.max_per_agent:
+            self._close(mine[0])
+        stream = Stream(agent, request, position)
+        stream.done = Deferred(lambda _: self._forget(stream))
+        mine.append(stream)
+        self.total += 1
+        if self.counters is not None:
+            self.counters.stream_opened()
+        request.setResponseCode(200)
+        headers = request.responseHeaders
+        headers.setRawHeaders(b"content-type", [EVENT_STREAM_TYPE])
+        headers.setRawHeaders(b"cache-control", [b"no-store"])
+        headers.setRawHeaders(b"x-accel-buffering", [b"no"])
+        request.write(events.KEEPALIVE)  # the headers go out now
+        if not self._keepalive.running:
+            self._keepalive.start(events.KEEPALIVE_SECONDS, now=False)
+        self._read(stream)
+        return stream.done
+
+    def _forget(self, stream: Stream) -> None:
+        """Take ``stream`` out of the table (closed by either side)."""
+        if stream.closed:
+            return
+        stream.closed = True
+        mine = self.by_agent.get(stream.agent)
+        if mine is not None and stream in mine:
+            mine.remove(stream)
+            if not mine:
+                del self.by_agent[stream.agent]
+            self.total -= 1
+        if not self.total and self._keepalive.running:
+            self._keepalive.stop()
+
+    def _close(self, stream: Stream) -> None:
+        """End ``stream`` from the broker's side: its response finishes."""
+        self._forget(stream)
+        done, stream.done = stream.done, None
+        if done is not None and not done.called:
+            done.callback(b"")
+
+    def stop(self) -> None:
+        """Close every stream and open no new one (the broker stops)."""
+        self._stopped = True
+        for streams in list(self.by_agent.values()):
+            for stream in list(streams):
+                self._close(stream)
+
+    # -- writing -----------------------------------------------------------------------
+
+    def changed(self, changes: Changes) -> None:
+        """The store recorded events for ``changes.events``: their streams read them."""
+        for agent in changes.events:
+            for stream in self.by_agent.get(agent, ()):
+                self._read(stream)
+
+    def keepalive(self) -> None:
+        """Write the keepalive comment to every open stream."""
+        for streams in list(self.by_agent.values()):
+            for stream in list(streams):
+                stream.request.write(events.KEEPALIVE)
+
+    def _read(self, stream: Stream) -> None:
+        if stream.closed:
+            return
+        if stream.reading:
+            stream.again = True
+            return
+        stream.reading = True
+        stream.again = False
+        d = self.store.events(stream.agent, stream.position, events.READ_BATCH)
+        d.addCallbacks(self._write, self._failed, callbackArgs=(stream,),
+                       errbackArgs=(stream,))
+
+    def _write(self, page: EventPage, stream: Stream) -> None:
+        stream.reading = False
+        if stream.closed:
+            return
+        request = stream.request
+        if page.reset is not None:
+            request.write(events.reset_record(page.last, page.reset))
+        if page.events:
+            request.write(b"".join(events.sse_record(e.id, e.type, e.data)
+                                   for e in page.events))
+            if self.counters is not None:
+                self.counters.events_streamed(len(page.events))
+        stream.position = page.last
+        if stream.again or len(page.events) >= events.READ_BATCH:
+            self._read(stream)
+
+    def _failed(self, failure: Any, stream: Stream) -> None:
+        stream.reading = False
+        log.warn("event stream of {agent} closed: its events could not be read ({kind})",
+                 agent=stream.agent, kind=failure.type.__name__)
+        self._close(stream)  # the client resumes from the last id it saw
