@@ -84,12 +84,12 @@ class EventStreams:
         if self.total >= self.max_total:
             raise errors.busy(f"this broker holds {self.max_total} event streams "
                               "(broker.maxStreams): try again later")
-        mine = self.by_agent.setdefault(agent, [])
+        mine = self.by_agent.get(agent, ())
         while len(mine) >= self.max_per_agent:
             self._close(mine[0])
         stream = Stream(agent, request, position)
         stream.done = Deferred(lambda _: self._forget(stream))
-        mine.append(stream)
+        self.by_agent.setdefault(agent, []).append(stream)
         self.total += 1
         if self.counters is not None:
             self.counters.stream_opened()

@@ -58,7 +58,8 @@ class Reply:
         self.code = code
         self.headers = headers
         self.raw = raw
-        self.json: Any = json.loads(raw) if raw else None
+        streamed = self.header("content-type") == "text/event-stream"  # GET /v1/events
+        self.json: Any = json.loads(raw) if raw and not streamed else None
 
     def header(self, name: str) -> Optional[str]:
         values = self.headers.getRawHeaders(name)
