@@ -26,6 +26,10 @@ KEEPALIVE = b": keepalive\n\n"
 # The most events one read of a stream takes from the store.
 READ_BATCH = 256
 
+# In :attr:`relay.delivery.Changes.events`: events of any agent may be new (a store
+# shared by several brokers that may have missed notifications); no agent has this name.
+ALL_AGENTS = "*"
+
 # The longest ``since`` a client may send (an event id is a decimal number).
 MAX_EVENT_ID_CHARS = 20
 

@@ -136,8 +136,11 @@ class EventStreams:
 
     def changed(self, changes: Changes) -> None:
         """The store recorded events for ``changes.events``: their streams read them."""
-        for agent in changes.events:
-            for stream in self.by_agent.get(agent, ()):
+        agents = changes.events
+        if events.ALL_AGENTS in agents:
+            agents = set(self.by_agent)
+        for agent in agents:
+            for stream in list(self.by_agent.get(agent, ())):
                 self._read(stream)
 
     def keepalive(self) -> None:

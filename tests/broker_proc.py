@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -124,3 +128,69 @@ class BrokerProcess:
                 return r.status, json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"null")
+
+
+class EventReader:
+    """An open ``GET /v1/events`` stream of a broker process, read in a thread: each
+    SSE record (``{"id", "event", "data"}``) or ``"keepalive"`` in arrival order."""
+
+    def __init__(self, broker: BrokerProcess, agent: str, since: Optional[str] = None,
+                 last_event_id: Optional[str] = None) -> None:
+        path = "/v1/events" + (f"?since={since}" if since is not None else "")
+        ts = int(time.time())
+        headers = {"X-Relay-Agent": agent, "X-Relay-Timestamp": str(ts),
+                   "X-Relay-Signature": sign(broker.secret, "GET", path, ts, b"")}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = last_event_id
+        self.conn = http.client.HTTPConnection("127.0.0.1", broker.port, timeout=30)
+        self.conn.request("GET", path, headers=headers)
+        self.response = self.conn.getresponse()
+        self.status = self.response.status
+        self.items: queue.Queue[Any] = queue.Queue()
+        if self.status == 200:
+            threading.Thread(target=self._read, daemon=True).start()
+        else:
+            self.error = json.loads(self.response.read())
+
+    def _read(self) -> None:
+        block: List[str] = []
+        try:
+            while True:
+                line = self.response.readline()
+                if not line:
+                    break
+                text = line.decode("utf-8").rstrip("\n")
+                if text:
+                    block.append(text)
+                    continue
+                if block == [": keepalive"]:
+                    self.items.put("keepalive")
+                elif block:
+                    fields = dict(item.split(": ", 1) for item in block)
+                    self.items.put({"id": fields["id"], "event": fields["event"],
+                                    "data": json.loads(fields["data"])})
+                block = []
+        except (OSError, ValueError, AttributeError, http.client.HTTPException):
+            # AttributeError: the connection was closed under the reader
+            pass
+        self.items.put(None)  # closed
+
+    def next(self, timeout: float = 10.0, keepalives: bool = False) -> Any:
+        """The next record (None once the stream closed); keepalives skipped unless asked."""
+        deadline = time.monotonic() + timeout
+        while True:
+            item = self.items.get(timeout=max(0.0, deadline - time.monotonic()))
+            if item != "keepalive" or keepalives:
+                return item
+
+    def take(self, count: int, timeout: float = 10.0) -> List[Dict[str, Any]]:
+        return [self.next(timeout) for _ in range(count)]
+
+    def close(self) -> None:
+        # Shut the socket down first: the reader thread's readline holds the buffer's
+        # lock until data arrives, which close() would wait for (the next keepalive).
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()

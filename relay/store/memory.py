@@ -207,7 +207,7 @@ class MemoryRecords(Records):
         start = bisect_right(ids, after)
         return self.agent_events[agent][start:start + limit]
 
-    def event_marks(self) -> Tuple[int, int]:
+    def event_marks(self, agent: str = "") -> Tuple[int, int]:
         return self.event_floor, self.last_event
 
     def drop_events(self, floor: int) -> int:

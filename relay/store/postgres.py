@@ -88,6 +88,7 @@ from relay.auth import AGENT_LOCK_ADDRESSES, EVERY_ADDRESS
 from relay.config import Config, Setting, check_keys, read_settings, table_keys
 from relay.delivery import Changes, Message, Rules, Transition, WithStored
 from relay.errors import ConfigError, RelayError
+from relay.events import ALL_AGENTS, Event
 from relay.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STATUSES
 from relay.store import records as ops
 from relay.store.interface import IMessageStore, ISharedLockouts, ISharedNonces, QueueDepth
@@ -95,7 +96,7 @@ from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 CHANNEL = "relay_changes"
 # The package is not on the index: name the driver itself (the postgres extra).
 INSTALL_HINT = "pip install 'psycopg[binary]>=3.2' in the broker's environment"
@@ -116,6 +117,9 @@ LOCKOUT_SWEEP_SECONDS = 60.0
 # Advisory lock keys (the two-int form): a class, then the key within it.
 _LOCK_CLASS_MIGRATION = 0x72656C00  # "rel\0"
 _LOCK_CLASS_RECIPIENT = 0x72656C01
+_LOCK_CLASS_EVENTS = 0x72656C02
+# The most events one run of retention removes (the sweep runs again soon).
+EVENT_TRIM_BATCH = 20_000
 
 # Connection settings the broker needs; any of them set in the dsn wins.
 CONNECTION_DEFAULTS = {
@@ -284,6 +288,30 @@ STATEMENTS = {
     ),
     "peers": "SELECT agent, last_seen, card FROM relay_peers ORDER BY agent",
     "notify": "SELECT pg_notify(%s, %s)",
+    # REACH §11. An agent's events are written under its transaction lock, taken
+    # in name order (two transactions never wait for each other in a cycle).
+    "event_lock": "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+    "event_insert": (
+        "INSERT INTO relay_events (agent, at, type, data) "
+        "SELECT agent, at, type, data FROM unnest(%s::text[], %s::float8[], %s::text[], "
+        "%s::text[]) WITH ORDINALITY AS e (agent, at, type, data, n) ORDER BY n"
+    ),
+    "events_after": (
+        "SELECT id, type, data, at FROM relay_events WHERE agent = %s AND id > %s "
+        "ORDER BY id LIMIT %s"
+    ),
+    "event_marks": (
+        "SELECT coalesce((SELECT value FROM relay_event_marks WHERE key = 'floor'), 0), "
+        "coalesce((SELECT max(id) FROM relay_events WHERE agent = %s), 0)"
+    ),
+    "event_trim": (
+        "WITH gone AS (DELETE FROM relay_events WHERE id IN (SELECT id FROM relay_events "
+        "WHERE at < %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id) "
+        "INSERT INTO relay_event_marks AS m (key, value) "
+        "SELECT 'floor', max(id) FROM gone HAVING count(*) > 0 "
+        "ON CONFLICT (key) DO UPDATE SET value = greatest(m.value, excluded.value) "
+        "RETURNING (SELECT count(*) FROM gone)"
+    ),
     "lapsed_agents": (
         "SELECT DISTINCT recipient FROM relay_messages WHERE status = 'leased' "
         "AND lease_until <= %s"
@@ -432,6 +460,8 @@ class PostgresRecords(Records):
         self.versions: Dict[int, int] = {}
         self.registered: Set[str] = set()
         self.notice: Dict[str, Any] = {}
+        # events of this transaction, written by finish() in one statement
+        self.new_events: List[Tuple[str, str, str, float]] = []
 
     def _rows(self, sql: str, params: Sequence[Any]) -> List[Message]:
         self.cursor.execute(sql, params)
@@ -518,7 +548,7 @@ class PostgresRecords(Records):
         claimed = sorted(self._rows(sql, params), key=lambda m: m.seq)
         queued = (QUEUED,) + (None,) * (len(STATE_COLUMNS) - 1)
         for message in claimed:
-            delivery.wakes(self.changes, queued, message)
+            ops.note(self, queued, message, now)
         return claimed
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
@@ -596,6 +626,36 @@ class PostgresRecords(Records):
         return [(agent, seen, None if card is None else json.loads(card))
                 for agent, seen, card in self.cursor.fetchall()]
 
+    def append_event(self, agent: str, event_type: str, data: str, at: float) -> None:
+        self.new_events.append((agent, at, event_type, data))
+
+    def finish(self) -> None:
+        """Write the events the operation recorded, each agent's under its lock."""
+        if not self.new_events:
+            return
+        for agent in sorted({e[0] for e in self.new_events}):
+            self.cursor.execute(STATEMENTS["event_lock"], (_LOCK_CLASS_EVENTS, agent))
+        self.cursor.execute(STATEMENTS["event_insert"],
+                            [list(column) for column in zip(*self.new_events)])
+        self.new_events = []
+
+    def events_after(self, agent: str, after: int, limit: int) -> List[Event]:
+        self.cursor.execute(STATEMENTS["events_after"], (agent, after, limit))
+        return [Event(event_id, agent, event_type, data, at)
+                for event_id, event_type, data, at in self.cursor.fetchall()]
+
+    def event_marks(self, agent: str = "") -> Tuple[int, int]:
+        """The floor, and the newest committed id of ``agent``'s (at least the floor):
+        ids other brokers hold uncommitted are not passed over."""
+        self.cursor.execute(STATEMENTS["event_marks"], (agent,))
+        floor, last = self.cursor.fetchone()
+        return floor, max(floor, last)
+
+    def trim_events(self, cutoff: float) -> int:
+        self.cursor.execute(STATEMENTS["event_trim"], (cutoff, EVENT_TRIM_BATCH))
+        row = self.cursor.fetchone()
+        return 0 if row is None else row[0]
+
     def notification(self, token: str) -> Optional[str]:
         """The payload that tells other brokers what this transaction changed, or None."""
         if not self.changes and not self.notice:
@@ -603,6 +663,8 @@ class PostgresRecords(Records):
         body: Dict[str, Any] = {"b": token}
         if self.changes.ready:
             body["r"] = sorted(self.changes.ready)
+        if self.changes.events:
+            body["e"] = sorted(self.changes.events)
         due = self.changes.due.union(self.changes.held)  # other brokers' waiters too
         if due:
             body["d"] = sorted([when, agent] for when, agent in due)
@@ -610,7 +672,7 @@ class PostgresRecords(Records):
         payload = json.dumps(body, separators=(",", ":"))
         if len(payload.encode("utf-8")) > NOTIFY_BYTES:
             # Too many agents for one notification: every broker looks for itself.
-            slim = {k: v for k, v in body.items() if k not in ("r", "d")}
+            slim = {k: v for k, v in body.items() if k not in ("r", "d", "e")}
             payload = json.dumps(dict(slim, all=1), separators=(",", ":"))
         return payload
 
@@ -627,6 +689,9 @@ def heard(payload: str) -> Tuple[Optional[str], Changes, bool, Dict[str, Any]]:
     for agent in body.pop("r", ()):
         if isinstance(agent, str):
             changes.ready.add(agent)
+    for agent in body.pop("e", ()):
+        if isinstance(agent, str):
+            changes.events.add(agent)
     for pair in body.pop("d", ()):
         if (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (int, float))
                 and isinstance(pair[1], str)):
@@ -766,6 +831,7 @@ class Connections:
                         # What the operation changed before refusing stays (a lapsed
                         # lease found by a refused ack is released).
                         result, error = None, e
+                    records.finish()
                     payload = records.notification(self.token)
                     if payload is not None:
                         cursor.execute(STATEMENTS["notify"], (CHANNEL, payload))
@@ -1062,6 +1128,7 @@ class PostgresStore:
     def _ready(self, agents: Iterable[str]) -> None:
         changes = Changes()
         changes.ready.update(agents)
+        changes.events.add(ALL_AGENTS)  # events may have been missed too: streams look
         if changes:
             self._report(changes)
 
@@ -1151,6 +1218,12 @@ class PostgresStore:
                 break
         yield self._run(nonce_forget, int(now))
         return total
+
+    def events(self, agent: str, position: Optional[int], limit: int) -> Deferred:
+        return self._run(ops.read_events, agent, position, limit)
+
+    def trim_events(self, cutoff: float) -> Deferred:
+        return self._run(ops.trim_events, cutoff)
 
     def queue_depths(self, now: float) -> Deferred:
         return self._run(ops.depths, now)

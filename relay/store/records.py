@@ -162,9 +162,10 @@ class Records:
         """Up to ``limit`` events of ``agent`` with an id above ``after``, in order."""
         raise NotImplementedError
 
-    def event_marks(self) -> Tuple[int, int]:
+    def event_marks(self, agent: str = "") -> Tuple[int, int]:
         """``(floor, last)``: the highest event id removed by retention (0: none) and
-        the highest ever given (0: none)."""
+        the highest ever given (0: none; a store several brokers write may answer
+        the newest committed id of ``agent``'s stream)."""
         raise NotImplementedError
 
     def trim_events(self, cutoff: float) -> int:
@@ -176,7 +177,7 @@ class Records:
 # -- the operations, once for every backend -------------------------------------------
 
 
-def _note(records: Records, before: Optional[Tuple[Any, ...]], message: Message,
+def note(records: Records, before: Optional[Tuple[Any, ...]], message: Message,
           now: float) -> None:
     """What a change of ``message`` means: the wake-ups, and the events it causes,
     recorded in the same transaction."""
@@ -190,13 +191,13 @@ def _saved(records: Records, befores: List[Tuple[Any, ...]], messages: List[Mess
            now: float) -> None:
     records.save(messages, befores)
     for before, message in zip(befores, messages):
-        _note(records, before, message, now)
+        note(records, before, message, now)
 
 
 def _store_notices(records: Records, notices: Iterable[Message], now: float) -> None:
     for notice in notices:
         if records.insert(notice):  # an existing id: that request's notice is stored
-            _note(records, None, notice, now)
+            note(records, None, notice, now)
 
 
 def release_lapsed(records: Records, now: float, rules: Rules) -> int:
@@ -236,7 +237,7 @@ def add(records: Records, message: Message, rules: Rules,
     _refuse_if_full(records, message, rules)
     if not records.insert(message):
         return False
-    _note(records, None, message, message.created)
+    note(records, None, message, message.created)
     return True
 
 
@@ -304,7 +305,7 @@ def settle(records: Records, message_id: str,
                     and transition.other_id == reply.id):
                 raise Raced(reply.id)  # decided on a read another writer overtook
             raise delivery.IdConflict(reply.id)
-        _note(records, None, reply, now)
+        note(records, None, reply, now)
     if message.state() != before:
         _saved(records, [before], [message], now)
     _store_notices(records, notices + list(outcome.notices), now)
@@ -386,7 +387,7 @@ def read_events(records: Records, agent: str, position: Optional[int],
     """The events of ``agent`` after ``position`` (:func:`relay.events.parse_event_id`;
     None: none, the stream starts at the present), or a reset when the store cannot
     resume from there."""
-    floor, last = records.event_marks()
+    floor, last = records.event_marks(agent)
     reason = events.resume(position, floor, last)
     if position is None or reason is not None:
         return EventPage([], reason, last)

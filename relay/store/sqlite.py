@@ -693,7 +693,7 @@ class SQLiteRecords(Records):
         return [Event(event_id, agent, event_type, data, at) for event_id, _, event_type, data, at
                 in self.cursor.execute(STATEMENTS["events"][1], (agent, after, limit)).fetchall()]
 
-    def event_marks(self) -> Tuple[int, int]:
+    def event_marks(self, agent: str = "") -> Tuple[int, int]:
         return self.event_floor, self.last_event
 
     def trim_events(self, cutoff: float) -> int:

@@ -1,0 +1,22 @@
+-- Migration 9: the events of REACH §11, recorded with the change that causes them
+-- and kept broker.eventRetentionSeconds. An agent's events are inserted under a
+-- transaction lock of that agent (class 0x72656C02), so its ids become visible in
+-- order; a stream reads its agent's events after an id by relay_events_agent.
+-- Retention removes the oldest by relay_events_at (BRIN: times grow with ids, and
+-- the index costs an insert next to nothing); relay_event_marks keeps the highest
+-- id removed ('floor').
+CREATE TABLE relay_events
+(
+  id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+  agent text NOT NULL,
+  at double precision NOT NULL,
+  type text NOT NULL,
+  data text NOT NULL
+);
+CREATE INDEX relay_events_agent ON relay_events (agent, id);
+CREATE INDEX relay_events_at ON relay_events USING brin (at);
+CREATE TABLE relay_event_marks
+(
+  key text PRIMARY KEY,
+  value bigint NOT NULL
+);
