@@ -33,6 +33,7 @@ from relay.http import RelaySite
 from relay.store.interface import ISharedLockouts, ISharedNonces
 from relay.streams import EventStreams
 from relay.web import RelayAPI
+from relay.webhooks import HookSettings, Poster, WebhookDelivery, treq_poster
 
 log = Logger(namespace="relay.service")
 
@@ -160,13 +161,17 @@ def make_authenticator(config: Config, clock: IReactorTime, counters: Counters,
 
 
 def make_api(config: Config, store, clock: IReactorTime,
-             counters: Optional[Counters] = None) -> RelayAPI:
-    """The broker over ``store`` under ``config``'s policy, and its HTTP API."""
+             counters: Optional[Counters] = None, post: Optional[Poster] = None) -> RelayAPI:
+    """The broker over ``store`` under ``config``'s policy, and its HTTP API. Webhooks
+    are POSTed with ``post`` (treq on ``clock`` by default); they go out once the
+    broker's :class:`~relay.webhooks.WebhookDelivery` service runs."""
     counters = counters if counters is not None else Counters()
     streams = EventStreams(store, clock, config.max_streams_per_agent, config.max_streams,
                            counters)
+    webhooks = WebhookDelivery(store, clock, post if post is not None else treq_poster(clock),
+                               HookSettings.from_config(config), config.secret, counters)
     broker = Broker(store, clock, Policy.from_config(config), counters=counters,
-                    streams=streams)
+                    streams=streams, webhooks=webhooks)
     store.observe_commits(counters.commit_timed)
     auth = make_authenticator(config, clock, counters)
     if ISharedLockouts.providedBy(store):  # several brokers count failures together
@@ -204,6 +209,7 @@ class Assembly:
         self.api.rate_limiter.configure(config.rate_limit_loopback, config.rate_limit_remote)
         self.broker.configure(Policy.from_config(config))
         self.broker.streams.configure(config.max_streams_per_agent, config.max_streams)
+        self.broker.webhooks.configure(HookSettings.from_config(config), config.secret)
         self.site.configure(config.access_log, config.max_connections_per_address)
         if self.ops is not None:
             self.ops.configure(config.ops.tokens)
@@ -257,6 +263,7 @@ def assemble(config: Config, store, reactor: Any, clock: Optional[IReactorTime] 
         timer.setName(name)
         services.append(timer)
 
+    services.append(broker.webhooks)
     every(config.sweep_seconds, "leases", broker.sweep_leases)
     every(expiry_sweep_seconds(config.message_ttl_seconds), "expiry", broker.sweep_expired)
     assembly.peer_watch = PeerWatch(broker)

@@ -27,6 +27,7 @@ from relay import __version__, delivery, errors, protocol
 from relay.counters import Counters
 from relay.delivery import Changes, Message, Rules
 from relay.events import KEEPALIVE_SECONDS
+from relay.hooks import check_url
 from relay.protocol import HEARTBEAT_TTL_SECONDS, KEEP_CARD, MAX_WAIT_SECONDS
 from relay.waiters import Waiters
 
@@ -90,8 +91,10 @@ class Broker:
 
     def __init__(self, store, clock: IReactorTime, policy: Policy,
                  waiters: Optional[Waiters] = None, counters: Optional[Counters] = None,
-                 streams: Any = None) -> None:
+                 streams: Any = None, webhooks: Any = None) -> None:
         self.store = store
+        # The webhook deliveries (relay.webhooks.WebhookDelivery), when the broker makes them.
+        self.webhooks = webhooks
         # The open event streams (relay.streams.EventStreams), when the broker serves them.
         self.streams = streams
         self.clock = clock
@@ -193,16 +196,27 @@ class Broker:
                 "signedNonce": {"required": self.policy.require_nonce},
                 "events": {"retentionSeconds": int(self.policy.event_retention_seconds),
                            "keepaliveSeconds": KEEPALIVE_SECONDS},
+                **({"webhooks": {"maxAttempts": self.webhooks.settings.max_attempts}}
+                   if self.webhooks is not None else {}),
             },
             "storage": self.storage(),
         }
 
-    def register(self, agent: str, card: Any = KEEP_CARD) -> Deferred:
+    def register(self, agent: str, card: Any = KEEP_CARD, webhook: Any = KEEP_CARD) -> Deferred:
         """A heartbeat of ``agent``, with its peer card (None removes it,
-        :data:`relay.protocol.KEEP_CARD` keeps it); fires with its time (epoch seconds)."""
+        :data:`relay.protocol.KEEP_CARD` keeps it) and its webhook URL (the same);
+        fires with ``(its time in epoch seconds, the webhook shown to it or None)``.
+        A URL outside ``broker.webhookAllow`` is 400 before anything is stored."""
         now = int(self.clock.seconds())
+        hooks = self.webhooks
+        if hooks is not None and webhook is not KEEP_CARD and webhook is not None:
+            check_url(webhook, hooks.settings.allow)
         d = self.store.register(agent, now, card, self.policy.max_agents)
-        d.addCallback(lambda _: now)
+        if hooks is not None:
+            d.addCallback(lambda _: hooks.register(agent, webhook, KEEP_CARD))
+            d.addCallback(lambda _: (now, hooks.shown(agent)))
+        else:
+            d.addCallback(lambda _: (now, None))
         return d
 
     def peers(self) -> Deferred:
@@ -458,6 +472,10 @@ class Broker:
     def event_streams(self) -> Dict[str, int]:
         """Open event streams per agent."""
         return self.streams.counts() if self.streams is not None else {}
+
+    def webhook_health(self) -> Dict[str, Dict[str, Any]]:
+        """Webhook health per agent (last delivered, failing since, disabled): no URL."""
+        return self.webhooks.health() if self.webhooks is not None else {}
 
     def waiting(self) -> int:
         """How many requests wait for messages now (``/v1/pull`` ``waitSeconds`` and

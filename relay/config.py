@@ -61,6 +61,8 @@ class AgentConfig:
     secret: Optional[str] = None
     allowed_targets: Optional[Tuple[str, ...]] = None
     secrets: Tuple[str, ...] = ()
+    # REACH §12: the operator's webhook URL for the agent (it wins over the agent's own)
+    webhook: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.secret is not None and not self.secrets:
@@ -86,6 +88,7 @@ KIND_TYPES: Mapping[str, Any] = MappingProxyType({
     "secrets": Tuple[str, ...],   # a secret, or a list of them while one is rotated
     "endpoints": Tuple[str, ...],  # Twisted endpoint strings (at least ``lo`` of them)
     "hosts": Tuple[str, ...],     # host names, read in lower case
+    "prefixes": Tuple[str, ...],  # http:// or https:// URL prefixes, as written
 })
 
 
@@ -181,6 +184,8 @@ class Setting:
             return read_endpoints(section, key, prefix, default, base_dir, int(self.lo or 0))
         if kind == "hosts":
             return read_hosts(section, key, prefix, default)
+        if kind == "prefixes":
+            return read_url_prefixes(section, key, prefix, default)
         value = read_str(section, key, prefix, default)
         if kind == "path":
             return _resolve(base_dir, value)
@@ -209,6 +214,9 @@ MIN_SECRET_BYTES = 16
 PLACEHOLDER_SECRETS = frozenset({"CHANGE_ME_RUN_SETUP_INIT", "CHANGE_ME"})
 SYNC_LEVELS = ("off", "normal", "full")
 _INT32 = 2**31 - 1
+URL_SCHEMES = ("http://", "https://")
+# REACH §12: webhooks go to loopback receivers unless the operator allows more.
+LOOPBACK_WEBHOOKS = ("http://127.0.0.1:", "http://localhost:", "http://[::1]:")
 
 
 def _broker(key: str, field: str, kind: str, default: Any = None, lo: Optional[float] = None,
@@ -265,6 +273,11 @@ SETTINGS: Tuple[Setting, ...] = (
     _broker("eventRetentionSeconds", "event_retention_seconds", "int", 3600, 1, 30 * 86400),
     _broker("maxStreamsPerAgent", "max_streams_per_agent", "int", 4, 1, 1000),
     _broker("maxStreams", "max_streams", "int", 10_000, 1, 10**6),
+    # Webhooks (REACH §12): where they may go, and how hard the broker tries.
+    _broker("webhookAllow", "webhook_allow", "prefixes", LOOPBACK_WEBHOOKS),
+    _broker("webhookMaxAttempts", "webhook_max_attempts", "int", 12, 1, 1000),
+    _broker("webhookDisableAfter", "webhook_disable_after", "int", 100, 1, 10**6),
+    _broker("webhookConcurrency", "webhook_concurrency", "int", 64, 1, 10_000, restart=True),
     # Seconds of self-exercise before listening; unset: the interpreter's default
     # (relay.warmup.default_seconds). Read at each start only, before anything runs.
     _broker("warmupSeconds", "warmup_seconds", "number", None, 0, 60,
@@ -399,6 +412,10 @@ _BROKER_KEYS = frozenset(
         "eventRetentionSeconds",
         "maxStreamsPerAgent",
         "maxStreams",
+        "webhookAllow",
+        "webhookMaxAttempts",
+        "webhookDisableAfter",
+        "webhookConcurrency",
         "tlsClientCA",
         "opsListen",
         "opsToken",
@@ -407,7 +424,7 @@ _BROKER_KEYS = frozenset(
     }
 )
 _SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes", "requireNonce"})
-_AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets"})
+_AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets", "webhook"})
 
 # Endpoint-string options that name files; resolved against the config file.
 
@@ -503,6 +520,20 @@ def read_hosts(section: Mapping[str, Any], key: str, prefix: str,
     return tuple(h.strip().lower() for h in raw)
 
 
+def read_url_prefixes(section: Mapping[str, Any], key: str, prefix: str,
+                      default: Tuple[str, ...]) -> Tuple[str, ...]:
+    """``section[key]``, a list of URL prefixes each starting with ``http://`` or
+    ``https://`` (an empty list allows none); ``default`` when absent."""
+    raw = section.get(key)
+    if raw is None:
+        return default
+    if not isinstance(raw, list) or not all(
+            isinstance(p, str) and p.startswith(URL_SCHEMES) and len(p) <= 2048 for p in raw):
+        raise ConfigError(f"{prefix}.{key}",
+                          "must be a list of URL prefixes starting with http:// or https://")
+    return tuple(raw)
+
+
 def read_endpoints(section: Mapping[str, Any], key: str, prefix: str, default: Any,
                    base_dir: str, fewest: int = 0) -> Any:
     """``section[key]``, one endpoint string or a list of at least ``fewest`` of them,
@@ -545,6 +576,22 @@ def read_secrets(section: Mapping[str, Any], key: str, prefix: str) -> Optional[
     return tuple(values)
 
 
+def _agent_webhook(entry: Mapping[str, Any], prefix: str) -> Optional[str]:
+    """``agents.<name>.webhook``: ``{url: ...}`` or the URL itself; None when absent."""
+    raw = entry.get("webhook")
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        extra = sorted(set(raw) - {"url"})
+        if extra:
+            raise ConfigError(f"{prefix}.webhook.{extra[0]}", "unknown key (only url)")
+        raw = raw.get("url")
+    if not isinstance(raw, str) or not raw.startswith(URL_SCHEMES) or len(raw) > 2048:
+        raise ConfigError(f"{prefix}.webhook",
+                          "must be an http:// or https:// URL of at most 2048 characters")
+    return raw
+
+
 def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]:
     raw = _section(data, "agents")
     agents: Dict[str, AgentConfig] = {}
@@ -568,7 +615,8 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
                 raise ConfigError(f"{prefix}.{key}", "must be a list of agent names")
             targets = tuple(targets)
         agents[name] = AgentConfig(secret=agent_secrets[0] if agent_secrets else None,
-                                   allowed_targets=targets, secrets=agent_secrets)
+                                   allowed_targets=targets, secrets=agent_secrets,
+                                   webhook=_agent_webhook(entry, prefix))
     with_secret = [n for n, a in agents.items() if a.secret]
     if with_secret and len(with_secret) != len(agents):
         missing = sorted(n for n, a in agents.items() if not a.secret)

@@ -107,6 +107,12 @@ class Counters:
         # REACH §11: event streams opened and events written to them
         self.streams_opened = 0
         self.events_sent = 0
+        # REACH §12: webhook requests sent, those that failed, events skipped, and
+        # webhooks disabled
+        self.webhook_attempts = 0
+        self.webhook_failures = 0
+        self.webhook_skips = 0
+        self.webhooks_disabled = 0
 
     # -- events (the hot path) ---------------------------------------------------------
 
@@ -139,6 +145,22 @@ class Counters:
     def events_streamed(self, count: int) -> None:
         """``count`` events were written to an event stream."""
         self.events_sent += count
+
+    def webhook_attempted(self) -> None:
+        """A webhook request was sent."""
+        self.webhook_attempts += 1
+
+    def webhook_failed(self) -> None:
+        """A webhook request failed (no 2xx within 10 s)."""
+        self.webhook_failures += 1
+
+    def webhook_skipped(self) -> None:
+        """An event was skipped after broker.webhookMaxAttempts failed tries."""
+        self.webhook_skips += 1
+
+    def webhook_disabled(self) -> None:
+        """A webhook was disabled after broker.webhookDisableAfter failed tries in a row."""
+        self.webhooks_disabled += 1
 
     def message_acked(self, outcome: str) -> None:
         self.acked[outcome] = self.acked.get(outcome, 0) + 1

@@ -26,6 +26,7 @@ from relay import errors, events, protocol
 from relay.auth import Authenticator, Bounded, RateLimiter
 from relay.broker import Broker
 from relay.errors import RelayError
+from relay.hooks import parse_webhook
 from relay.http import names_this_machine
 from relay.jsonapi import (
     add_error_handling,
@@ -164,9 +165,17 @@ class RelayAPI:
     def register(self, request, agent: str, body: bytes) -> Deferred:
         body = protocol.parse_json_object(body)
         protocol.check_body_agent(body, agent)
-        d = self.broker.register(agent, protocol.parse_card(body))
-        d.addCallback(lambda ts: write_json(request, 200, {"ok": True, "agent": agent, "ts": ts}))
+        d = self.broker.register(agent, protocol.parse_card(body),
+                                 parse_webhook(body, protocol.KEEP_CARD))
+        d.addCallback(self._registered, request, agent)
         return d
+
+    def _registered(self, answer: Tuple[int, Any], request, agent: str) -> bytes:
+        ts, webhook = answer
+        document: Dict[str, Any] = {"ok": True, "agent": agent, "ts": ts}
+        if webhook is not None:
+            document["webhook"] = webhook  # the agent's own answer only (REACH §12)
+        return write_json(request, 200, document)
 
     @app.route("/peers", methods=["GET"])
     @authenticated

@@ -548,14 +548,15 @@ def test_policy_and_rules_take_every_value_from_the_config():
     config = parse(yaml.safe_dump({"broker": {
         "secret": S, "leaseSeconds": 31, "maxAttempts": 4, "maxDeliveries": 5,
         "notifyFailures": False, "messageTtlDays": 2, "inboxMaxMessages": 6,
-        "inboxMaxBytes": 7, "minFreeDiskMB": 8, "maxAgents": 9},
+        "inboxMaxBytes": 7, "minFreeDiskMB": 8, "maxAgents": 9,
+        "eventRetentionSeconds": 10},
         "security": {"requireNonce": True}, "agents": {"alpha": {"allowed_targets": ["beta"]}}}))
     assert Policy.from_config(config) == Policy(
         lease_seconds=31, message_ttl_seconds=2 * 86400.0,
         rules=Rules(max_attempts=4, max_deliveries=5, notify_failures=False,
                     inbox_max_messages=6, inbox_max_bytes=7),
         allowed_targets={"alpha": frozenset({"beta"})}, require_nonce=True, max_agents=9,
-        min_free_disk_bytes=8 * 1024 * 1024)
+        min_free_disk_bytes=8 * 1024 * 1024, event_retention_seconds=10)
 
 
 def test_the_restart_list_comes_from_the_table():
@@ -570,6 +571,7 @@ def test_the_restart_list_comes_from_the_table():
         ("broker.sync", "sync"),
         ("broker.messageTtlDays (the sweep interval)", "message_ttl_days"),
         ("broker.sweepSeconds", "sweep_seconds"),
+        ("broker.webhookConcurrency", "webhook_concurrency"),
         ("broker.<backend> sections", "backend_sections"),
     )
     # host, port and persist wait too, through the value they make (listen, the backend)

@@ -120,6 +120,14 @@ class Report:
         yield _counter("relay_event_streams_opened", "Event streams opened.", c.streams_opened)
         yield _counter("relay_events_streamed", "Events written to event streams.",
                        c.events_sent)
+        yield _counter("relay_webhook_attempts", "Webhook requests sent.", c.webhook_attempts)
+        yield _counter("relay_webhook_failures", "Webhook requests without a 2xx answer "
+                       "within 10 s.", c.webhook_failures)
+        yield _counter("relay_webhook_skips", "Events skipped after "
+                       "broker.webhookMaxAttempts failed tries.", c.webhook_skips)
+        yield _counter("relay_webhooks_disabled", "Webhooks disabled after "
+                       "broker.webhookDisableAfter failed tries in a row.",
+                       c.webhooks_disabled)
         yield GaugeMetricFamily("relay_agents_online", "Agents with a heartbeat in the last "
                                 "90 seconds.", value=s.agents_online)
         requests = CounterMetricFamily("relay_http_requests", "HTTP requests answered by the "

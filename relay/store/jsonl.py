@@ -31,6 +31,8 @@ JSON object per line:
     The next sequence number (head of a compacted file), so seqs never repeat.
 ``{"op": "event", "id": N, "agent": NAME, "at": SECONDS, "type": TYPE, "data": {...}}``
     An event of REACH §11 (``data`` never holds a body).
+``{"op": "webhook", "agent": NAME, "state": {...} or null}``
+    The agent's webhook (REACH §12) and its progress; null: none.
 ``{"op": "events", "floor": N, "last": N}``
     Retention removed every event up to id ``floor``; ``last`` is the highest
     id given so far (also the head of a compacted file), so ids never repeat.
@@ -160,6 +162,12 @@ def event_record(event: Event) -> Dict[str, Any]:
     """The log record of ``event``."""
     return {"op": "event", "id": event.id, "agent": event.agent, "at": event.at,
             "type": event.type, "data": json.loads(event.data)}
+
+
+def webhook_record(agent: str, state: Optional[str]) -> Dict[str, Any]:
+    """The log record of ``agent``'s webhook state (None: removed)."""
+    return {"op": "webhook", "agent": agent,
+            "state": None if state is None else json.loads(state)}
 
 
 def _number(value: Any) -> float:
@@ -306,6 +314,7 @@ class LoadedLog:
         self.whole_bytes = 0  # the length of the file up to its last whole line
         self.events: List[Event] = []
         self.event_floor = 0
+        self.hooks: Dict[str, str] = {}
         self.last_event = 0
 
 
@@ -365,6 +374,15 @@ def read_log(path: str, now: float) -> LoadedLog:
                     loaded.events.append(Event(
                         _int(record["id"]), _text(record["agent"], optional=False),
                         record["type"], compact_json(data), _number(record["at"])))
+                elif op == "webhook":
+                    agent = _text(record["agent"], optional=False)
+                    state = record["state"]
+                    if state is None:
+                        loaded.hooks.pop(agent, None)
+                    elif isinstance(state, dict):
+                        loaded.hooks[agent] = compact_json(state)
+                    else:
+                        raise ValueError("not a webhook state")
                 elif op == "events":
                     loaded.event_floor = max(loaded.event_floor, _int(record["floor"]))
                     loaded.last_event = max(loaded.last_event, _int(record["last"]))
@@ -429,8 +447,11 @@ class LoggedRecords(MemoryRecords):
     def trimmed(self, floor: int) -> None:
         self.append({"op": "events", "floor": floor, "last": self.last_event})
 
+    def hooked(self, agent: str) -> None:
+        self.append(webhook_record(agent, self.hooks.get(agent)))
+
     def live_records(self) -> int:
-        return len(self.by_id) + len(self.peer_seen) + len(self.event_log)
+        return len(self.by_id) + len(self.peer_seen) + len(self.event_log) + len(self.hooks)
 
 
 def _fsync_directory(directory: str) -> None:
@@ -463,7 +484,9 @@ class Compaction:
             self.file.write(_encode(peer_record(agent, seen, card)))
         # the kept events (few: retention bounds them) at once, before any later one
         self.file.write(b"".join(_encode(event_record(e)) for e in state.event_log))
-        self.records += 1 + len(state.event_log)
+        self.file.write(b"".join(_encode(webhook_record(agent, hook))
+                                 for agent, hook in sorted(state.hooks.items())))
+        self.records += 1 + len(state.event_log) + len(state.hooks)
         self.waiters: List[Deferred] = []
         self.call = None
 
@@ -763,6 +786,7 @@ def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
     for event in loaded.events:
         state.load_event(event)
     state.event_floor = loaded.event_floor
+    state.hooks.update(loaded.hooks)
     state.last_event = max(state.last_event, loaded.last_event, loaded.event_floor)
 
 

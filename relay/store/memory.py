@@ -69,6 +69,8 @@ class MemoryRecords(Records):
         self.agent_event_ids: Dict[str, List[int]] = {}
         self.last_event = 0
         self.event_floor = 0
+        # REACH §12: agent -> its webhook state (JSON text)
+        self.hooks: Dict[str, str] = {}
 
     # -- indexes -----------------------------------------------------------------------
 
@@ -185,6 +187,19 @@ class MemoryRecords(Records):
 
     def trimmed(self, floor: int) -> None:
         """Retention removed every event up to id ``floor``."""
+
+    def hooked(self, agent: str) -> None:
+        """The webhook state of ``agent`` changed."""
+
+    def webhook_states(self) -> Dict[str, str]:
+        return dict(self.hooks)
+
+    def put_webhook(self, agent: str, state: Optional[str]) -> None:
+        if state is None:
+            self.hooks.pop(agent, None)
+        else:
+            self.hooks[agent] = state
+        self.hooked(agent)
 
     # -- events ------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
--- Migration 9: the events of REACH §11, recorded with the change that causes them
--- and kept broker.eventRetentionSeconds. An agent's events are inserted under a
--- transaction lock of that agent (class 0x72656C02), so its ids become visible in
--- order; a stream reads its agent's events after an id by relay_events_agent.
--- Retention removes the oldest by relay_events_at (BRIN: times grow with ids, and
--- the index costs an insert next to nothing); relay_event_marks keeps the highest
--- id removed ('floor').
+-- Migration 9: the events of REACH §11 and the webhooks of §12.
+-- Events are recorded with the change that causes them and kept
+-- broker.eventRetentionSeconds. An agent's events are inserted under a
+-- transaction lock of that agent (class 0x72656C02), so its ids become visible
+-- in order; a stream reads its agent's events after an id by relay_events_agent.
+-- Retention removes the oldest by relay_events_at (BRIN: times grow with ids,
+-- and the index costs an insert next to nothing); relay_event_marks keeps the
+-- highest id removed ('floor').
 CREATE TABLE relay_events
 (
   id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -19,4 +20,10 @@ CREATE TABLE relay_event_marks
 (
   key text PRIMARY KEY,
   value bigint NOT NULL
+);
+-- Each agent's webhook and its progress (JSON); no row: no webhook.
+CREATE TABLE relay_webhooks
+(
+  agent text PRIMARY KEY,
+  state text NOT NULL
 );

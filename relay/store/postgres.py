@@ -291,6 +291,12 @@ STATEMENTS = {
     # REACH §11. An agent's events are written under its transaction lock, taken
     # in name order (two transactions never wait for each other in a cycle).
     "event_lock": "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+    "webhooks": "SELECT agent, state FROM relay_webhooks",
+    "webhook_put": (
+        "INSERT INTO relay_webhooks (agent, state) VALUES (%s, %s) "
+        "ON CONFLICT (agent) DO UPDATE SET state = excluded.state"
+    ),
+    "webhook_drop": "DELETE FROM relay_webhooks WHERE agent = %s",
     "event_insert": (
         "INSERT INTO relay_events (agent, at, type, data) "
         "SELECT agent, at, type, data FROM unnest(%s::text[], %s::float8[], %s::text[], "
@@ -655,6 +661,16 @@ class PostgresRecords(Records):
         self.cursor.execute(STATEMENTS["event_trim"], (cutoff, EVENT_TRIM_BATCH))
         row = self.cursor.fetchone()
         return 0 if row is None else row[0]
+
+    def webhook_states(self) -> Dict[str, str]:
+        self.cursor.execute(STATEMENTS["webhooks"])
+        return dict(self.cursor.fetchall())
+
+    def put_webhook(self, agent: str, state: Optional[str]) -> None:
+        if state is None:
+            self.cursor.execute(STATEMENTS["webhook_drop"], (agent,))
+        else:
+            self.cursor.execute(STATEMENTS["webhook_put"], (agent, state))
 
     def notification(self, token: str) -> Optional[str]:
         """The payload that tells other brokers what this transaction changed, or None."""
@@ -1224,6 +1240,12 @@ class PostgresStore:
 
     def trim_events(self, cutoff: float) -> Deferred:
         return self._run(ops.trim_events, cutoff)
+
+    def webhook_states(self) -> Deferred:
+        return self._run(ops.webhook_states)
+
+    def put_webhook(self, agent: str, state: Optional[str]) -> Deferred:
+        return self._run(ops.put_webhook, agent, state)
 
     def queue_depths(self, now: float) -> Deferred:
         return self._run(ops.depths, now)

@@ -173,6 +173,16 @@ class Records:
         how many."""
         raise NotImplementedError
 
+    # -- webhooks (REACH §12) -----------------------------------------------------------
+
+    def webhook_states(self) -> Dict[str, str]:
+        """Every agent's webhook state (JSON text: :mod:`relay.hooks`), by agent."""
+        raise NotImplementedError
+
+    def put_webhook(self, agent: str, state: Optional[str]) -> None:
+        """Keep ``agent``'s webhook state (None: it has no webhook)."""
+        raise NotImplementedError
+
 
 # -- the operations, once for every backend -------------------------------------------
 
@@ -399,6 +409,14 @@ def trim_events(records: Records, cutoff: float) -> int:
     return records.trim_events(cutoff)
 
 
+def webhook_states(records: Records) -> Dict[str, str]:
+    return records.webhook_states()
+
+
+def put_webhook(records: Records, agent: str, state: Optional[str]) -> None:
+    records.put_webhook(agent, state)
+
+
 def depths(records: Records, now: float) -> List[QueueDepth]:
     return records.depths(now)
 
@@ -519,6 +537,12 @@ class RecordStore:
 
     def trim_events(self, cutoff: float) -> Deferred:
         return self._run(trim_events, cutoff)
+
+    def webhook_states(self) -> Deferred:
+        return self._run(webhook_states)
+
+    def put_webhook(self, agent: str, state: Optional[str]) -> Deferred:
+        return self._run(put_webhook, agent, state)
 
     def health(self) -> Deferred:
         return succeed(self.commits.failure if self.commits is not None else None)

@@ -1,4 +1,5 @@
--- Schema version 4 -> 5: the events of REACH §11 (see sqlite-v5.sql).
+-- Schema version 4 -> 5: the events of REACH §11 and the webhooks of §12 (see
+-- sqlite-v5.sql).
 CREATE TABLE events
 (
   id INTEGER PRIMARY KEY,
@@ -8,3 +9,8 @@ CREATE TABLE events
   data TEXT NOT NULL
 );
 CREATE INDEX events_agent ON events (agent, id);
+CREATE TABLE webhooks
+(
+  agent TEXT PRIMARY KEY,
+  state TEXT NOT NULL
+) WITHOUT ROWID;

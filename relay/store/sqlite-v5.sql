@@ -94,3 +94,11 @@ CREATE TABLE events
 -- a stream reads its agent's events after an id.
 CREATE INDEX events_agent ON events (agent, id);
 -- Retention removes the oldest events in id order (the primary key).
+
+-- REACH §12: each agent's webhook and its progress (JSON: url, acked event id,
+-- failures, disabled, ...); no row: no webhook.
+CREATE TABLE webhooks
+(
+  agent TEXT PRIMARY KEY,
+  state TEXT NOT NULL
+) WITHOUT ROWID;

@@ -210,6 +210,12 @@ STATEMENTS = {
         "DELETE FROM events WHERE id <= ?",
         "SELECT max(id) FROM events",
     ],
+    # REACH §12: one row per agent with a webhook
+    "webhooks": [
+        "INSERT INTO webhooks (agent, state) VALUES (?, ?) "
+        "ON CONFLICT (agent) DO UPDATE SET state = excluded.state",
+        "DELETE FROM webhooks WHERE agent = ?",
+    ],
     # One index seek per recipient (a loose scan of messages_inbox), then counts of
     # its queued, leased and failed ranges: done messages are never visited.
     "depths": [
@@ -228,10 +234,12 @@ STATEMENTS = {
 # store opens.
 LISTINGS = (
     "SELECT agent, last_seen, card FROM peers ORDER BY agent",
+    # (index 3, below) every webhook: one row per agent that has one
     f"SELECT recipient, count(*), sum({_STORED_BYTES}) FROM messages "
     "WHERE status IN ('queued', 'leased') GROUP BY recipient",
     "DELETE FROM peers WHERE last_seen < ? AND NOT EXISTS "
     "(SELECT 1 FROM messages WHERE recipient = peers.agent) RETURNING agent",
+    "SELECT agent, state FROM webhooks",
 )
 
 
@@ -715,6 +723,16 @@ class SQLiteRecords(Records):
         removed = self.cursor.execute(STATEMENTS["events"][5], (floor,)).rowcount
         self.event_floor = max(self.event_floor, floor)
         return removed
+
+    def webhook_states(self) -> Dict[str, str]:
+        return dict(self.cursor.execute(LISTINGS[3]).fetchall())
+
+    def put_webhook(self, agent: str, state: Optional[str]) -> None:
+        self._begin()
+        if state is None:
+            self.cursor.execute(STATEMENTS["webhooks"][1], (agent,))
+        else:
+            self.cursor.execute(STATEMENTS["webhooks"][0], (agent, state))
 
     def depths(self, now: float) -> List[QueueDepth]:
         next_recipient, counts, delayed, oldest = STATEMENTS["depths"]

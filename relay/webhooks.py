@@ -1,0 +1,325 @@
+"""The webhook delivery loop (REACH §12): each agent's recorded events POSTed to its
+URL, in order, one request at a time per agent, at most ``webhookConcurrency`` in
+flight in all.
+
+Decisions (backoff, skip, disable, the allow-list, the signed request) are
+:mod:`relay.hooks`'; this service applies them on a clock. It reads the events
+the store recorded (so delivery resumes after a restart from the last
+acknowledged event) and keeps each agent's progress in the store. Logs name
+agents and event ids only: never a URL, a body or a secret.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+
+from relay import hooks
+from relay.delivery import Changes
+from relay.events import ALL_AGENTS, Event, EventPage
+from relay.hooks import HookState
+
+log = Logger(namespace="relay.webhooks")
+
+# (url, headers, body) -> Deferred firing with the response's status code
+Poster = Callable[[str, Dict[bytes, bytes], bytes], Deferred]
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    """What the config says of webhooks (a reload may change all but ``concurrency``)."""
+
+    allow: Tuple[str, ...]
+    max_attempts: int
+    disable_after: int
+    concurrency: int
+    # agent -> the operator's URL (wins over the agent's own)
+    configured: Mapping[str, str]
+    # agent -> the secret its requests (and so its webhooks) are signed with
+    secrets: Mapping[str, str]
+
+    @classmethod
+    def from_config(cls, config: Any) -> HookSettings:
+        return cls(
+            allow=tuple(config.webhook_allow),
+            max_attempts=config.webhook_max_attempts,
+            disable_after=config.webhook_disable_after,
+            concurrency=config.webhook_concurrency,
+            configured={name: agent.webhook for name, agent in config.agents.items()
+                        if agent.webhook is not None},
+            secrets={name: agent.secret for name, agent in config.agents.items()
+                     if agent.secret is not None},
+        )
+
+
+class _Discard(Protocol):
+    """Reads a response body to its end and throws it away."""
+
+    def __init__(self, done: Deferred) -> None:
+        self.done = done
+
+    def dataReceived(self, data: bytes) -> None:
+        pass
+
+    def connectionLost(self, reason: Any = None) -> None:
+        if not self.done.called:
+            self.done.callback(None)
+
+
+def treq_poster(reactor: Any) -> Poster:
+    """POST with treq on ``reactor``: 10 s for the answer, redirects not followed, the
+    answer's body read and discarded."""
+    import treq
+
+    def post(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
+        d = treq.post(url, data=body, headers=headers, timeout=hooks.TIMEOUT_SECONDS,
+                      allow_redirects=False, reactor=reactor, persistent=False)
+
+        def answered(response: Any) -> Deferred:
+            done: Deferred = Deferred()
+            response.deliverBody(_Discard(done))
+            timer = reactor.callLater(hooks.TIMEOUT_SECONDS, done.cancel)
+            done.addBoth(lambda _: timer.cancel() if timer.active() else None)
+            done.addCallback(lambda _: response.code)
+            return done
+
+        return d.addCallback(answered)
+
+    return post
+
+
+class WebhookDelivery(Service):
+    """Delivers every agent's events to its webhook; started and stopped with the broker."""
+
+    def __init__(self, store: Any, clock: IReactorTime, post: Poster, settings: HookSettings,
+                 shared_secret: str, counters: Any = None) -> None:
+        self.store = store
+        self.clock = clock
+        self.post = post
+        self.settings = settings
+        self.shared_secret = shared_secret
+        self.counters = counters
+        self.states: Dict[str, HookState] = {}
+        self.busy: Set[str] = set()
+        self.timers: Dict[str, Any] = {}
+        self.limit = DeferredSemaphore(settings.concurrency)
+        self.loaded = False
+        store.subscribe(self.changed)
+
+    # -- life -----------------------------------------------------------------------------
+
+    def startService(self) -> Optional[Deferred]:
+        super().startService()
+        d = self.store.webhook_states()
+        d.addCallback(self._loaded)
+        d.addErrback(lambda f: log.error("webhook states could not be read: {kind}",
+                                         kind=f.type.__name__))
+        return d
+
+    def _loaded(self, stored: Mapping[str, str]) -> None:
+        for agent, text in stored.items():
+            self.states.setdefault(agent, HookState.from_json(text))
+        self.loaded = True
+        self.kick_all()
+
+    def stopService(self) -> Optional[Deferred]:
+        super().stopService()
+        for call in self.timers.values():
+            if call.active():
+                call.cancel()
+        self.timers.clear()
+        return None
+
+    def configure(self, settings: HookSettings, shared_secret: str) -> None:
+        """Apply a reloaded config: a narrower allow-list stops deliveries outside it
+        at once, a wider one resumes them."""
+        self.settings = settings
+        self.shared_secret = shared_secret
+        self.kick_all()
+
+    # -- what agents and operators see ----------------------------------------------------
+
+    def url_of(self, agent: str) -> Optional[str]:
+        """The URL ``agent``'s events go to (the config's, else its own)."""
+        configured = self.settings.configured.get(agent)
+        if configured is not None:
+            return configured
+        state = self.states.get(agent)
+        return state.url if state is not None else None
+
+    def shown(self, agent: str) -> Optional[Dict[str, Any]]:
+        """The register answer's ``webhook`` for ``agent`` (its own answer only)."""
+        url = self.url_of(agent)
+        if url is None:
+            return None
+        state = self.states.get(agent)
+        if state is not None and state.disabled:
+            return {"url": url, "disabled": True}
+        return {"url": url}
+
+    def health(self) -> Dict[str, Dict[str, Any]]:
+        """Per agent with a webhook: last delivered, failing since, disabled — no URL."""
+        return {agent: state.health() for agent, state in sorted(self.states.items())
+                if self.url_of(agent) is not None}
+
+    def register(self, agent: str, url: Any, keep: Any) -> Deferred:
+        """The webhook of a register body (``keep``: unchanged; None: removed; else a
+        URL, checked against the allow-list, which also enables a disabled webhook).
+        A new webhook starts at the present. Fires once the state is stored."""
+        if url is keep:
+            if agent in self.settings.configured and agent not in self.states:
+                return self._start(agent, None)
+            return succeed(None)
+        if url is not None:
+            hooks.check_url(url, self.settings.allow)
+        state = self.states.get(agent)
+        if state is None:
+            if url is None:
+                return succeed(None)
+            return self._start(agent, url)
+        hooks.enabled(state, url)
+        if url is None and agent not in self.settings.configured:
+            del self.states[agent]
+            return self.store.put_webhook(agent, None)
+        d = self._save(agent)
+        d.addCallback(lambda _: self.kick(agent))
+        return d
+
+    def _start(self, agent: str, url: Optional[str]) -> Deferred:
+        d = self.store.events(agent, None, 0)
+
+        def present(page: EventPage) -> Deferred:
+            state = self.states.get(agent)
+            if state is None:
+                state = self.states[agent] = HookState(acked=page.last)
+            hooks.enabled(state, url)
+            return self._save(agent)
+
+        return d.addCallback(present)
+
+    def _save(self, agent: str) -> Deferred:
+        state = self.states.get(agent)
+        return self.store.put_webhook(agent, None if state is None else state.to_json())
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def changed(self, changes: Changes) -> None:
+        """New events were recorded: the agents concerned send them."""
+        if ALL_AGENTS in changes.events:
+            self.kick_all()
+            return
+        for agent in changes.events:
+            if agent in self.states:
+                self.kick(agent)
+
+    def kick_all(self) -> None:
+        for agent in list(self.states):
+            self.kick(agent)
+
+    def kick(self, agent: str) -> None:
+        """Send ``agent``'s next event unless a request or a retry of it is under way."""
+        if not self.running or not self.loaded or agent in self.busy or agent in self.timers:
+            return
+        self.busy.add(agent)
+        self._next(agent)
+
+    def _sendable(self, agent: str) -> Optional[str]:
+        state = self.states.get(agent)
+        url = self.url_of(agent)
+        if state is None or url is None or state.disabled:
+            return None
+        if not hooks.allowed(url, self.settings.allow):
+            return None  # outside the allow-list in force: nothing is sent
+        return url
+
+    def _next(self, agent: str) -> None:
+        if not self.running or self._sendable(agent) is None:
+            self.busy.discard(agent)
+            return
+        d = self.store.events(agent, self.states[agent].acked, 1)
+        d.addCallbacks(self._got, self._unreadable, callbackArgs=(agent,),
+                       errbackArgs=(agent,))
+
+    def _unreadable(self, failure: Any, agent: str) -> None:
+        log.warn("webhook of {agent}: its events could not be read ({kind})", agent=agent,
+                 kind=failure.type.__name__)
+        self._later(agent, hooks.backoff(1))
+
+    def _got(self, page: EventPage, agent: str) -> None:
+        state = self.states.get(agent)
+        if state is None:
+            self.busy.discard(agent)
+            return
+        if page.reset is not None:  # past retention: go on from the present
+            state.acked = page.last
+            self._save(agent).addBoth(lambda _: self._next(agent))
+            return
+        if not page.events:
+            self.busy.discard(agent)
+            return
+        event = page.events[0]
+        d = self.limit.run(self._send, agent, event)
+        d.addBoth(self._answered, agent, event)
+
+    def _send(self, agent: str, event: Event) -> Deferred:
+        url = self._sendable(agent)  # the allow-list at the time of sending
+        if url is None:
+            return succeed(None)
+        secret = self.settings.secrets.get(agent, self.shared_secret)
+        body, headers = hooks.request(agent, secret, url, event, int(self.clock.seconds()))
+        if self.counters is not None:
+            self.counters.webhook_attempted()
+        return self.post(url, headers, body)
+
+    def _answered(self, result: Any, agent: str, event: Event) -> None:
+        state = self.states.get(agent)
+        if state is None:
+            self.busy.discard(agent)
+            return
+        if result is None:  # not sent: the URL left the allow-list or the webhook went
+            self.busy.discard(agent)
+            return
+        now = self.clock.seconds()
+        if isinstance(result, int) and 200 <= result < 300:
+            hooks.delivered(state, event.id, now)
+            self._save(agent).addBoth(lambda _: self._next(agent))
+            return
+        if self.counters is not None:
+            self.counters.webhook_failed()
+        action, delay = hooks.failed(state, event.id, now, self.settings.max_attempts,
+                                     self.settings.disable_after)
+        saved = self._save(agent)
+        if action == hooks.SKIP:
+            log.warn("webhook of {agent}: event {event} skipped after {tries} tries",
+                     agent=agent, event=event.id, tries=self.settings.max_attempts)
+            if self.counters is not None:
+                self.counters.webhook_skipped()
+            saved.addBoth(lambda _: self._next(agent))
+        elif action == hooks.DISABLE:
+            log.warn("webhook of {agent} disabled after {count} failed tries in a row",
+                     agent=agent, count=state.failures)
+            if self.counters is not None:
+                self.counters.webhook_disabled()
+            self.busy.discard(agent)
+        else:
+            saved.addBoth(lambda _: self._later(agent, delay))
+
+    def _later(self, agent: str, delay: float) -> None:
+        self.busy.discard(agent)
+
+        def due() -> None:
+            self.timers.pop(agent, None)
+            self.kick(agent)
+
+        if self.running:
+            self.timers[agent] = self.clock.callLater(delay, due)
+
+    def pending(self) -> Sequence[str]:
+        """Agents with a request or a retry under way (tests, the dashboard)."""
+        return sorted(self.busy | set(self.timers))
