@@ -1355,6 +1355,17 @@ class EventContract(_Contract):
         assert [json.loads(e.data)["id"] for e in kept.events] == ["new"]
 
     @pytest_twisted.ensureDeferred
+    async def test_webhook_states_are_kept_per_agent(self, store):
+        assert await store.webhook_states() == {}
+        await store.put_webhook("beta", '{"acked":3}')
+        await store.put_webhook("gamma", '{"acked":1}')
+        await store.put_webhook("beta", '{"acked":4}')
+        assert await store.webhook_states() == {"beta": '{"acked":4}', "gamma": '{"acked":1}'}
+        await store.put_webhook("gamma", None)
+        await store.put_webhook("nobody", None)
+        assert await store.webhook_states() == {"beta": '{"acked":4}'}
+
+    @pytest_twisted.ensureDeferred
     async def test_changes_name_the_agents_with_new_events(self, store):
         heard = Recorder()
         store.subscribe(heard)

@@ -268,6 +268,7 @@ async def test_restart_keeps_the_events_their_order_and_the_retention_floor(pers
     store = open_backend(persistent, tmp_path)
     try:
         assert await every_event(store) == before
+        await store.put_webhook("beta", '{"acked":2,"url":"http://127.0.0.1:1/"}')
         await store.add(new_message("alpha", "beta", START + 50, id="after"), RULES)
         (newest,) = (await store.events("beta", last, 10)).events
         assert newest.id > last, "event ids never go back"
@@ -280,6 +281,8 @@ async def test_restart_keeps_the_events_their_order_and_the_retention_floor(pers
     try:
         page = await store.events("beta", 0, 10)
         assert page.reset is not None, "the retention floor survives a restart"
+        assert await store.webhook_states() == {
+            "beta": '{"acked":2,"url":"http://127.0.0.1:1/"}'}
         assert [e.id for e in (await store.events("beta", newest.id - 1, 10)).events] == [
             newest.id]
     finally:
