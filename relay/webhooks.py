@@ -16,9 +16,14 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
+from twisted.internet.ssl import optionsForClientTLS
 from twisted.logger import Logger
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.iweb import IAgentEndpointFactory
+from zope.interface import implementer
 
 from relay import hooks
 from relay.delivery import Changes
@@ -72,14 +77,45 @@ class _Discard(Protocol):
             self.done.callback(None)
 
 
+@implementer(IStreamClientEndpoint)
+class _Quiet:
+    """An endpoint whose connections' factories do not log their start and stop (those
+    lines would name the webhook's host and port)."""
+
+    def __init__(self, endpoint: IStreamClientEndpoint) -> None:
+        self.endpoint = endpoint
+
+    def connect(self, factory: Any) -> Deferred:
+        factory.noisy = False
+        return self.endpoint.connect(factory)
+
+
+@implementer(IAgentEndpointFactory)
+class _QuietEndpoints:
+    """Endpoints of webhook URLs: TCP, or TLS for https, each :class:`_Quiet`."""
+
+    def __init__(self, reactor: Any) -> None:
+        self.reactor = reactor
+
+    def endpointForURI(self, uri: Any) -> IStreamClientEndpoint:
+        endpoint = HostnameEndpoint(self.reactor, uri.host, uri.port,
+                                    timeout=hooks.TIMEOUT_SECONDS)
+        if uri.scheme == b"https":
+            endpoint = wrapClientTLS(optionsForClientTLS(uri.host.decode("idna")), endpoint)
+        return _Quiet(endpoint)
+
+
 def treq_poster(reactor: Any) -> Poster:
     """POST with treq on ``reactor``: 10 s for the answer, redirects not followed, the
-    answer's body read and discarded."""
-    import treq
+    answer's body read and discarded, nothing of the URL logged."""
+    from treq.client import HTTPClient
+
+    client = HTTPClient(Agent.usingEndpointFactory(
+        reactor, _QuietEndpoints(reactor), HTTPConnectionPool(reactor, persistent=False)))
 
     def post(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
-        d = treq.post(url, data=body, headers=headers, timeout=hooks.TIMEOUT_SECONDS,
-                      allow_redirects=False, reactor=reactor, persistent=False)
+        d = client.post(url, data=body, headers=headers, timeout=hooks.TIMEOUT_SECONDS,
+                        allow_redirects=False)
 
         def answered(response: Any) -> Deferred:
             done: Deferred = Deferred()
