@@ -37,7 +37,9 @@ async def test_stats_prints_the_overview(tmp_path):
     assert "queued 2" in lines[1] and "sent 2" in lines[2]
     beta = next(line for line in lines if line.startswith("beta "))
     assert beta.split()[:4] == ["beta", "yes", "2", "0"]
-    assert beta.endswith(" 0 s") and lines[0].endswith("up 0 s"), "ages read as elsewhere"
+    assert beta.split()[-4:] == ["0", "s", "0", "-"], "oldest, streams, no webhook"
+    assert lines[0].endswith("up 0 s"), "ages read as elsewhere"
+    assert any(line.startswith("event streams 0") for line in lines)
     assert any(line.split()[:3] == ["alpha", "beta", "2"] for line in lines)
 
 
@@ -163,3 +165,15 @@ async def test_unlock_without_the_token_or_of_a_bad_name_is_an_error(tmp_path):
     outcome = await run_cli(["unlock", "no/such", "--ops", "http://127.0.0.1:19122",
                              "--ops-token", "t"], tmp_path, http=StubTreq(ops.resource()))
     assert outcome.status == 1 and "agent must be an agent name" in outcome.err
+
+
+def test_a_webhooks_health_in_a_word_never_its_url():
+    from relay.cli.commands.ops import _webhook
+
+    assert _webhook(None, 100.0) == "-"
+    assert _webhook({"disabled": True, "failingSince": 10.0, "lastDelivered": None}, 100.0) == (
+        "disabled")
+    assert _webhook({"disabled": False, "failingSince": 40.0, "lastDelivered": 5.0},
+                    100.0) == "failing 1 min"
+    assert _webhook({"disabled": False, "failingSince": None, "lastDelivered": 98.0},
+                    100.0) == "ok 2 s ago"

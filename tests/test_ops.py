@@ -7,7 +7,7 @@ import base64
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import pytest_twisted
@@ -486,13 +486,53 @@ async def test_overview_lists_agents_queues_totals_and_flow():
     assert rows["beta"] == {"agent": "beta", "registered": True, "online": True,
                             "lastSeen": int(START), "queued": 1, "leased": 0,
                             "delayed": 0, "failed": 1, "oldestAgeSeconds": 3.0,
-                            "inboxFull": False, "selfcheck": False}
+                            "inboxFull": False, "selfcheck": False, "streams": 0,
+                            "webhook": None}
     assert rows["gamma"]["leased"] == 1
     assert "cardsOmitted" not in overview, "cards only when asked for"
     totals = overview["totals"]
     assert (totals["sent"], totals["delivered"], totals["failed"]) == (4, 3, 1)
     assert overview["broker"]["healthy"] is True and overview["broker"]["health"] is None
     assert {"from": "alpha", "to": "beta", "count": 3} in overview["flow"]["pairs"]
+
+
+class _Request:
+    """Just enough of a request for an event stream held in memory."""
+
+    def __init__(self) -> None:
+        from twisted.web.http_headers import Headers
+
+        self.responseHeaders = Headers()
+        self.written: List[bytes] = []
+
+    def setResponseCode(self, code: int) -> None:
+        self.code = code
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+@pytest_twisted.ensureDeferred
+async def test_overview_and_metrics_show_streams_and_webhook_health_never_the_url():
+    ops = Ops()
+    c = ops.client
+    assert (await c.post("beta", "/register",
+                         {"webhook": {"url": "http://127.0.0.1:9/secret-path"}}))[0] == 200
+    ops.broker.streams.open("beta", _Request(), None)
+    ops.broker.streams.open("gamma", _Request(), None)
+    code, overview, _ = await ops.get("/api/overview")
+    rows = {row["agent"]: row for row in overview["agents"]}
+    assert rows["beta"]["streams"] == 1 and rows["gamma"]["streams"] == 1
+    assert rows["beta"]["webhook"] == {"lastDelivered": None, "failingSince": None,
+                                       "disabled": False, "failures": 0}
+    assert rows["gamma"]["webhook"] is None
+    assert overview["totals"]["eventStreams"] == 2
+    assert "secret-path" not in json.dumps(overview) and "127.0.0.1:9" not in json.dumps(
+        overview)
+    code, text, _ = await ops.get("/metrics")
+    assert b"relay_event_streams 2.0" in text and b"relay_webhook_attempts_total 0.0" in text
+    assert b"secret-path" not in text
+    ops.broker.stop()
 
 
 @pytest_twisted.ensureDeferred

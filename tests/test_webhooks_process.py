@@ -6,7 +6,6 @@ and delivery resumed after a SIGKILL."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time

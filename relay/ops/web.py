@@ -263,6 +263,7 @@ class OpsAPI:
             storage=self.broker.storage(),
             agents_registered=len(peers),
             disk_free_bytes=self.broker.disk_free(),
+            event_streams=sum(self.broker.event_streams().values()),
         )
         body = metrics.render(self.counters, scrape, self.extra_collectors)
         request.setHeader(b"content-type", metrics.CONTENT_TYPE.encode("ascii"))
@@ -327,9 +328,16 @@ class OpsAPI:
                                       "lastSeen": None})
         limits = broker.limits()
         inbox_max = limits["inboxMaxMessages"]
+        streams = broker.event_streams()
+        webhooks = broker.webhook_health()
+        for agent in set(streams) | set(webhooks):
+            agents.setdefault(agent, {"agent": agent, "registered": False, "online": False,
+                                      "lastSeen": None})
         rows: List[Dict[str, Any]] = []
         for name, row in agents.items():
             row["selfcheck"] = protocol.is_selfcheck_agent(name)
+            row["streams"] = streams.get(name, 0)
+            row["webhook"] = webhooks.get(name)  # health only: never the URL
             depth = by_agent.get(name)
             for state in metrics.QUEUE_STATES:
                 row[state] = getattr(depth, state) if depth is not None else 0
@@ -376,6 +384,12 @@ class OpsAPI:
                 "leased": sum(d.leased for d in depths),
                 "delayed": sum(d.delayed for d in depths),
                 "failed": sum(d.failed for d in depths),
+                "eventStreams": sum(streams.values()),
+                "eventsStreamed": counters.events_sent,
+                "webhookAttempts": counters.webhook_attempts,
+                "webhookFailures": counters.webhook_failures,
+                "webhookSkips": counters.webhook_skips,
+                "webhooksDisabled": counters.webhooks_disabled,
             },
             "throughput": counters.throughput(),
             "flow": counters.recent_flow(),

@@ -143,10 +143,26 @@ def _pairs(counts: Dict[str, int]) -> str:
 
 
 def _worth_listing(agent: Mapping[str, Any]) -> bool:
-    """Online, or holding messages: an offline agent with nothing (the throwaway
-    agents of selfcheck runs among them) is only counted."""
+    """Online, holding messages, streaming or with a webhook: an offline agent with
+    nothing (the throwaway agents of selfcheck runs among them) is only counted."""
     held = sum(agent.get(key) or 0 for key in ("queued", "leased", "delayed", "failed"))
-    return bool(agent.get("online")) or held > 0
+    return (bool(agent.get("online")) or held > 0 or bool(agent.get("streams"))
+            or agent.get("webhook") is not None)
+
+
+def _webhook(health: Optional[Mapping[str, Any]], now: Optional[float]) -> str:
+    """A webhook's health in a word or two (never its URL): ``-`` for none."""
+    if health is None:
+        return "-"
+    if health.get("disabled"):
+        return "disabled"
+    since = health.get("failingSince")
+    if since is not None and now is not None:
+        return f"failing {_age(now - since)}"
+    delivered = health.get("lastDelivered")
+    if delivered is not None and now is not None:
+        return f"ok {_age(now - delivered)} ago"
+    return "ok"
 
 
 def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
@@ -166,6 +182,10 @@ def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
     console.line(f"refused: rate-limited (429) {t.get('rateLimited', 0)}  sends refused "
                  f"{_pairs(t['sendsRefused'])}  auth failures {_pairs(t['authFailures'])}"
                  f"  lockouts {t['lockouts']}")
+    console.line(f"event streams {t.get('eventStreams', 0)}  events streamed "
+                 f"{t.get('eventsStreamed', 0)}  webhook attempts {t.get('webhookAttempts', 0)}"
+                 f"  failures {t.get('webhookFailures', 0)}  skips {t.get('webhookSkips', 0)}"
+                 f"  disabled {t.get('webhooksDisabled', 0)}")
     if overview["throughput"]:
         last = overview["throughput"][-1]
         console.line(f"last interval: sent {last['sent']:.2f}/s  delivered "
@@ -173,12 +193,14 @@ def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
                      f"{last['requests']:.2f}/s  errors {last['errors']:.2f}/s")
     console.line()
     listed = [a for a in overview["agents"] if show_all or _worth_listing(a)]
+    now = b.get("now")
     rows = [(a["agent"], "yes" if a["online"] else "no", a["queued"], a["leased"],
-             a["delayed"], a["failed"], _age(a["oldestAgeSeconds"]))
+             a["delayed"], a["failed"], _age(a["oldestAgeSeconds"]), a.get("streams", 0),
+             _webhook(a.get("webhook"), now))
             for a in listed]
     if rows:
         for line in table(rows, ("AGENT", "ONLINE", "QUEUED", "LEASED", "DELAYED", "FAILED",
-                                 "OLDEST")):
+                                 "OLDEST", "STREAMS", "WEBHOOK")):
             console.line(line)
     elif not overview["agents"]:
         console.line("no agents")

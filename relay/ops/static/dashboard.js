@@ -138,6 +138,14 @@ function cardCell(card) {
   return cell;
 }
 
+// A webhook's health (REACH §12): the overview never carries its URL.
+function webhookCell(now, hook) {
+  if (!hook) return el("td", "–", "opt");
+  if (hook.disabled) return el("td", "disabled", "opt late");
+  if (hook.failingSince !== null) return el("td", "failing " + age(now - hook.failingSince), "opt late");
+  return el("td", hook.lastDelivered === null ? "ok" : "ok " + seen(now, hook.lastDelivered), "opt");
+}
+
 function seen(now, lastSeen) {
   return lastSeen === null ? "–" : age(now - lastSeen) + " ago";
 }
@@ -147,8 +155,9 @@ function seen(now, lastSeen) {
 function showAgents(overview) {
   const now = overview.broker.now;
   const held = (a) => a.queued + a.leased + a.delayed + a.failed;
-  const listed = overview.agents.filter((a) => a.online || held(a) > 0);
-  const folded = overview.agents.filter((a) => !a.online && held(a) === 0);
+  const busy = (a) => a.online || held(a) > 0 || a.streams > 0 || a.webhook;
+  const listed = overview.agents.filter(busy);
+  const folded = overview.agents.filter((a) => !busy(a));
   const offline = folded.filter((a) => !a.selfcheck);
   const throwaway = folded.length - offline.length;
   const rows = listed.map((a) => {
@@ -163,10 +172,11 @@ function showAgents(overview) {
     return [
       name, online, el("td", seen(now, a.lastSeen), "opt"),
       el("td", a.queued, "n"), el("td", a.leased, "n"), el("td", a.delayed, "n opt"),
-      el("td", a.failed, "n"), oldest, cardCell(a.card),
+      el("td", a.failed, "n"), oldest, el("td", a.streams || 0, "n opt"),
+      webhookCell(now, a.webhook), cardCell(a.card),
     ];
   });
-  fill($("agents").tBodies[0], rows, 9,
+  fill($("agents").tBodies[0], rows, 11,
     overview.agents.length ? "no agent online" : "no agents yet");
   fill($("offline-agents").tBodies[0], offline.map((a) => {
     const name = el("td", a.agent, "name");
