@@ -106,6 +106,10 @@ class Broker:
         # grid): the expiry sweep then stores their failure notices on time.
         self._expiries: List[float] = []
         self._expiry_call: Any = None
+        # When delays end (epoch seconds, on a half-second grid): the store then
+        # records the message events of the messages they held back.
+        self._releases: List[float] = []
+        self._release_call: Any = None
         self._stopped = False
         store.subscribe(self.changed)
 
@@ -126,6 +130,7 @@ class Broker:
             waiters.let_go(agent, when)
         for when, agent in changes.due:
             waiters.wake_at(agent, when)
+            self._release_at(when)
         counters = self.counters
         for sender, recipient in changes.stored:
             counters.message_stored(sender, recipient)
@@ -166,6 +171,36 @@ class Broker:
         d.addErrback(lambda failure: log.error("expiry sweep failed: {kind}",
                                                kind=failure.type.__name__))
         d.addBoth(lambda _: self._schedule_expiry())
+
+    def _release_at(self, when: float) -> None:
+        """Release the delays ending at ``when`` (rounded up to the next half second)."""
+        when = math.ceil(when * 2) / 2
+        if self._stopped or when in self._releases:
+            return
+        heapq.heappush(self._releases, when)
+        self._schedule_release()
+
+    def _schedule_release(self) -> None:
+        if not self._releases or self._stopped:
+            return
+        first = self._releases[0]
+        call = self._release_call
+        if call is not None and call.active():
+            if call.getTime() <= first:
+                return
+            call.cancel()
+        self._release_call = self.clock.callLater(max(0.0, first - self.clock.seconds()),
+                                                  self._release_due)
+
+    def _release_due(self) -> None:
+        self._release_call = None
+        now = self.clock.seconds()
+        while self._releases and self._releases[0] <= now:
+            heapq.heappop(self._releases)
+        d = self.store.release_due(now)
+        d.addErrback(lambda failure: log.error("delay release failed: {kind}",
+                                               kind=failure.type.__name__))
+        d.addBoth(lambda _: self._schedule_release())
 
     # -- v1.0 --------------------------------------------------------------------------
 
@@ -425,8 +460,13 @@ class Broker:
     # -- sweeps ----------------------------------------------------------------------
 
     def sweep_leases(self) -> Deferred:
-        """Release every lease past its deadline; fires with how many."""
-        return self.store.sweep_leases(self.clock.seconds(), self.policy.rules)
+        """Release every lease past its deadline, and every delay that ended (their
+        events: a timer lost to a restart is made up here); fires with how many
+        leases."""
+        now = self.clock.seconds()
+        d = self.store.sweep_leases(now, self.policy.rules)
+        d.addCallback(lambda count: self.store.release_due(now).addCallback(lambda _: count))
+        return d
 
     def sweep_expired(self) -> Deferred:
         """Remove the messages older than ``messageTtlDays`` or past their own TTL;
@@ -509,9 +549,11 @@ class Broker:
     def stop(self) -> None:
         """Answer every waiting request and accept no new waits."""
         self._stopped = True
-        if self._expiry_call is not None and self._expiry_call.active():
-            self._expiry_call.cancel()
+        for call in (self._expiry_call, self._release_call):
+            if call is not None and call.active():
+                call.cancel()
         self._expiries.clear()
+        self._releases.clear()
         self.waiters.stop()
         if self.streams is not None:
             self.streams.stop()

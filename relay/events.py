@@ -72,17 +72,22 @@ def status_data(message: Any) -> Dict[str, Any]:
     return data
 
 
-def derive(before: Optional[Tuple[Any, ...]], after: Any) -> List[Tuple[str, str, str]]:
-    """The events a change of one message causes, as ``(agent, type, data JSON)``.
+def derive(before: Optional[Tuple[Any, ...]], after: Any,
+           now: float) -> List[Tuple[str, str, str]]:
+    """The events a change of one message at ``now`` causes, as ``(agent, type, data
+    JSON)``.
 
     ``before`` is the message's :meth:`relay.delivery.Message.state` before the
     change (None for a new message). The recipient gets a ``message`` event when
-    the message enters the queue (stored, released, requeued, retried or moved to
-    a new time); the sender a ``status`` event whenever the status changes.
+    the message becomes deliverable: it enters the queue (stored, released,
+    requeued, retried) due by ``now``, or a delay that held it back ends (the store
+    then clears ``not_before``: :func:`relay.store.records.release_due`); the
+    sender a ``status`` event whenever the status changes.
     """
     out: List[Tuple[str, str, str]] = []
     was = before[0] if before is not None else None
-    if after.status == QUEUED and (was != QUEUED or before[7] != after.not_before):
+    due = after.not_before is None or after.not_before <= now
+    if after.status == QUEUED and due and (was != QUEUED or before[7] != after.not_before):
         out.append((after.to, MESSAGE, compact_json(message_data(after))))
     if was is not None and was != after.status:
         out.append((after.sender, STATUS, compact_json(status_data(after))))

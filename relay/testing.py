@@ -1355,6 +1355,18 @@ class EventContract(_Contract):
         assert [json.loads(e.data)["id"] for e in kept.events] == ["new"]
 
     @pytest_twisted.ensureDeferred
+    async def test_a_delay_records_its_message_event_when_it_ends(self, store):
+        await self.send(store, id="later", now=START, delay_seconds=60)
+        await self.send(store, id="now", now=START)
+        assert [d["id"] for _, d in await self.events_of(store, "beta")] == ["now"]
+        assert await store.release_due(START + 59) == 0
+        assert await store.release_due(START + 60) == 1
+        assert await store.release_due(START + 61) == 0, "released once"
+        assert [d["id"] for _, d in await self.events_of(store, "beta")] == ["now", "later"]
+        pulled = await store.pull("beta", 5, self.LEASE, START + 61, RULES)
+        assert sorted(m.id for m in pulled) == ["later", "now"]
+
+    @pytest_twisted.ensureDeferred
     async def test_webhook_states_are_kept_per_agent(self, store):
         assert await store.webhook_states() == {}
         await store.put_webhook("beta", '{"acked":3}')

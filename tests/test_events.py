@@ -30,7 +30,7 @@ def message(**state: Any) -> Message:
 
 
 def test_a_new_message_is_a_message_event_for_its_recipient_without_its_body():
-    (event,) = events.derive(None, message())
+    (event,) = events.derive(None, message(), START)
     assert event[:2] == ("beta", "message")
     assert json.loads(event[2]) == {"id": "m1", "from": "alpha", "to": "beta",
                                     "kind": "request", "rootId": "r", "parentId": "p"}
@@ -40,18 +40,32 @@ def test_a_new_message_is_a_message_event_for_its_recipient_without_its_body():
 def test_a_status_change_is_a_status_event_for_the_sender():
     before = message().state()
     leased = message(status=LEASED, deliveries=1, lease_until=1, lease_id="l")
-    assert events.derive(before, leased) == [
+    assert events.derive(before, leased, START) == [
         ("alpha", "status", '{"id":"m1","to":"beta","status":"leased","attempts":0,'
                             '"deliveries":1}')]
     done = message(status=DONE, attempts=1, deliveries=1, error="e")
-    assert json.loads(events.derive(leased.state(), done)[0][2])["error"] == "e"
+    assert json.loads(events.derive(leased.state(), done, START)[0][2])["error"] == "e"
     # back in the queue: the recipient may pull it again, the sender sees "queued"
     back = message(status=QUEUED, deliveries=1)
-    assert [e[:2] for e in events.derive(leased.state(), back)] == [
+    assert [e[:2] for e in events.derive(leased.state(), back, START)] == [
         ("beta", "message"), ("alpha", "status")]
     # a renewal changes no status
     renewed = message(status=LEASED, deliveries=1, lease_until=2, lease_id="l")
-    assert events.derive(leased.state(), renewed) == []
+    assert events.derive(leased.state(), renewed, START) == []
+
+
+def test_a_delayed_message_is_a_message_event_when_its_delay_ends():
+    held = message(not_before=START + 60)
+    assert events.derive(None, held, START) == []
+    assert events.derive(None, held, START + 60)[0][1] == "message"
+    released = message()  # the store clears not_before once the delay ended
+    assert [e[:2] for e in events.derive(held.state(), released, START + 61)] == [
+        ("beta", "message")]
+    # a retry after a delay: the sender sees "queued" at once, the recipient later
+    leased = message(status=LEASED, deliveries=1, lease_until=1, lease_id="l")
+    retried = message(status=QUEUED, attempts=1, deliveries=1, not_before=START + 30)
+    assert [e[:2] for e in events.derive(leased.state(), retried, START)] == [
+        ("alpha", "status")]
 
 
 @pytest.mark.parametrize(("text", "position"), [
@@ -248,6 +262,25 @@ def test_a_client_that_goes_away_leaves_the_table():
     assert broker.event_streams() == {}
     clock.advance(events.KEEPALIVE_SECONDS)
     assert transport.take() == b""
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_delayed_message_reaches_the_stream_when_it_becomes_deliverable():
+    b = Broker(maxStreamsPerAgent=1)
+    await b.register("alpha", "beta")
+    stream = b.get("beta", "/v1/events")
+    reply = await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": 30})
+    assert reply.code == 201
+    b.advance(29)
+    assert (await b.broker.store.events("beta", 0, 10)).events == []
+    b.advance(1)
+    b.get("beta", "/v1/events")
+    b.flush()
+    (event,) = records((await stream).raw)[1]
+    assert event["event"] == "message" and event["data"]["id"] == reply.json["id"]
+    assert len(await b.pull("beta")) == 1, "the event says there is something to pull"
+    b.broker.stop()
+    b.flush()
 
 
 @pytest_twisted.ensureDeferred

@@ -340,8 +340,8 @@ def test_a_lease_or_a_settle_leaves_the_id_and_sent_box_indexes_alone():
     db = sqlite3.connect(":memory:")
     db.executescript(backend.schema_script(backend.SCHEMA_VERSION))
     assert written_btrees(db, backend.STATEMENTS["save"][0]) == [
-        "messages", "messages_inbox", "messages_leases", "messages_recovery",
-        "messages_sent_failed"]
+        "messages", "messages_held", "messages_inbox", "messages_leases",
+        "messages_recovery", "messages_sent_failed"]
     assert {"messages_outbox", "sqlite_autoindex_messages_1"} <= set(
         written_btrees(db, backend.STATEMENTS["insert"][0]))
 

@@ -53,6 +53,8 @@ class MemoryRecords(Records):
         self.roots: Dict[str, Set[int]] = {}
         self.leases: List[Tuple[int, int, str]] = []
         self.delayed: List[Tuple[float, int]] = []
+        # (not_before, seq) of queued messages held back: release_due clears them
+        self.holds: List[Tuple[float, int]] = []
         self.expiries: List[Tuple[float, int]] = []
         self.peer_seen: Dict[str, int] = {}
         self.cards: Dict[str, Dict[str, Any]] = {}
@@ -79,6 +81,7 @@ class MemoryRecords(Records):
         if message.status == QUEUED:
             if message.not_before is not None:
                 heapq.heappush(self.delayed, (message.not_before, message.seq))
+                heapq.heappush(self.holds, (message.not_before, message.seq))
                 self._tally(self.held, message.to, 1)
             else:
                 insort(self.queued_seqs.setdefault(message.to, []), message.seq)
@@ -319,6 +322,16 @@ class MemoryRecords(Records):
                 out.append(message.copy())
                 if len(out) >= limit:
                     break
+        return out
+
+    def held_due(self, now: float, limit: int) -> List[Message]:
+        out: List[Message] = []
+        heap = self.holds
+        while heap and heap[0][0] <= now and len(out) < limit:
+            when, seq = heapq.heappop(heap)
+            message = self.by_seq.get(seq)
+            if message is not None and message.status == QUEUED and message.not_before == when:
+                out.append(message.copy())
         return out
 
     def lapsed(self, now: float) -> List[Message]:

@@ -27,3 +27,7 @@ CREATE TABLE relay_webhooks
   agent text PRIMARY KEY,
   state text NOT NULL
 );
+-- The queued messages held back by a delay, whose end records their message
+-- event (not_before is cleared then); only those rows are in it.
+CREATE INDEX relay_messages_held ON relay_messages (not_before)
+  WHERE status = 'queued' AND not_before IS NOT NULL;

@@ -249,6 +249,10 @@ STATEMENTS = {
     # reads on several brokers each release a lapsed lease once.
     "lapsed": (f"{_SELECT} WHERE status = 'leased' AND lease_until <= %s "
                "ORDER BY lease_until FOR UPDATE SKIP LOCKED"),
+    # Delays that ended (REACH §11): locked and skipped like lapsed leases, so each
+    # is released, and its event recorded, by one broker.
+    "held_due": (f"{_SELECT} WHERE status = 'queued' AND not_before IS NOT NULL "
+                 "AND not_before <= %s ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED"),
     # Locked, skipping rows another sweep holds: each expired row is removed (and
     # its failure notice stored) by one broker.
     "expire": (
@@ -570,6 +574,9 @@ class PostgresRecords(Records):
 
     def lapsed(self, now: float) -> List[Message]:
         return self._rows(STATEMENTS["lapsed"], (delivery.now_ms(now),))
+
+    def held_due(self, now: float, limit: int) -> List[Message]:
+        return self._rows(STATEMENTS["held_due"], (now, limit))
 
     def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
                 now: float) -> List[Message]:
@@ -1240,6 +1247,9 @@ class PostgresStore:
 
     def trim_events(self, cutoff: float) -> Deferred:
         return self._run(ops.trim_events, cutoff)
+
+    def release_due(self, now: float) -> Deferred:
+        return self._run(ops.release_due, now)
 
     def webhook_states(self) -> Deferred:
         return self._run(ops.webhook_states)

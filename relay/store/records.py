@@ -112,6 +112,11 @@ class Records:
         """Leased messages whose lease deadline has passed."""
         raise NotImplementedError
 
+    def held_due(self, now: float, limit: int) -> List[Message]:
+        """Up to ``limit`` queued messages whose ``not_before`` is set and has passed by
+        ``now`` (a delay that ended), earliest first."""
+        raise NotImplementedError
+
     def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
                 now: float) -> List[Message]:
         """The newest ``limit`` messages of ``agent``'s ``box`` (``inbox``: to it,
@@ -192,7 +197,7 @@ def note(records: Records, before: Optional[Tuple[Any, ...]], message: Message,
     """What a change of ``message`` means: the wake-ups, and the events it causes,
     recorded in the same transaction."""
     delivery.wakes(records.changes, before, message)
-    for agent, event_type, data in events.derive(before, message):
+    for agent, event_type, data in events.derive(before, message, now):
         records.append_event(agent, event_type, data, now)
         records.changes.events.add(agent)
 
@@ -223,6 +228,20 @@ def release_lapsed(records: Records, now: float, rules: Rules) -> int:
     _store_notices(records, notices, now)
     records.changes.lapsed += len(lapsed)
     return len(lapsed)
+
+
+def release_due(records: Records, now: float, limit: int = EXPIRE_BATCH) -> int:
+    """Clear the ``not_before`` of queued messages whose delay ended by ``now``: the
+    change that records their ``message`` event (REACH §11: deliverable after a
+    delay). Returns how many."""
+    held = records.held_due(now, limit)
+    if not held:
+        return 0
+    befores = [m.state() for m in held]
+    for message in held:
+        message.not_before = None
+    _saved(records, befores, held, now)
+    return len(held)
 
 
 def _refuse_if_full(records: Records, message: Message, rules: Rules) -> None:
@@ -518,6 +537,9 @@ class RecordStore:
 
     def sweep_leases(self, now: float, rules: Rules) -> Deferred:
         return self._run(release_lapsed, now, rules)
+
+    def release_due(self, now: float) -> Deferred:
+        return self._run(release_due, now)
 
     @inlineCallbacks
     def sweep_expired(self, cutoff: float, now: float, rules: Rules):

@@ -102,3 +102,7 @@ CREATE TABLE webhooks
   agent TEXT PRIMARY KEY,
   state TEXT NOT NULL
 ) WITHOUT ROWID;
+
+-- REACH §11: the queued messages held back by a delay, whose end records their
+-- message event (not_before is cleared then); only those rows are in it.
+CREATE INDEX messages_held ON messages (not_before) WHERE status = 'queued' AND not_before IS NOT NULL;

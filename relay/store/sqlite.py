@@ -169,6 +169,8 @@ STATEMENTS = {
         f"AND seq <= ? AND status = 'queued' AND {_DUE} ORDER BY seq LIMIT ?"
     ],
     "lapsed": [f"{_SELECT} WHERE status = 'leased' AND lease_until <= ?"],
+    "held_due": [f"{_SELECT} INDEXED BY messages_held WHERE status = 'queued' "
+                 "AND not_before IS NOT NULL AND not_before <= ? ORDER BY not_before LIMIT ?"],
     "thread": [
         f"{_SELECT} WHERE id = ? AND seq > ? AND (sender = ? OR recipient = ?) AND {_LIVE}",
         f"{_SELECT} WHERE root_id = ? AND seq > ? AND (sender = ? OR recipient = ?) AND {_LIVE} "
@@ -611,6 +613,9 @@ class SQLiteRecords(Records):
 
     def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
         return self._listed(STATEMENTS["recovered"][0], agent, upto_seq, now, now, limit)
+
+    def held_due(self, now: float, limit: int) -> List[Message]:
+        return self._select(STATEMENTS["held_due"][0], now, limit)
 
     def lapsed(self, now: float) -> List[Message]:
         return self._select(STATEMENTS["lapsed"][0], delivery.now_ms(now))
