@@ -287,3 +287,25 @@ async def test_restart_keeps_the_events_their_order_and_the_retention_floor(pers
             newest.id]
     finally:
         await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_delay_that_ended_while_down_is_released_once_after_restarts(persistent,
+                                                                          tmp_path):
+    store = open_backend(persistent, tmp_path)
+    await store.add(new_message("alpha", "beta", START, delay_seconds=30, id="held"), RULES)
+    await store.close()
+    store = open_backend(persistent, tmp_path)
+    try:
+        assert (await store.events("beta", 0, 10)).events == []
+        assert await store.release_due(START + 31) == 1
+        (event,) = (await store.events("beta", 0, 10)).events
+        assert event.type == "message" and "held" in event.data
+    finally:
+        await store.close()
+    store = open_backend(persistent, tmp_path)
+    try:
+        assert await store.release_due(START + 32) == 0
+        assert len((await store.events("beta", 0, 10)).events) == 1
+    finally:
+        await store.close()
