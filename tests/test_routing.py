@@ -34,6 +34,7 @@ def test_the_app_declares_every_route_and_no_other() -> None:
         (b"POST", b"/v1/requeue"): "requeue",
         (b"POST", b"/v1/cancel"): "cancel",
         (b"POST", b"/v1/thread"): "thread",
+        (b"GET", b"/v1/events"): "events",
     }
 
 
