@@ -452,11 +452,12 @@ class Changes:
     when the request expires, not at the next periodic sweep.
 
     ``events`` holds the agents for which events were recorded (REACH §11): their
-    open event streams and webhooks read them.
+    open event streams and webhooks read them; ``hooks`` the agents whose webhook
+    settings changed (§12).
     """
 
     __slots__ = ("ready", "due", "held", "released", "stored", "dead", "lapsed", "expiring",
-                 "events")
+                 "events", "hooks")
 
     def __init__(self) -> None:
         self.ready: Set[str] = set()
@@ -468,10 +469,11 @@ class Changes:
         self.lapsed = 0
         self.expiring: Set[float] = set()
         self.events: Set[str] = set()
+        self.hooks: Set[str] = set()
 
     def __bool__(self) -> bool:
         return bool(self.ready or self.due or self.held or self.released or self.stored
-                    or self.dead or self.lapsed or self.expiring or self.events)
+                    or self.dead or self.lapsed or self.expiring or self.events or self.hooks)
 
     def update(self, other: Changes) -> None:
         self.ready |= other.ready
@@ -483,6 +485,7 @@ class Changes:
         self.lapsed += other.lapsed
         self.expiring |= other.expiring
         self.events |= other.events
+        self.hooks |= other.hooks
 
     def __repr__(self) -> str:
         return f"<Changes ready={sorted(self.ready)} due={sorted(self.due)}>"

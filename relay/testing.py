@@ -1378,6 +1378,36 @@ class EventContract(_Contract):
         assert await store.webhook_states() == {"beta": '{"acked":4}'}
 
     @pytest_twisted.ensureDeferred
+    async def test_a_webhook_merge_keeps_what_it_does_not_set(self, store):
+        heard = Recorder()
+        store.subscribe(heard)
+        first = await store.merge_webhook("beta", {"url": "u1"}, {"acked": 7})
+        assert json.loads(first) == {"url": "u1", "acked": 7}
+        second = await store.merge_webhook("beta", {"acked": 9}, {"acked": 1}, False)
+        assert json.loads(second) == {"url": "u1", "acked": 9}
+        assert (await store.webhook_states())["beta"] == second
+        hooks = set()
+        for changes in heard.heard:
+            hooks |= changes.hooks
+        assert hooks == {"beta"}, "a progress write is not announced"
+
+    @pytest_twisted.ensureDeferred
+    async def test_one_broker_at_a_time_delivers_webhooks(self, store):
+        from relay.store.interface import ISharedNonces
+
+        assert await store.lead_webhooks("a", START, 15) is True
+        if not ISharedNonces.providedBy(store):  # one broker writes this store
+            assert await store.lead_webhooks("b", START + 5, 15) is True
+            return
+        assert await store.lead_webhooks("b", START + 5, 15) is False
+        assert await store.lead_webhooks("a", START + 10, 15) is True
+        assert await store.lead_webhooks("b", START + 24, 15) is False
+        assert await store.lead_webhooks("b", START + 26, 15) is True, "a lapsed role moves"
+        assert await store.lead_webhooks("b", START + 30, 0) is True  # handed over
+        assert await store.lead_webhooks("a", START + 30.5, 15) is True
+        assert "*" not in await store.webhook_states()
+
+    @pytest_twisted.ensureDeferred
     async def test_changes_name_the_agents_with_new_events(self, store):
         heard = Recorder()
         store.subscribe(heard)

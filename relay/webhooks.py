@@ -11,6 +11,7 @@ agents and event ids only: never a URL, a body or a secret.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
 
@@ -20,6 +21,7 @@ from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
 from twisted.internet.ssl import optionsForClientTLS
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IAgentEndpointFactory
@@ -31,6 +33,15 @@ from relay.events import ALL_AGENTS, Event, EventPage
 from relay.hooks import HookState
 
 log = Logger(namespace="relay.webhooks")
+
+# The delivery role is renewed this often, for this long (another broker takes it
+# over once it ran out).
+LEAD_SECONDS = 5.0
+LEAD_HOLD_SECONDS = 15.0
+# What the delivering broker writes of a state (the rest is the agent's register).
+PROGRESS = ("acked", "tries", "failures", "disabled", "failing_since", "last_delivered")
+# What a register writes: the URL, and a webhook enabled again.
+REGISTERED = ("url", "disabled", "tries", "failures", "failing_since")
 
 # (url, headers, body) -> Deferred firing with the response's status code
 Poster = Callable[[str, Dict[bytes, bytes], bytes], Deferred]
@@ -146,12 +157,39 @@ class WebhookDelivery(Service):
         self.timers: Dict[str, Any] = {}
         self.limit = DeferredSemaphore(settings.concurrency)
         self.loaded = False
+        # Brokers sharing a store agree on one of them delivering every webhook (so
+        # each event is POSTed once, in order, one at a time per agent): the role is
+        # taken and renewed in the store, and another broker takes it over when it
+        # is not renewed.
+        self.token = uuid.uuid4().hex
+        self.leading = False
+        self._leader = LoopingCall(self._lead)
+        self._leader.clock = clock
         store.subscribe(self.changed)
 
     # -- life -----------------------------------------------------------------------------
 
-    def startService(self) -> Optional[Deferred]:
+    def startService(self) -> None:
         super().startService()
+        self._leader.start(LEAD_SECONDS, now=True)
+
+    def _lead(self) -> Deferred:
+        d = self.store.lead_webhooks(self.token, self.clock.seconds(), LEAD_HOLD_SECONDS)
+        d.addCallbacks(self._led, lambda f: log.warn(
+            "webhook delivery role not renewed: {kind}", kind=f.type.__name__))
+        return d
+
+    def _led(self, leading: bool) -> None:
+        if not self.running:
+            return
+        was, self.leading = self.leading, leading
+        if leading and not was:
+            self.reload()
+        elif was and not leading:
+            log.info("another broker delivers the webhooks now")
+
+    def reload(self) -> Deferred:
+        """Read every webhook's state from the store again, then send what is due."""
         d = self.store.webhook_states()
         d.addCallback(self._loaded)
         d.addErrback(lambda f: log.error("webhook states could not be read: {kind}",
@@ -159,17 +197,23 @@ class WebhookDelivery(Service):
         return d
 
     def _loaded(self, stored: Mapping[str, str]) -> None:
-        for agent, text in stored.items():
-            self.states.setdefault(agent, HookState.from_json(text))
+        self.states = {agent: HookState.from_json(text) for agent, text in stored.items()}
         self.loaded = True
         self.kick_all()
 
     def stopService(self) -> Optional[Deferred]:
         super().stopService()
+        if self._leader.running:
+            self._leader.stop()
         for call in self.timers.values():
             if call.active():
                 call.cancel()
         self.timers.clear()
+        if self.leading:  # hand the role over at once rather than when it runs out
+            self.leading = False
+            d = self.store.lead_webhooks(self.token, self.clock.seconds(), 0)
+            d.addErrback(lambda _: None)
+            return d
         return None
 
     def configure(self, settings: HookSettings, shared_secret: str) -> None:
@@ -206,47 +250,66 @@ class WebhookDelivery(Service):
 
     def register(self, agent: str, url: Any, keep: Any) -> Deferred:
         """The webhook of a register body (``keep``: unchanged; None: removed; else a
-        URL, checked against the allow-list, which also enables a disabled webhook).
-        A new webhook starts at the present. Fires once the state is stored."""
+        URL, checked against the allow-list, which also enables a disabled webhook),
+        on whichever broker the agent registers. A new webhook starts at the present.
+        Fires once the state is stored."""
         if url is keep:
             if agent in self.settings.configured and agent not in self.states:
-                return self._start(agent, None)
+                return self._merge(agent, {}, announce=True)
             return succeed(None)
         if url is not None:
             hooks.check_url(url, self.settings.allow)
-        state = self.states.get(agent)
-        if state is None:
-            if url is None:
-                return succeed(None)
-            return self._start(agent, url)
-        hooks.enabled(state, url)
-        if url is None and agent not in self.settings.configured:
-            del self.states[agent]
+        elif agent not in self.settings.configured:
+            self.states.pop(agent, None)
             return self.store.put_webhook(agent, None)
-        d = self._save(agent)
-        d.addCallback(lambda _: self.kick(agent))
+        enable = HookState(url=url)
+        fields = {key: getattr(enable, key) for key in REGISTERED}
+        return self._merge(agent, fields, announce=True)
+
+    def _merge(self, agent: str, fields: Dict[str, Any], announce: bool) -> Deferred:
+        """Write ``fields`` of ``agent``'s state (a new state starts at the present)."""
+        d = self.store.events(agent, None, 0)
+        d.addCallback(lambda page: self.store.merge_webhook(agent, fields, {"acked": page.last},
+                                                            announce))
+        d.addCallback(self._merged, agent)
         return d
 
-    def _start(self, agent: str, url: Optional[str]) -> Deferred:
-        d = self.store.events(agent, None, 0)
-
-        def present(page: EventPage) -> Deferred:
-            state = self.states.get(agent)
-            if state is None:
-                state = self.states[agent] = HookState(acked=page.last)
-            hooks.enabled(state, url)
-            return self._save(agent)
-
-        return d.addCallback(present)
+    def _merged(self, text: str, agent: str) -> None:
+        """Take what a register stored; the progress kept here may be newer (the
+        delivery may have gone on meanwhile) and is kept."""
+        stored = HookState.from_json(text)
+        state = self.states.get(agent)
+        if state is None:
+            self.states[agent] = stored
+        else:
+            for key in REGISTERED:
+                setattr(state, key, getattr(stored, key))
+        self.kick(agent)
 
     def _save(self, agent: str) -> Deferred:
+        """Store the delivery progress of ``agent`` (its URL and an enabling register
+        another broker stored meanwhile are kept)."""
         state = self.states.get(agent)
-        return self.store.put_webhook(agent, None if state is None else state.to_json())
+        if state is None:
+            return succeed(None)
+        fields = {key: getattr(state, key) for key in PROGRESS}
+        d = self.store.merge_webhook(agent, fields, None, False)
+
+        def merged(text: str) -> None:
+            fresh = HookState.from_json(text)
+            if agent in self.states:
+                self.states[agent] = fresh
+
+        return d.addCallback(merged)
 
     # -- the loop -------------------------------------------------------------------------
 
     def changed(self, changes: Changes) -> None:
-        """New events were recorded: the agents concerned send them."""
+        """New events were recorded: the agents concerned send them; webhook settings
+        changed (on another broker too): they are read again."""
+        if changes.hooks and self.leading:
+            self.reload()
+            return
         if ALL_AGENTS in changes.events:
             self.kick_all()
             return
@@ -260,7 +323,8 @@ class WebhookDelivery(Service):
 
     def kick(self, agent: str) -> None:
         """Send ``agent``'s next event unless a request or a retry of it is under way."""
-        if not self.running or not self.loaded or agent in self.busy or agent in self.timers:
+        if (not self.running or not self.leading or not self.loaded or agent in self.busy
+                or agent in self.timers):
             return
         self.busy.add(agent)
         self._next(agent)
@@ -275,7 +339,7 @@ class WebhookDelivery(Service):
         return url
 
     def _next(self, agent: str) -> None:
-        if not self.running or self._sendable(agent) is None:
+        if not self.running or not self.leading or self._sendable(agent) is None:
             self.busy.discard(agent)
             return
         d = self.store.events(agent, self.states[agent].acked, 1)

@@ -187,9 +187,46 @@ def test_delivery_resumes_after_a_sigkill_from_the_last_acknowledged_event(tmp_p
         broker.kill()
         receiver.codes = []
         broker.start()
-        got = receiver.wait_for(3 + 2)
+        got = receiver.wait_for(3 + 2, timeout=5)  # at once, not when a role runs out
         ids = [json.loads(g["raw"])["data"]["id"] for g in got]
         assert ids[:2] == first and ids[-2:] == pending
         assert set(ids[2:-2]) <= {pending[0]}
     finally:
         broker.kill()
+
+
+@pytest.fixture
+def pg_pair(tmp_path):
+    from tests.conftest import reset_postgres
+
+    dsn = reset_postgres()  # skips without RELAY_TEST_POSTGRES_DSN
+    brokers = []
+    try:
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            process = BrokerProcess(str(tmp_path / name), storage="postgres",
+                                    postgres={"dsn": dsn, "poolSize": 4})
+            write_config(process)
+            brokers.append(process.start())
+        yield brokers
+    finally:
+        for broker in brokers:
+            broker.kill()
+
+
+def test_two_brokers_on_postgres_deliver_each_event_once_in_order(pg_pair, receiver):
+    a, b = pg_pair
+    url = f"http://127.0.0.1:{receiver.port}/"
+    assert call(b, "beta", "POST", "/register", {"webhook": {"url": url}})[0] == 200
+    ids = []
+    for i in range(8):  # sends through both brokers, alternately
+        ids += send(a if i % 2 == 0 else b, 1)
+    receiver.wait_for(8)
+    time.sleep(1)
+    assert receiver.ids() == ids, "once each, in order, whichever broker caused it"
+    # the broker delivering goes away: the other takes over once its role runs out
+    a.kill()
+    later = send(b, 2)
+    receiver.wait_for(10, timeout=40)
+    time.sleep(0.5)
+    assert receiver.ids()[8:] == later

@@ -197,6 +197,9 @@ class MemoryRecords(Records):
     def webhook_states(self) -> Dict[str, str]:
         return dict(self.hooks)
 
+    def webhook_state(self, agent: str) -> Optional[str]:
+        return self.hooks.get(agent)
+
     def put_webhook(self, agent: str, state: Optional[str]) -> None:
         if state is None:
             self.hooks.pop(agent, None)

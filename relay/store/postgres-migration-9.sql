@@ -21,12 +21,15 @@ CREATE TABLE relay_event_marks
   key text PRIMARY KEY,
   value bigint NOT NULL
 );
--- Each agent's webhook and its progress (JSON); no row: no webhook.
+-- Each agent's webhook and its progress (JSON); no row: no webhook. The row '*'
+-- names the broker that delivers every webhook and until when (it is renewed);
+-- it exists from the start so that brokers taking the role lock one row.
 CREATE TABLE relay_webhooks
 (
   agent text PRIMARY KEY,
   state text NOT NULL
 );
+INSERT INTO relay_webhooks (agent, state) VALUES ('*', '{}');
 -- The queued messages held back by a delay, whose end records their message
 -- event (not_before is cleared then); only those rows are in it.
 CREATE INDEX relay_messages_held ON relay_messages (not_before)

@@ -301,6 +301,7 @@ STATEMENTS = {
         "ON CONFLICT (agent) DO UPDATE SET state = excluded.state"
     ),
     "webhook_drop": "DELETE FROM relay_webhooks WHERE agent = %s",
+    "webhook_lock": "SELECT state FROM relay_webhooks WHERE agent = %s FOR UPDATE",
     "event_insert": (
         "INSERT INTO relay_events (agent, at, type, data) "
         "SELECT agent, at, type, data FROM unnest(%s::text[], %s::float8[], %s::text[], "
@@ -673,6 +674,12 @@ class PostgresRecords(Records):
         self.cursor.execute(STATEMENTS["webhooks"])
         return dict(self.cursor.fetchall())
 
+    def webhook_state(self, agent: str) -> Optional[str]:
+        """Locked until the operation ends: another broker's change waits for it."""
+        self.cursor.execute(STATEMENTS["webhook_lock"], (agent,))
+        row = self.cursor.fetchone()
+        return None if row is None else row[0]
+
     def put_webhook(self, agent: str, state: Optional[str]) -> None:
         if state is None:
             self.cursor.execute(STATEMENTS["webhook_drop"], (agent,))
@@ -688,6 +695,8 @@ class PostgresRecords(Records):
             body["r"] = sorted(self.changes.ready)
         if self.changes.events:
             body["e"] = sorted(self.changes.events)
+        if self.changes.hooks:
+            body["w"] = sorted(self.changes.hooks)
         due = self.changes.due.union(self.changes.held)  # other brokers' waiters too
         if due:
             body["d"] = sorted([when, agent] for when, agent in due)
@@ -695,7 +704,7 @@ class PostgresRecords(Records):
         payload = json.dumps(body, separators=(",", ":"))
         if len(payload.encode("utf-8")) > NOTIFY_BYTES:
             # Too many agents for one notification: every broker looks for itself.
-            slim = {k: v for k, v in body.items() if k not in ("r", "d", "e")}
+            slim = {k: v for k, v in body.items() if k not in ("r", "d", "e", "w")}
             payload = json.dumps(dict(slim, all=1), separators=(",", ":"))
         return payload
 
@@ -715,6 +724,9 @@ def heard(payload: str) -> Tuple[Optional[str], Changes, bool, Dict[str, Any]]:
     for agent in body.pop("e", ()):
         if isinstance(agent, str):
             changes.events.add(agent)
+    for agent in body.pop("w", ()):
+        if isinstance(agent, str):
+            changes.hooks.add(agent)
     for pair in body.pop("d", ()):
         if (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (int, float))
                 and isinstance(pair[1], str)):
@@ -1152,6 +1164,7 @@ class PostgresStore:
         changes = Changes()
         changes.ready.update(agents)
         changes.events.add(ALL_AGENTS)  # events may have been missed too: streams look
+        changes.hooks.add(ALL_AGENTS)  # and webhook settings: read again
         if changes:
             self._report(changes)
 
@@ -1256,6 +1269,14 @@ class PostgresStore:
 
     def put_webhook(self, agent: str, state: Optional[str]) -> Deferred:
         return self._run(ops.put_webhook, agent, state)
+
+    def merge_webhook(self, agent: str, fields: Mapping[str, Any],
+                      defaults: Optional[Mapping[str, Any]] = None,
+                      announce: bool = True) -> Deferred:
+        return self._run(ops.merge_webhook, agent, fields, defaults, announce)
+
+    def lead_webhooks(self, owner: str, now: float, hold: float) -> Deferred:
+        return self._run(ops.lead_webhooks, owner, now, hold)
 
     def queue_depths(self, now: float) -> Deferred:
         return self._run(ops.depths, now)

@@ -12,6 +12,7 @@ through a :class:`~relay.store.grouped.GroupCommit` (the persistent backends).
 
 from __future__ import annotations
 
+import json
 from typing import (
     Any,
     Callable,
@@ -36,6 +37,9 @@ from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore, QueueDepth
 
 EXPIRE_BATCH = 2000
+# The row of the webhook states that names the broker delivering webhooks (no agent
+# has this name).
+WEBHOOK_LEADER = "*"
 # The most bytes of messages one answer carries (at least one message, whatever its
 # size): a listing of large bodies is cut short instead of held whole in memory.
 RESPONSE_BUDGET_BYTES = 4 * 1024 * 1024
@@ -182,6 +186,11 @@ class Records:
 
     def webhook_states(self) -> Dict[str, str]:
         """Every agent's webhook state (JSON text: :mod:`relay.hooks`), by agent."""
+        raise NotImplementedError
+
+    def webhook_state(self, agent: str) -> Optional[str]:
+        """``agent``'s webhook state, held for this operation (a store several brokers
+        write locks the row until the operation ends)."""
         raise NotImplementedError
 
     def put_webhook(self, agent: str, state: Optional[str]) -> None:
@@ -429,11 +438,42 @@ def trim_events(records: Records, cutoff: float) -> int:
 
 
 def webhook_states(records: Records) -> Dict[str, str]:
-    return records.webhook_states()
+    return {agent: state for agent, state in records.webhook_states().items()
+            if agent != WEBHOOK_LEADER}
 
 
 def put_webhook(records: Records, agent: str, state: Optional[str]) -> None:
     records.put_webhook(agent, state)
+    records.changes.hooks.add(agent)
+
+
+def merge_webhook(records: Records, agent: str, fields: Mapping[str, Any],
+                  defaults: Optional[Mapping[str, Any]] = None, announce: bool = True) -> str:
+    """Set ``fields`` of ``agent``'s webhook state, and ``defaults`` where it has no
+    value yet (read and written in one operation, so what another broker set
+    in between is kept); with ``announce``, the brokers hear of it. Returns the
+    state written."""
+    text = records.webhook_state(agent)
+    state = json.loads(text) if text else {}
+    for key, value in (defaults or {}).items():
+        state.setdefault(key, value)
+    state.update(fields)
+    merged = json.dumps(state, separators=(",", ":"), sort_keys=True)
+    records.put_webhook(agent, merged)
+    if announce:
+        records.changes.hooks.add(agent)
+    return merged
+
+
+def lead_webhooks(records: Records, owner: str, now: float, hold: float) -> bool:
+    """Make ``owner`` the broker that delivers every webhook until ``now + hold``
+    unless another broker holds that role for longer; True when ``owner`` has it."""
+    text = records.webhook_state(WEBHOOK_LEADER)
+    lead = json.loads(text) if text else {}
+    if lead.get("owner") not in (None, owner) and lead.get("until", 0) > now:
+        return False
+    records.put_webhook(WEBHOOK_LEADER, json.dumps({"owner": owner, "until": now + hold}))
+    return True
 
 
 def depths(records: Records, now: float) -> List[QueueDepth]:
@@ -565,6 +605,16 @@ class RecordStore:
 
     def put_webhook(self, agent: str, state: Optional[str]) -> Deferred:
         return self._run(put_webhook, agent, state)
+
+    def merge_webhook(self, agent: str, fields: Mapping[str, Any],
+                      defaults: Optional[Mapping[str, Any]] = None,
+                      announce: bool = True) -> Deferred:
+        return self._run(merge_webhook, agent, fields, defaults, announce)
+
+    def lead_webhooks(self, owner: str, now: float, hold: float) -> Deferred:
+        """True at once: one broker writes these stores, so it delivers the webhooks
+        (also right after a restart that left the role of its former process)."""
+        return succeed(True)
 
     def health(self) -> Deferred:
         return succeed(self.commits.failure if self.commits is not None else None)

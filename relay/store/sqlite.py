@@ -217,6 +217,7 @@ STATEMENTS = {
         "INSERT INTO webhooks (agent, state) VALUES (?, ?) "
         "ON CONFLICT (agent) DO UPDATE SET state = excluded.state",
         "DELETE FROM webhooks WHERE agent = ?",
+        "SELECT state FROM webhooks WHERE agent = ?",
     ],
     # One index seek per recipient (a loose scan of messages_inbox), then counts of
     # its queued, leased and failed ranges: done messages are never visited.
@@ -731,6 +732,10 @@ class SQLiteRecords(Records):
 
     def webhook_states(self) -> Dict[str, str]:
         return dict(self.cursor.execute(LISTINGS[3]).fetchall())
+
+    def webhook_state(self, agent: str) -> Optional[str]:
+        rows = self.cursor.execute(STATEMENTS["webhooks"][2], (agent,)).fetchall()
+        return rows[0][0] if rows else None
 
     def put_webhook(self, agent: str, state: Optional[str]) -> None:
         self._begin()
