@@ -14,12 +14,14 @@ oldest) and ``max_total`` in all (a new one beyond it is ``503 busy``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from relay import errors, events
 from relay.delivery import Changes
@@ -30,19 +32,40 @@ log = Logger(namespace="relay.streams")
 EVENT_STREAM_TYPE = b"text/event-stream"
 
 
+@implementer(IPushProducer)
 class Stream:
-    """One open stream: the agent's, written to ``request``, after ``position``."""
+    """One open stream: the agent's, written to ``request``, after ``position``.
 
-    __slots__ = ("agent", "request", "position", "reading", "again", "closed", "done")
+    It is the request's producer: while the client reads slower than events come,
+    the transport pauses it and nothing more is read or written for it (the events
+    wait in the store, so memory stays bounded and nothing is lost); it reads on
+    from its position when resumed."""
 
-    def __init__(self, agent: str, request: Any, position: Optional[int]) -> None:
+    __slots__ = ("agent", "request", "position", "reading", "again", "closed", "done",
+                 "paused", "streams")
+
+    def __init__(self, agent: str, request: Any, position: Optional[int],
+                 streams: EventStreams) -> None:
         self.agent = agent
         self.request = request
         self.position = position
         self.reading = False
         self.again = False
         self.closed = False
+        self.paused = False
         self.done: Optional[Deferred] = None
+        self.streams = streams
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        if self.again:
+            self.streams.read(self)
+
+    def stopProducing(self) -> None:
+        self.streams.forget(self)
 
 
 class EventStreams:
@@ -87,8 +110,8 @@ class EventStreams:
         mine = self.by_agent.get(agent, ())
         while len(mine) >= self.max_per_agent:
             self._close(mine[0])
-        stream = Stream(agent, request, position)
-        stream.done = Deferred(lambda _: self._forget(stream))
+        stream = Stream(agent, request, position, self)
+        stream.done = Deferred(lambda _: self.forget(stream))
         self.by_agent.setdefault(agent, []).append(stream)
         self.total += 1
         if self.counters is not None:
@@ -98,17 +121,20 @@ class EventStreams:
         headers.setRawHeaders(b"content-type", [EVENT_STREAM_TYPE])
         headers.setRawHeaders(b"cache-control", [b"no-store"])
         headers.setRawHeaders(b"x-accel-buffering", [b"no"])
+        request.registerProducer(stream, True)
         request.write(events.KEEPALIVE)  # the headers go out now
         if not self._keepalive.running:
             self._keepalive.start(events.KEEPALIVE_SECONDS, now=False)
-        self._read(stream)
+        self.read(stream)
         return stream.done
 
-    def _forget(self, stream: Stream) -> None:
+    def forget(self, stream: Stream) -> None:
         """Take ``stream`` out of the table (closed by either side)."""
         if stream.closed:
             return
         stream.closed = True
+        with contextlib.suppress(AttributeError):  # a request already done has no channel
+            stream.request.unregisterProducer()
         mine = self.by_agent.get(stream.agent)
         if mine is not None and stream in mine:
             mine.remove(stream)
@@ -120,7 +146,7 @@ class EventStreams:
 
     def _close(self, stream: Stream) -> None:
         """End ``stream`` from the broker's side: its response finishes."""
-        self._forget(stream)
+        self.forget(stream)
         done, stream.done = stream.done, None
         if done is not None and not done.called:
             done.callback(b"")
@@ -141,18 +167,21 @@ class EventStreams:
             agents = set(self.by_agent)
         for agent in agents:
             for stream in list(self.by_agent.get(agent, ())):
-                self._read(stream)
+                self.read(stream)
 
     def keepalive(self) -> None:
         """Write the keepalive comment to every open stream."""
         for streams in list(self.by_agent.values()):
             for stream in list(streams):
-                stream.request.write(events.KEEPALIVE)
+                if not stream.paused:  # a paused stream's client has bytes to read
+                    stream.request.write(events.KEEPALIVE)
 
-    def _read(self, stream: Stream) -> None:
+    def read(self, stream: Stream) -> None:
+        """Write the events of ``stream``'s agent after its position (once a read
+        under way ends, and once the client has read what it was sent)."""
         if stream.closed:
             return
-        if stream.reading:
+        if stream.reading or stream.paused:
             stream.again = True
             return
         stream.reading = True
@@ -175,7 +204,7 @@ class EventStreams:
                 self.counters.events_streamed(len(page.events))
         stream.position = page.last
         if stream.again or len(page.events) >= events.READ_BATCH:
-            self._read(stream)
+            self.read(stream)
 
     def _failed(self, failure: Any, stream: Stream) -> None:
         stream.reading = False

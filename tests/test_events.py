@@ -283,6 +283,49 @@ async def test_a_delayed_message_reaches_the_stream_when_it_becomes_deliverable(
     b.flush()
 
 
+class FakeRequest:
+    """What a stream uses of a request, recorded."""
+
+    def __init__(self) -> None:
+        from twisted.web.http_headers import Headers
+
+        self.responseHeaders = Headers()
+        self.written: List[bytes] = []
+        self.producer: Any = None
+
+    def setResponseCode(self, code: int) -> None:
+        self.code = code
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        assert streaming and self.producer is None
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_that_reads_slowly_pauses_its_stream_without_losing_events():
+    b = Broker()
+    await b.register("alpha", "beta")
+    request = FakeRequest()
+    b.broker.streams.open("beta", request, None)
+    stream = request.producer
+    assert request.written == [events.KEEPALIVE]
+    stream.pauseProducing()  # the transport's buffer is full
+    ids = [await b.message("alpha", "beta") for _ in range(3)]
+    b.clock.advance(events.KEEPALIVE_SECONDS)
+    assert request.written == [events.KEEPALIVE], "nothing more while paused"
+    stream.resumeProducing()
+    got = records(b"".join(request.written))[1]
+    assert [r["data"]["id"] for r in got] == ids
+    b.broker.stop()
+    assert request.producer is None, "unregistered when the stream ends"
+
+
 @pytest_twisted.ensureDeferred
 async def test_the_capability():
     b = Broker(eventRetentionSeconds=120)

@@ -511,6 +511,12 @@ class _Request:
     def write(self, data: bytes) -> None:
         self.written.append(data)
 
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
 
 @pytest_twisted.ensureDeferred
 async def test_overview_and_metrics_show_streams_and_webhook_health_never_the_url():
