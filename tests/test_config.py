@@ -598,3 +598,26 @@ def test_a_backend_section_is_read_by_its_table():
     with pytest.raises(ConfigError) as info:
         memory.parse_options({"sync": "full"}, config)
     assert info.value.key == "broker.memory.sync"
+
+
+def test_agent_webhooks_and_the_webhook_settings():
+    from relay.testing import make_config as config_of
+
+    agents = {"a": {"secret": "a" * 20, "webhook": "http://127.0.0.1:1/"},
+              "b": {"secret": "b" * 20, "webhook": {"url": "https://h.example/in"}},
+              "c": {"secret": "c" * 20}}
+    config = config_of(agents=agents, webhookAllow=["https://h.example/"])
+    assert [config.agents[n].webhook for n in "abc"] == [
+        "http://127.0.0.1:1/", "https://h.example/in", None]
+    assert config.webhook_allow == ("https://h.example/",)
+    assert config_of().webhook_allow == (
+        "http://127.0.0.1:", "http://localhost:", "http://[::1]:")
+    for bad, key in (({"url": "ftp://x"}, "agents.a.webhook"),
+                     ({"uri": "http://x"}, "agents.a.webhook.uri"),
+                     (5, "agents.a.webhook")):
+        with pytest.raises(ConfigError) as caught:
+            config_of(agents={"a": {"secret": "a" * 20, "webhook": bad}})
+        assert caught.value.key == key
+    with pytest.raises(ConfigError) as caught:
+        config_of(webhookAllow=["127.0.0.1"])
+    assert caught.value.key == "broker.webhookAllow" and "http://" in caught.value.reason
