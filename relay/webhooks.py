@@ -357,6 +357,10 @@ class WebhookDelivery(Service):
             self.busy.discard(agent)
             return
         if page.reset is not None:  # past retention: go on from the present
+            log.warn("webhook of {agent}: events after {acked} are past retention and "
+                     "skipped", agent=agent, acked=state.acked)
+            if self.counters is not None:
+                self.counters.webhook_skipped()
             state.acked = page.last
             self._save(agent).addBoth(lambda _: self._next(agent))
             return

@@ -277,3 +277,22 @@ async def test_register_sets_shows_and_refuses_webhooks():
         "ok": True, "agent": "alpha", "ts": int(b.clock.seconds())}
     info = await b.get(None, "/")
     assert info.json["capabilities"]["webhooks"] == {"maxAttempts": 12}
+
+
+@pytest_twisted.ensureDeferred
+async def test_events_past_retention_are_skipped_and_said():
+    from twisted.logger import capturedLogs
+
+    receiver = Receiver(codes=(500,))
+    service, store, clock = delivery(receiver)
+    await service.register("beta", "http://127.0.0.1:8/", KEEP_CARD)
+    (old,) = await send(store, clock, 1)
+    assert receiver.ids() == [old]
+    clock.advance(0.5)
+    await store.trim_events(clock.seconds())  # retention removes it before its retry
+    with capturedLogs() as logs:
+        clock.advance(0.5)
+    assert [e["log_format"] for e in logs if "retention" in e["log_format"]]
+    assert receiver.ids() == [old]
+    (new,) = await send(store, clock, 1)
+    assert receiver.ids() == [old, new]
