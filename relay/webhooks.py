@@ -171,6 +171,7 @@ class WebhookDelivery(Service):
 
     def startService(self) -> None:
         super().startService()
+        self.reload()  # every broker answers registers with the agent's webhook
         self._leader.start(LEAD_SECONDS, now=True)
 
     def _lead(self) -> Deferred:
@@ -286,14 +287,15 @@ class WebhookDelivery(Service):
                 setattr(state, key, getattr(stored, key))
         self.kick(agent)
 
-    def _save(self, agent: str) -> Deferred:
+    def _save(self, agent: str, announce: bool = False) -> Deferred:
         """Store the delivery progress of ``agent`` (its URL and an enabling register
-        another broker stored meanwhile are kept)."""
+        another broker stored meanwhile are kept); with ``announce``, the other
+        brokers read it (a webhook disabled: their register answers say so)."""
         state = self.states.get(agent)
         if state is None:
             return succeed(None)
         fields = {key: getattr(state, key) for key in PROGRESS}
-        d = self.store.merge_webhook(agent, fields, None, False)
+        d = self.store.merge_webhook(agent, fields, None, announce)
 
         def merged(text: str) -> None:
             fresh = HookState.from_json(text)
@@ -307,7 +309,7 @@ class WebhookDelivery(Service):
     def changed(self, changes: Changes) -> None:
         """New events were recorded: the agents concerned send them; webhook settings
         changed (on another broker too): they are read again."""
-        if changes.hooks and self.leading:
+        if changes.hooks:  # the deliverer sends by them, every broker shows them
             self.reload()
             return
         if ALL_AGENTS in changes.events:
@@ -398,7 +400,7 @@ class WebhookDelivery(Service):
             self.counters.webhook_failed()
         action, delay = hooks.failed(state, event.id, now, self.settings.max_attempts,
                                      self.settings.disable_after)
-        saved = self._save(agent)
+        saved = self._save(agent, announce=action == hooks.DISABLE)
         if action == hooks.SKIP:
             log.warn("webhook of {agent}: event {event} skipped after {tries} tries",
                      agent=agent, event=event.id, tries=self.settings.max_attempts)

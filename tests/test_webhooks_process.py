@@ -195,8 +195,7 @@ def test_delivery_resumes_after_a_sigkill_from_the_last_acknowledged_event(tmp_p
         broker.kill()
 
 
-@pytest.fixture
-def pg_pair(tmp_path):
+def postgres_pair(tmp_path, **broker: Any):
     from tests.conftest import reset_postgres
 
     dsn = reset_postgres()  # skips without RELAY_TEST_POSTGRES_DSN
@@ -205,13 +204,18 @@ def pg_pair(tmp_path):
         for name in ("a", "b"):
             (tmp_path / name).mkdir()
             process = BrokerProcess(str(tmp_path / name), storage="postgres",
-                                    postgres={"dsn": dsn, "poolSize": 4})
+                                    postgres={"dsn": dsn, "poolSize": 4}, **broker)
             write_config(process)
             brokers.append(process.start())
         yield brokers
     finally:
         for broker in brokers:
             broker.kill()
+
+
+@pytest.fixture
+def pg_pair(tmp_path):
+    yield from postgres_pair(tmp_path)
 
 
 def test_two_brokers_on_postgres_deliver_each_event_once_in_order(pg_pair, receiver):
@@ -230,3 +234,27 @@ def test_two_brokers_on_postgres_deliver_each_event_once_in_order(pg_pair, recei
     receiver.wait_for(10, timeout=40)
     time.sleep(0.5)
     assert receiver.ids()[8:] == later
+
+
+def test_every_broker_of_a_shared_store_shows_the_webhook_and_its_disabling(tmp_path,
+                                                                           receiver):
+    receiver.codes = [500] * 10
+    pair = postgres_pair(tmp_path, webhookMaxAttempts=1, webhookDisableAfter=2)
+    a, b = next(pair)
+    try:
+        url = f"http://127.0.0.1:{receiver.port}/"
+        assert call(a, "beta", "POST", "/register", {"webhook": {"url": url}})[0] == 200
+        assert call(b, "beta", "POST", "/register", {})[1]["webhook"] == {"url": url}
+        send(b, 2)
+        receiver.wait_for(2)
+        deadline = time.monotonic() + 10
+        shown = None
+        while time.monotonic() < deadline:
+            shown = call(b, "beta", "POST", "/register", {})[1]["webhook"]
+            if shown.get("disabled"):
+                break
+            time.sleep(0.1)
+        assert shown == {"url": url, "disabled": True}
+        assert call(a, "beta", "POST", "/register", {})[1]["webhook"] == shown
+    finally:
+        pair.close()
