@@ -376,57 +376,7 @@ _IGNORED_AGENT_KEYS = frozenset(
     {"keys", "allowed_read_targets", "allowed_continue_targets", "allowed_write_targets"}
 )
 
-_AGENT_KEYS = frozenset(
-    {"keys", "allowed_read_targets", "allowed_continue_targets", "allowed_write_targets"}
-)
-
-_BROKER_KEYS = frozenset(
-    {
-        "host",
-        "port",
-        "listen",
-        "secret",
-        "secretFile",
-        "rateLimitLoopback",
-        "rateLimitRemote",
-        "messageTtlDays",
-        "persist",
-        "storage",
-        "dataDir",
-        "leaseSeconds",
-        "maxAttempts",
-        "maxDeliveries",
-        "notifyFailures",
-        "sync",
-        "sweepSeconds",
-        "requestReadSeconds",
-        "accessLog",
-        "allowInsecureRemote",
-        "allowedHosts",
-        "maxConnections",
-        "maxConnectionsPerAddress",
-        "inboxMaxMessages",
-        "inboxMaxBytes",
-        "minFreeDiskMB",
-        "maxAgents",
-        "eventRetentionSeconds",
-        "maxStreamsPerAgent",
-        "maxStreams",
-        "webhookAllow",
-        "webhookMaxAttempts",
-        "webhookDisableAfter",
-        "webhookConcurrency",
-        "tlsClientCA",
-        "opsListen",
-        "opsToken",
-        "opsTokenFile",
-        "warmupSeconds",
-    }
-)
-_SECURITY_KEYS = frozenset({"lockAfterFailures", "lockMinutes", "requireNonce"})
 _AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets", "webhook"})
-
-# Endpoint-string options that name files; resolved against the config file.
 
 
 def _section(data: Mapping[str, Any], key: str) -> Dict[str, Any]:
