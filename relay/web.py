@@ -213,7 +213,6 @@ class RelayAPI:
         since = protocol.optional_query_id(query_arg(request, b"since"), "since")
         limit = protocol.clamp_limit(query_arg(request, b"limit"))
         wait = protocol.parse_wait_seconds(query_arg(request, b"wait"), "wait")
-        request.waits = wait > 0
         d = self.broker.poll(agent, since, limit, wait)
         d.addCallback(
             lambda page: write_body(request, 200, message_list(page[0], cursor=page[1]))
@@ -241,7 +240,6 @@ class RelayAPI:
         lease_seconds = protocol.parse_lease_seconds(body)
         wait = protocol.strict_int(body, "waitSeconds", 0, protocol.MAX_WAIT_SECONDS) or 0
         parent_id = protocol.optional_id(body, "parentId")
-        request.waits = wait > 0
         d = self.broker.pull(agent, limit, lease_seconds, wait, parent_id)
         d.addCallback(self._listed, request)
         return d
