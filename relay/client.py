@@ -54,9 +54,16 @@ from twisted.internet.error import (
     TCPTimedOutError,
 )
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
-from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
+from twisted.web.client import (
+    PotentialDataLoss,
+    RequestTransmissionFailed,
+    ResponseDone,
+    ResponseFailed,
+    ResponseNeverReceived,
+)
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
@@ -65,6 +72,7 @@ from relay.errors import RelayError
 from relay.protocol import KEEP_CARD, PROTOCOL_VERSION, is_loopback_host, notice_id
 from relay.settings import ENV_CA_FILE, ENV_CLIENT_CERT
 from relay.signing import auth_headers, new_nonce
+from relay.sse import RelayEvent, SSEParser, StreamError, reconnect_delay
 
 RETRY_DELAYS_SECONDS: Tuple[float, ...] = (2.0, 4.0, 8.0)
 DEFAULT_TIMEOUT_SECONDS = 15.0
@@ -139,12 +147,12 @@ class RequestFailed(RelayError):
         self.notice = notice
 
 
-def unsupported(capability: str, what: str) -> RelayError:
+def unsupported(capability: str, what: str, spec: str = "EXTENSIONS.md v1.2") -> RelayError:
     """The error for a feature the broker does not advertise (code ``unsupported``)."""
     return RelayError(
         0,
         "unsupported",
-        f"the broker lacks {capability} ({what}, EXTENSIONS.md v1.2); "
+        f"the broker lacks {capability} ({what}, {spec}); "
         "`relay handshake` lists what it offers",
     )
 
@@ -741,10 +749,12 @@ class RelayClient:
             return defer.succeed(self.info)
         return self.handshake()
 
-    async def _require(self, capability: str, what: str) -> None:
+    async def _require(
+        self, capability: str, what: str, spec: str = "EXTENSIONS.md v1.2"
+    ) -> None:
         await self._known()
         if not self.advertises(capability):
-            raise unsupported(capability, what)
+            raise unsupported(capability, what, spec)
 
     # -- transport --------------------------------------------------------
 
@@ -1299,6 +1309,77 @@ class RelayClient:
 
         return self._run(go)
 
+    # -- events (REACH §11) -------------------------------------------------
+
+    def events(
+        self,
+        since: Optional[str] = None,
+        *,
+        on_state: Optional[Callable[[bool], None]] = None,
+    ) -> EventStream:
+        """This agent's events (``GET /v1/events``), as an :class:`EventStream`: an
+        async iterator of :class:`relay.sse.RelayEvent` that reconnects with backoff
+        and resumes after the last event it read.
+
+        :param since: the id of the last event seen earlier (an
+            :attr:`EventStream.last_id`); None starts at the present.
+        :param on_state: called with True each time the stream is open, with False
+            each time it was lost (it reconnects by itself).
+
+        The first read makes the handshake when none was made and fails with code
+        ``unsupported`` unless the broker advertises ``events``. A ``reset`` event
+        (``since`` unknown or beyond the broker's retention) is given to the caller,
+        who re-syncs by pulling. Reading fails, and the stream ends, on an answer
+        that retrying cannot fix (a refused signature, a broker without the route).
+        """
+        return EventStream(self, since, on_state=on_state)
+
+    async def _open_events(self, since: Optional[str]) -> Any:
+        """One signed ``GET /v1/events`` after ``since``: the 200 response, its body
+        not read yet. Raises :class:`RelayError` (``connection_error`` when the
+        broker could not be reached)."""
+        path = "/v1/events" + _query([("since", since)] if since else [])
+        headers: Dict[str, List[str]] = {"Accept": ["text/event-stream"]}
+        stamped = auth_headers(
+            self._secret, self.agent, "GET", path, int(self._clock.seconds()), b"",
+            nonce=new_nonce() if self.signs_nonce else None,
+        )
+        for name, value in stamped.items():
+            headers[name] = [value]
+        d = self._http.request(
+            "GET", self.broker_url + path, headers=headers, allow_redirects=False,
+            unbuffered=True,
+        )
+        timed_out: List[bool] = []
+
+        def expire() -> None:
+            timed_out.append(True)
+            d.cancel()
+
+        timer = self._clock.callLater(self.timeout, expire)
+        try:
+            response = await d
+        except Exception as failure:
+            tls_error = tls_failure(failure)
+            if tls_error is not None:
+                raise RelayError(0, "tls_error", describe_tls_failure(
+                    tls_error, self.broker_url, self.ca_file, self.client_cert)) from None
+            if timed_out:
+                raise RelayError(0, "connection_error",
+                                 _describe(_TimedOut(), self.broker_url)) from None
+            if _is_cancellation(failure):
+                raise defer.CancelledError() from None
+            if isinstance(failure, _TRANSIENT_FAILURES):
+                code = "bad_answer" if _lasting(failure) else "connection_error"
+                raise RelayError(0, code, _describe(failure, self.broker_url)) from None
+            raise
+        finally:
+            if timer.active():
+                timer.cancel()
+        if response.code != 200:
+            raise _error_from_answer(response.code, await treq.content(response))
+        return response
+
     def _timeout_for(self, waited: Optional[int]) -> float:
         return self.timeout if waited is None else self.timeout + waited + LONG_POLL_GRACE_SECONDS
 
@@ -1537,6 +1618,202 @@ class RelayClient:
                 raise RequestFailed(
                     request_id, to, "expired", "the broker no longer has the request"
                 )
+
+
+# -- the event stream (REACH §11) ---------------------------------------------------
+
+
+def _retryable_stream_error(error: RelayError) -> bool:
+    """Whether a failed ``GET /v1/events`` may succeed later: the broker was not
+    reached, or it was busy, overloaded or restarting."""
+    if error.status == 0:
+        return error.code == "connection_error"
+    return _is_retryable_status(error.status)
+
+
+class _EventBody(Protocol):
+    """Hands the bytes of a stream's body to ``received`` as they come; ``done``
+    fires when the body ends (the broker closed the stream) or fails when the
+    connection was lost."""
+
+    def __init__(self, received: Callable[[bytes], None], done: defer.Deferred) -> None:
+        self.received = received
+        self.done = done
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (the interface's name)
+        self.received(data)
+
+    def connectionLost(self, reason: Any = None) -> None:  # noqa: N802
+        if self.done.called:
+            return
+        if reason is None or reason.check(ResponseDone, PotentialDataLoss):
+            self.done.callback(None)
+        else:
+            self.done.errback(reason)
+
+    def abort(self) -> None:
+        """Close the connection (a stream gone quiet, or the reader stopped)."""
+        if self.transport is not None:
+            self.transport.stopProducing()
+
+
+class EventStream:
+    """One agent's events, read from ``GET /v1/events`` for as long as it is open.
+
+    ``async for event in stream`` gives each :class:`relay.sse.RelayEvent` once, in
+    order. A stream the broker ends, a lost connection or one silent for longer
+    than twice the broker's keepalive interval is opened again after a delay (1,
+    2, 4 ... at most 30 s while tries fail), resuming after the last event read
+    (``since``), so nothing is lost or repeated while the broker keeps the
+    events. :attr:`last_id` is the id of the last event given to the caller: keep
+    it to resume in a later run. :meth:`close` ends the iteration.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        client: RelayClient,
+        since: Optional[str] = None,
+        *,
+        on_state: Optional[Callable[[bool], None]] = None,
+    ) -> None:
+        self._client = client
+        self._clock = client._clock
+        self.last_id = since
+        self.on_state = on_state
+        #: whether a stream is open now
+        self.connected = False
+        #: how many times a stream was opened
+        self.connections = 0
+        self._read_id = since  # the last id read off the wire (ahead of last_id)
+        self._queue: List[RelayEvent] = []
+        self._error: Optional[BaseException] = None
+        self._waiter: Optional[defer.Deferred] = None
+        self._loop: Optional[defer.Deferred] = None
+        self._body: Optional[_EventBody] = None
+        self._closed = False
+        self._quiet_timer: Any = None
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> RelayEvent:
+        if self._loop is None and not self._closed:
+            self._loop = defer.Deferred.fromCoroutine(self._run())
+            self._loop.addErrback(self._ended)
+        while not self._queue:
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._closed = True
+                raise error
+            if self._closed:
+                raise StopAsyncIteration
+            self._waiter = defer.Deferred()
+            await self._waiter
+        event = self._queue.pop(0)
+        self.last_id = event.id
+        return event
+
+    def close(self) -> None:
+        """Stop reading: the connection is closed and the iteration ends."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            self._loop.cancel()
+        self._wake()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, for ``contextlib.aclosing``."""
+        self.close()
+
+    # -- inside ----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.called:
+            waiter.callback(None)
+
+    def _ended(self, failure: Any) -> None:
+        if not failure.check(defer.CancelledError):
+            self._error = failure.value
+        self._wake()
+
+    def _state(self, connected: bool) -> None:
+        if connected == self.connected:
+            return
+        self.connected = connected
+        if self.on_state is not None:
+            self.on_state(connected)
+
+    def _quiet_seconds(self) -> float:
+        events = self._client.capabilities.get("events")
+        keepalive = events.get("keepaliveSeconds") if isinstance(events, dict) else None
+        if not isinstance(keepalive, (int, float)) or isinstance(keepalive, bool) or keepalive <= 0:
+            keepalive = 15
+        return 2 * float(keepalive) + 5
+
+    async def _run(self) -> None:
+        await self._client._require("events", "the event stream", "REACH.md §11")
+        failures = 0
+        handshaken_again = False
+        while not self._closed:
+            try:
+                response = await self._client._open_events(self._read_id)
+            except RelayError as error:
+                if error.status == 401 and not handshaken_again:
+                    handshaken_again = True
+                    if await self._client._nonce_changed():
+                        continue
+                if not _retryable_stream_error(error):
+                    raise
+                self.log.info("relay event stream: {code}; reconnecting", code=error.code)
+            else:
+                failures = 0
+                handshaken_again = False
+                self.connections += 1
+                self._state(True)
+                try:
+                    await self._read(response)
+                except (StreamError, ResponseFailed, ConnectionClosed) as lost:
+                    self.log.info("relay event stream lost ({what}); reconnecting",
+                                  what=lost.__class__.__name__)
+                finally:
+                    self._state(False)
+            delay = reconnect_delay(failures)
+            failures += 1
+            await deferLater(self._clock, delay)
+
+    async def _read(self, response: Any) -> None:
+        parser = SSEParser()
+        done: defer.Deferred = defer.Deferred()
+        body = _EventBody(lambda data: self._received(parser, data, body), done)
+        quiet = self._quiet_seconds()
+        self._quiet_timer = self._clock.callLater(quiet, body.abort)
+        response.deliverBody(body)
+        try:
+            await done
+        except defer.CancelledError:
+            body.abort()
+            raise
+        finally:
+            if self._quiet_timer.active():
+                self._quiet_timer.cancel()
+
+    def _received(self, parser: SSEParser, data: bytes, body: _EventBody) -> None:
+        if self._quiet_timer is not None and self._quiet_timer.active():
+            self._quiet_timer.reset(self._quiet_seconds())
+        try:
+            events = parser.feed(data)
+        except StreamError:
+            body.abort()
+            return
+        if not events:
+            return
+        self._read_id = events[-1].id
+        self._queue.extend(events)
+        self._wake()
 
 
 def _messages(answer: Any) -> List[Dict[str, Any]]:
