@@ -1324,7 +1324,7 @@ class RelayClient:
         :param since: the id of the last event seen earlier (an
             :attr:`EventStream.last_id`); None starts at the present.
         :param on_state: called with True each time the stream is open, with False
-            each time it was lost (it reconnects by itself).
+            each time it was lost (it reconnects by itself); not when it is closed.
 
         The first read makes the handshake when none was made and fails with code
         ``unsupported`` unless the broker advertises ``events``. A ``reset`` event
@@ -1744,7 +1744,7 @@ class EventStream:
         if connected == self.connected:
             return
         self.connected = connected
-        if self.on_state is not None:
+        if self.on_state is not None and not self._closed:
             self.on_state(connected)
 
     def _quiet_seconds(self) -> float:

@@ -208,7 +208,7 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> List[str]:
     ]
 
 
-def _one_line(value: Any) -> str:
+def one_line(value: Any) -> str:
     """``value`` as text with its whitespace runs (newlines included) made one space."""
     return " ".join(str(value).split())
 
@@ -217,14 +217,14 @@ def watch_line(message: Mapping[str, Any], now: float) -> str:
     """One message as one line (ids and a client's ``ts`` may hold newlines too)."""
     if message.get("type") == "ack":
         body = message.get("body") if isinstance(message.get("body"), dict) else {}
-        status = _one_line(body.get("status", "ok"))
-        return (f"[receipt] {_one_line(message.get('from'))} {status} for "
-                f"{_one_line(message.get('replyTo'))}")
+        status = one_line(body.get("status", "ok"))
+        return (f"[receipt] {one_line(message.get('from'))} {status} for "
+                f"{one_line(message.get('replyTo'))}")
     kind = message.get("kind")
-    tag = f" ({_one_line(kind)})" if kind and kind != "message" else ""
-    text = _one_line(_notice(message) or body_text(message.get("body")))
-    when = age(message.get("ts"), now) or _one_line(message.get("ts", ""))
+    tag = f" ({one_line(kind)})" if kind and kind != "message" else ""
+    text = one_line(_notice(message) or body_text(message.get("body")))
+    when = age(message.get("ts"), now) or one_line(message.get("ts", ""))
     return (
-        f"{when} {_one_line(message.get('from'))}{tag} "
-        f"[{_one_line(message.get('id'))}]: {text}"
+        f"{when} {one_line(message.get('from'))}{tag} "
+        f"[{one_line(message.get('id'))}]: {text}"
     ).strip()

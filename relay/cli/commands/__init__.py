@@ -15,6 +15,7 @@ from relay.cli.commands import (
     broker,
     completion,
     deadletters,
+    events,
     leases,
     mcp,
     messages,
@@ -69,6 +70,13 @@ COMMANDS: Tuple[Command, ...] = (
         "print new messages as they arrive, until interrupted",
         messages.watch,
         messages.watch_arguments,
+    ),
+    Command(
+        "events",
+        "follow this agent's events: messages to pull, statuses of its own (REACH §11)",
+        events.events,
+        events.events_arguments,
+        description=events.EVENTS_DESCRIPTION,
     ),
     Command(
         "pull",

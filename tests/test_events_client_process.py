@@ -1,0 +1,162 @@
+"""``relay events`` (and so ``RelayClient.events``) against the real ``twistd -n relay``
+process: human lines and ``--json``, resuming without loss or repeat across a broker
+restart, ``--since``, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, List
+
+import pytest
+
+from relay.cli.commands.events import event_line
+from relay.sse import RelayEvent
+from tests.broker_proc import BrokerProcess
+
+ALPHA, BETA = "alpha", "beta"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_event_lines_name_type_id_agents_and_kind_on_one_escaped_line():
+    assert event_line(RelayEvent("7", "message", {"id": "m1", "from": "alpha",
+                                                  "kind": "request"})) == (
+        "message 7 from alpha (request) [m1]")
+    assert event_line(RelayEvent("8", "status", {"id": "m0", "to": "beta", "status": "done",
+                                                 "attempts": 1, "error": "e"})) == (
+        "status 8 [m0] to beta: done (attempts 1)")
+    assert event_line(RelayEvent("9", "reset", {"reason": "unknown event id"})) == (
+        "reset 9: unknown event id; pull to re-sync")
+    assert event_line(RelayEvent("10", "later", {})) == "later 10"
+    forged = event_line(RelayEvent("7", "message", {"id": "m\n2", "from": "evil\nok 8 x",
+                                                    "kind": "a\r\nb"}))
+    assert "\n" not in forged and "\r" not in forged
+
+
+class Events:
+    """``relay events`` as a process, its standard output read line by line."""
+
+    def __init__(self, broker: BrokerProcess, agent: str, *extra: str) -> None:
+        env = {**os.environ, "HOME": broker.directory, "DSH_RELAY_BROKER_URL": broker.url,
+               "DSH_RELAY_AGENT": agent, "DSH_RELAY_SECRET": broker.secret}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relay.cli", "events", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.err: List[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put),
+                         daemon=True).start()
+        started: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self._error(started)),
+                         daemon=True).start()
+        # its first line on standard error says it follows (or the process ends)
+        if "--json" not in extra:
+            started.get(timeout=30)
+
+    @staticmethod
+    def _pump(stream: Any, put: Any) -> None:
+        for line in stream:
+            put(line.rstrip("\n"))
+
+    def _error(self, started: queue.Queue) -> Any:
+        def put(line: str) -> None:
+            self.err.append(line)
+            started.put(line)
+        return put
+
+    def take(self, count: int, timeout: float = 30.0) -> List[str]:
+        return [self.lines.get(timeout=timeout) for _ in range(count)]
+
+    def finish(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def register(broker: BrokerProcess, *agents: str) -> None:
+    for agent in agents:
+        assert broker.request(agent, "POST", "/register", {})[0] == 200
+
+
+def send(broker: BrokerProcess, n: int, to: str = BETA) -> List[str]:
+    ids = []
+    for i in range(n):
+        status, answer = broker.request(ALPHA, "POST", "/messages",
+                                        {"to": to, "body": {"text": f"body-{i}"}})
+        assert status == 201, answer
+        ids.append(answer["id"])
+    return ids
+
+
+@pytest.fixture()
+def broker(tmp_path):
+    b = BrokerProcess(str(tmp_path), storage="sqlite").start()
+    register(b, ALPHA, BETA)
+    yield b
+    b.kill()
+
+
+def test_relay_events_prints_lines_and_json_without_bodies(broker):
+    # from the first event on: the processes need not be connected before the sends
+    human = Events(broker, BETA, "--count", "2", "--since", "0")
+    as_json = Events(broker, BETA, "--json", "--count", "2", "--since", "0")
+    try:
+        ids = send(broker, 2)
+        assert human.finish() == 0, human.err
+        assert as_json.finish() == 0, as_json.err
+        lines = human.take(2)
+        for line, message_id in zip(lines, ids):
+            assert line.startswith("message ") and line.endswith(
+                f" from alpha (message) [{message_id}]")
+        assert "Ctrl+C" in human.err[0]
+        documents = [json.loads(line) for line in as_json.take(2)]
+        assert [d["data"]["id"] for d in documents] == ids
+        assert {d["event"] for d in documents} == {"message"}
+        assert [d["id"] for d in documents] == [line.split()[1] for line in lines]
+        assert "body-" not in repr(lines) + repr(documents)
+        assert as_json.err == []
+    finally:
+        human.kill()
+        as_json.kill()
+
+
+def test_it_resumes_across_a_broker_restart_without_loss_or_repeat(broker):
+    follower = Events(broker, BETA, "--json", "--count", "6", "--since", "0")
+    try:
+        before = send(broker, 2)
+        got = [json.loads(line) for line in follower.take(2)]
+        assert broker.stop() in (0, -15)
+        broker.start()
+        during = send(broker, 2)  # sent while the client waits to reconnect
+        time.sleep(8)  # it has reconnected (1 + 2 + 4 s at most)
+        after = send(broker, 2)
+        got += [json.loads(line) for line in follower.take(4)]
+        assert follower.finish() == 0
+        assert [d["data"]["id"] for d in got] == before + during + after
+        assert len({d["id"] for d in got}) == 6
+        # resuming after the fourth event in a later run gives the last two again
+        later = Events(broker, BETA, "--json", "--count", "2", "--since", got[3]["id"])
+        assert later.finish() == 0
+        assert [json.loads(line)["data"]["id"] for line in later.take(2)] == after
+    finally:
+        follower.kill()
+
+
+def test_ctrl_c_exits_130(broker):
+    follower = Events(broker, BETA)
+    try:
+        time.sleep(1)  # the command's own SIGINT handler replaces the reactor's at start
+        follower.proc.send_signal(signal.SIGINT)
+        assert follower.finish() == 130
+        assert not any("Traceback" in line for line in follower.err)
+    finally:
+        follower.kill()
