@@ -2,8 +2,10 @@
 
 :class:`AgentService` handshakes once, heartbeats well within the broker's 90 s
 TTL (with its peer card, when it has one and the broker takes cards), leases
-messages with ``POST /v1/pull`` (long-polling when the broker advertises it)
-and, for each request, calls a handler.
+messages with ``POST /v1/pull`` and, for each request, calls a handler. Where
+the broker advertises ``events`` (REACH §11) it pulls when its event stream says
+a message became deliverable, and waits without a request in between; while
+the stream is down, and on other brokers, it long-polls (or polls) instead.
 
 On a broker with the delivery extensions v1.2 (EXTENSIONS.md) the lease of a
 running handler is renewed every third of its length, so a handler may run for
@@ -38,12 +40,18 @@ from twisted.python.failure import Failure
 
 from relay.client import RelayClient, ack_outcomes
 from relay.errors import RelayError
-from relay.polling import poll
+from relay.polling import MIN_HELD_SECONDS, poll
 from relay.protocol import KEEP_CARD
 from relay.receipts import ReceiptStore
+from relay.sse import MESSAGE as MESSAGE_EVENT
+from relay.sse import RESET as RESET_EVENT
 
 HEARTBEAT_INTERVAL_SECONDS = 30.0  # the broker's TTL is 90 s
 POLL_INTERVAL_SECONDS = 2.0
+# With events, a pull at least this often even when no event came.
+RESYNC_INTERVAL_SECONDS = 300.0
+# With events, how long the first pull waits for the stream to open.
+STREAM_OPEN_SECONDS = 5.0
 SHUTDOWN_GRACE_SECONDS = 30.0
 RETRY_DELAY_SECONDS = 5.0
 # Handshake failures that waiting will not fix: the runtime stops on these.
@@ -175,6 +183,11 @@ class AgentService(Service):
         certificate at the first handshake); the runtime stops working first.
     :param debug: log the traceback of each handler failure, not only its
         exception type and message.
+    :param use_events: where the broker advertises ``events`` (REACH §11), wait
+        for an event between pulls instead of long-polling or polling (the
+        default); False always polls.
+    :param resync_interval: with events, pull at least this often even when no
+        event came.
     """
 
     log = Logger()
@@ -197,6 +210,8 @@ class AgentService(Service):
         on_reply: Optional[Callable[[Message], Any]] = None,
         on_fatal: Optional[Callable[[RelayError], Any]] = None,
         debug: bool = False,
+        use_events: bool = True,
+        resync_interval: float = RESYNC_INTERVAL_SECONDS,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -214,6 +229,8 @@ class AgentService(Service):
         self.on_reply = on_reply
         self.on_fatal = on_fatal
         self.debug = debug
+        self.use_events = use_events
+        self.resync_interval = resync_interval
         self._clock = clock
         self._stopping = False
         self._waiting: Optional[defer.Deferred] = None
@@ -229,6 +246,15 @@ class AgentService(Service):
         self._heartbeat: Optional[LoopingCall] = None
         self._main: Optional[defer.Deferred] = None
         self._card_refused = False
+        # woken by events: the stream, whether something happened since the last
+        # pull began, and the wait an event ends
+        self._events: Optional[Any] = None
+        self._woken = False
+        self._wake_up: Optional[defer.Deferred] = None
+        # message events not yet matched by pulled messages; whether to pull until
+        # a page is not full
+        self._unpulled = 0
+        self._drain = False
 
     # -- lifecycle --
 
@@ -380,6 +406,9 @@ class AgentService(Service):
         return d
 
     async def _lease_loop(self) -> None:
+        if self.use_events and self.client.advertises("events"):
+            await self._event_loop()
+            return
         await poll(
             self._lease,
             self._dispatch_all,
@@ -390,6 +419,114 @@ class AgentService(Service):
             on_error=self._pull_failed,
             sleep=self._sleep,
         )
+
+    # -- woken by events (REACH §11) --
+
+    async def _event_loop(self) -> None:
+        """Pull when an event says there is something to pull; while the stream is
+        down, pull as :func:`poll` does.
+
+        Leases are still taken by pull only: an event is a reason to pull, never a
+        delivery. After a full page the loop pulls again while message events are
+        unmatched by pulled messages; it drains the queue (pulls until a page is
+        not full) when the stream opens or reopens, after a ``reset`` and every
+        ``resync_interval`` seconds, since messages may have become deliverable
+        without an event of this stream. An event that comes while a pull is under
+        way makes another pull follow it, so none is missed.
+        """
+        stream = self.client.events(on_state=self._stream_state)
+        self._events = stream
+        self._drain = True
+        reading = defer.Deferred.fromCoroutine(self._read_events(stream))
+        reading.addErrback(self._events_failed)
+        try:
+            # The first pull waits for the stream (or for a moment): a long-poll
+            # begun before it opened would be held for nothing.
+            await self._wait_for_event(STREAM_OPEN_SECONDS)
+            while not self._stopping:
+                self._woken = False
+                draining, self._drain = self._drain, False
+                connected = stream.connected
+                # Down (not yet open, lost, or given up): a long-poll as without events.
+                wait = None if connected else self.client.long_poll_seconds
+                asked = self.concurrency - len(self._inflight)
+                started = self._clock.seconds()
+                try:
+                    messages = await self._lease(wait)
+                except RelayError as failure:
+                    self._pull_failed(failure)
+                    self._drain = True
+                    await self._sleep(self.poll_interval)
+                    continue
+                held = self._clock.seconds() - started
+                self._unpulled = max(0, self._unpulled - len(messages))
+                full = len(messages) >= asked
+                if full and draining:
+                    self._drain = True
+                await self._dispatch_all(messages)
+                if not (connected and stream.connected):
+                    self._drain = True
+                    if not messages and (not wait or held < MIN_HELD_SECONDS):
+                        await self._sleep(self.poll_interval)
+                    continue
+                if self._woken or self._drain or (full and self._unpulled > 0):
+                    continue
+                await self._wait_for_event()
+        finally:
+            stream.close()
+            self._events = None
+
+    async def _read_events(self, stream: Any) -> None:
+        async for event in stream:
+            if event.type == MESSAGE_EVENT:
+                self._unpulled += 1
+                self._wake()
+            elif event.type == RESET_EVENT:
+                self.log.info("agent {agent}: events reset; pulling to re-sync",
+                              agent=self.client.agent)
+                self._drain = True
+                self._wake()
+
+    def _events_failed(self, failure: Failure) -> None:
+        """The stream ended for good (a refused signature, a broker without it): the
+        loop pulls as without events from now on."""
+        self.log.warn(
+            "agent {agent}: event stream ended ({code}); polling instead",
+            agent=self.client.agent,
+            code=getattr(failure.value, "code", failure.type.__name__),
+        )
+        self._wake()
+
+    def _stream_state(self, connected: bool) -> None:
+        if connected:
+            self._drain = True
+        else:
+            self.log.info("agent {agent}: event stream lost; polling until it is back",
+                          agent=self.client.agent)
+        self._wake()
+
+    def _resync(self) -> None:
+        self._drain = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._woken = True
+        wake, self._wake_up = self._wake_up, None
+        if wake is not None and not wake.called:
+            wake.callback(None)
+
+    async def _wait_for_event(self, seconds: Optional[float] = None) -> None:
+        """Until something wakes the loop (at once if something did already)."""
+        if self._woken:
+            return
+        self._wake_up = defer.Deferred()
+        timer = self._clock.callLater(
+            self.resync_interval if seconds is None else seconds, self._resync)
+        try:
+            await self._pause(self._wake_up)
+        finally:
+            if timer.active():
+                timer.cancel()
 
     async def _lease(self, wait: Optional[float]) -> Sequence[Message]:
         answer = await self._pause(

@@ -183,6 +183,11 @@ class Options(usage.Options):
             None,
             "Log the traceback of each handler failure (message bodies are never logged).",
         ],
+        [
+            "no-events",
+            None,
+            "Poll (long-poll) for requests even where the broker offers events.",
+        ],
     ]
 
     settings: Settings
@@ -318,4 +323,5 @@ def makeService(options: Options, reactor: Optional[Any] = None) -> IService:
         on_reply=getattr(handler, "on_reply", None),
         on_fatal=fatal,
         debug=bool(options["debug"]),
+        use_events=not options["no-events"],
     )

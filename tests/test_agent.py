@@ -686,6 +686,10 @@ def test_make_service_builds_an_agent_service(
     assert service.client.agent == "worker"
     assert service.receipts.path == receipts_path("worker", tmp_path)
     assert isinstance(service.handler, ExecHandler)
+    assert service.use_events
+    options = agent_tap.Options()
+    options.parseOptions(["--agent", "worker", "--secret", "s", "--exec", "cat", "--no-events"])
+    assert not agent_tap.makeService(options).use_events
 
 
 @pytest.mark.parametrize(
