@@ -12,17 +12,27 @@ The descriptions below are what a model reads to decide what to call.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from typing import Annotated, Any, Dict, List, Literal, Optional
+import threading
+from typing import Annotated, Any, Awaitable, Callable, Dict, List, Literal, Optional
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import CallToolResult, TextContent, ToolAnnotations
+from mcp.types import (
+    CallToolResult,
+    Notification,
+    NotificationParams,
+    TextContent,
+    ToolAnnotations,
+)
 from pydantic import Field, ValidationError
 from twisted.internet import defer
 
 from relay import __version__
 from relay.mcp.bridge import AsyncioThread, ReactorBridge
+from relay.mcp.channel import ChannelFollower
 from relay.mcp.tools import (
     MAX_INBOX_LIMIT,
     MAX_WAIT_SECONDS,
@@ -321,8 +331,92 @@ class RelayMCPServer(MCPServer):
             raise
 
 
-def build_server(tools: RelayTools, bridge: ReactorBridge) -> MCPServer:
-    """The MCP server listing every tool of ``tools``, called through ``bridge``."""
+# -- the host channel (Claude Code's channels) -----------------------------------------
+
+CHANNEL_CAPABILITY = "claude/channel"
+CHANNEL_METHOD = "notifications/claude/channel"
+# Notices kept for a session that has not finished its handshake yet.
+MAX_PENDING_NOTICES = 100
+
+
+class ChannelParams(NotificationParams):
+    """The params of a channel notification: the text the model reads, and
+    attributes of the relay's own words."""
+
+    content: str
+    meta: Dict[str, str]
+
+
+class ChannelNotification(Notification[ChannelParams, Literal["notifications/claude/channel"]]):
+    """``notifications/claude/channel``: an event pushed into the host's session."""
+
+    method: Literal["notifications/claude/channel"] = CHANNEL_METHOD
+
+
+class HostChannel:
+    """Declares the experimental ``claude/channel`` capability in the answer to
+    ``initialize`` and sends channel notifications to every session that finished
+    its handshake (notices that come before are kept until then).
+
+    :meth:`middleware` goes on the server's middleware list; :meth:`send` may be
+    called from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: List[Any] = []
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._pending: List[ChannelParams] = []
+        self.sent = 0
+
+    async def middleware(self, ctx: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+        result = await call_next(ctx)
+        if ctx.method == "initialize" and isinstance(result, dict):
+            capabilities = result.setdefault("capabilities", {})
+            experimental = capabilities.get("experimental") or {}
+            experimental[CHANNEL_CAPABILITY] = {}
+            capabilities["experimental"] = experimental
+        elif ctx.method == "notifications/initialized":
+            with self._lock:
+                self._sessions.append(ctx.session)
+                self._loop = asyncio.get_running_loop()
+                pending, self._pending = self._pending, []
+            for params in pending:
+                await self._deliver(ctx.session, params)
+        return result
+
+    def send(self, content: str, meta: Dict[str, str]) -> None:
+        """Send one notice to every session (from any thread)."""
+        params = ChannelParams(content=content, meta=meta)
+        with self._lock:
+            loop = self._loop
+            if loop is None:
+                self._pending = [*self._pending, params][-MAX_PENDING_NOTICES:]
+                return
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
+            asyncio.run_coroutine_threadsafe(self._broadcast(params), loop)
+
+    async def _broadcast(self, params: ChannelParams) -> None:
+        with self._lock:
+            sessions = list(self._sessions)
+        for session in sessions:
+            await self._deliver(session, params)
+
+    async def _deliver(self, session: Any, params: ChannelParams) -> None:
+        try:
+            await session.send_notification(ChannelNotification(params=params))
+        except Exception:  # the session ended: it gets no more notices
+            with self._lock:
+                if session in self._sessions:
+                    self._sessions.remove(session)
+            return
+        self.sent += 1
+
+
+def build_server(tools: RelayTools, bridge: ReactorBridge,
+                 channel: Optional[HostChannel] = None) -> MCPServer:
+    """The MCP server listing every tool of ``tools``, called through ``bridge``;
+    with ``channel``, one that declares and sends channel notifications."""
     server: MCPServer = RelayMCPServer(
         "relay",
         title="dsh-agent-relay",
@@ -334,19 +428,39 @@ def build_server(tools: RelayTools, bridge: ReactorBridge) -> MCPServer:
     for name in tools.tool_names:
         method = getattr(toolset, name)
         server.add_tool(method, name=name, annotations=ANNOTATIONS[name], structured_output=False)
+    if channel is not None:
+        server.middleware.append(channel.middleware)
     return server
 
 
-async def serve(reactor: Any, tools: RelayTools) -> None:
-    """Serve MCP on standard input and output until the client ends the session
-    (or the reactor stops), then end the relay session: held messages are
-    released. ``tools`` must be started. Runs in the reactor thread."""
-    server = build_server(tools, ReactorBridge(reactor))
-    loop = AsyncioThread(reactor, server.run_stdio_async)
+async def serve(reactor: Any, tools: RelayTools, *, channel: bool = True,
+                note: Optional[Callable[[str], None]] = None,
+                listen: Optional[Any] = None) -> None:
+    """Serve MCP until the client ends the session (or the reactor stops), then end
+    the relay session: held messages are released. ``tools`` must be started.
+    Runs in the reactor thread.
+
+    On standard input and output, or, with ``listen`` (a :class:`HTTPListener`),
+    over the streamable HTTP transport. With ``channel`` the agent's event stream
+    is followed and each message that becomes deliverable is told to the host as
+    a channel notification (where the broker advertises events).
+    """
+    host_channel = HostChannel() if channel else None
+    server = build_server(tools, ReactorBridge(reactor), host_channel)
+    if listen is None:
+        loop = AsyncioThread(reactor, server.run_stdio_async)
+    else:
+        loop = AsyncioThread(reactor, lambda: listen.serve(server))
+    follower = None
+    if host_channel is not None:
+        follower = ChannelFollower(tools.client, host_channel.send, note)
+        follower.start()
 
     def shutting_down() -> defer.Deferred:
         # SIGTERM or SIGINT: end the MCP side, give the leases back before the
         # reactor stops.
+        if follower is not None:
+            follower.stop()
         loop.stop()
         released = defer.ensureDeferred(tools.stop())
         released.addTimeout(RELEASE_SECONDS + 1, reactor)
@@ -358,4 +472,6 @@ async def serve(reactor: Any, tools: RelayTools) -> None:
         await loop.start()
     finally:
         reactor.removeSystemEventTrigger(trigger)
+        if follower is not None:
+            follower.stop()
         await tools.stop()

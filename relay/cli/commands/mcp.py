@@ -25,8 +25,16 @@ relay_reply, relay_done and more (docs/MCP.md). The server acts as the one
 agent of --agent and --secret-file (or the DSH_RELAY_* variables); no tool can
 act as another. It handshakes and registers at start (refusing a broker of
 another protocol), heartbeats while the session lives, and releases the
-messages the model still holds when the session ends. Needs the mcp extra
+messages the model still holds when the session ends. Where the broker has
+events it follows the agent's event stream and tells the host of each message
+that arrives (Claude Code's channels, experimental capability claude/channel;
+--no-channel turns it off); the notice never holds a body. Needs the mcp extra
 (Python 3.10 or later; README.md, "Installing").
+
+--listen HOST:PORT serves the same tools over the MCP streamable HTTP transport
+at http://HOST:PORT/mcp for a host elsewhere: every request must carry the
+bearer token of --token-file; only loopback addresses unless --tls-cert and
+--tls-key make it https.
 
 `relay mcp install --for claude|codex` instead writes the coding agent's
 MCP config to run this server as --agent: it prints the change and asks before
@@ -48,6 +56,18 @@ def mcp_arguments(parser: argparse.ArgumentParser) -> None:
         "--scope", choices=["user", "project"], default="user",
         help="install, Claude Code: ~/.claude.json (user, the default) or ./.mcp.json (project)")
     parser.add_argument("--yes", action="store_true", help="install: write without asking")
+    parser.add_argument(
+        "--listen", metavar="HOST:PORT",
+        help="serve over streamable HTTP at http(s)://HOST:PORT/mcp instead of stdio "
+             "(loopback only, unless --tls-cert and --tls-key)")
+    parser.add_argument(
+        "--token-file", metavar="PATH",
+        help="--listen: a file holding the bearer token every HTTP request must carry")
+    parser.add_argument("--tls-cert", metavar="PATH", help="--listen: PEM certificate (https)")
+    parser.add_argument("--tls-key", metavar="PATH", help="--listen: PEM private key (https)")
+    parser.add_argument(
+        "--no-channel", action="store_true",
+        help="do not follow the agent's events to notify the host (claude/channel)")
 
 
 async def install(ctx: Context) -> int:
@@ -130,12 +150,22 @@ async def mcp(ctx: Context) -> int:
     if problem is not None:
         ctx.console.warn(f"error: {problem}")
         return 1
+    from relay.mcp.http import HTTPListener
     from relay.mcp.server import serve
 
     console = ctx.console
+    args = ctx.args
 
     def note(line: str) -> None:
         console.warn(f"relay mcp: {line}")
+
+    listener = None
+    if args.listen is not None:
+        listener = HTTPListener(args.listen, args.token_file, args.tls_cert, args.tls_key)
+        if listener.token_file_readable_by_others():
+            console.warn(f"warning: other users can read {args.token_file}; chmod 600 it")
+    elif args.token_file or args.tls_cert or args.tls_key:
+        raise UsageError("relay mcp: --token-file, --tls-cert and --tls-key go with --listen")
 
     tools = RelayTools(
         ctx.client,
@@ -143,10 +173,16 @@ async def mcp(ctx: Context) -> int:
         card=card_of(ctx.args.description, ctx.args.skills),
         note=note,
     )
-    info = await tools.start()
+    try:
+        info = await tools.start()
+    except BaseException:
+        if listener is not None:
+            listener.socket.close()
+        raise
+    where = "on stdio" if listener is None else f"at {listener.url}"
     note(
         f"agent {tools.agent} on {ctx.client.broker_url} ({info.get('broker', 'broker')} "
-        f"{info.get('version', '?')}, protocol {info['protocol']}); serving MCP on stdio"
+        f"{info.get('version', '?')}, protocol {info['protocol']}); serving MCP {where}"
     )
-    await serve(ctx.clock, tools)
+    await serve(ctx.clock, tools, channel=not args.no_channel, note=note, listen=listener)
     return 0
