@@ -1331,8 +1331,13 @@ class RelayClient:
         (``since`` unknown or beyond the broker's retention) is given to the caller,
         who re-syncs by pulling. Reading fails, and the stream ends, on an answer
         that retrying cannot fix (a refused signature, a broker without the route).
+
+        The stream starts opening at once: events that happen after this call are
+        read even before the first ``async for`` step.
         """
-        return EventStream(self, since, on_state=on_state)
+        stream = EventStream(self, since, on_state=on_state)
+        stream.open()
+        return stream
 
     async def _open_events(self, since: Optional[str]) -> Any:
         """One signed ``GET /v1/events`` after ``since``: the 200 response, its body
@@ -1698,10 +1703,14 @@ class EventStream:
     def __aiter__(self) -> EventStream:
         return self
 
-    async def __anext__(self) -> RelayEvent:
+    def open(self) -> None:
+        """Start reading (the first ``async for`` step does it too)."""
         if self._loop is None and not self._closed:
             self._loop = defer.Deferred.fromCoroutine(self._run())
             self._loop.addErrback(self._ended)
+
+    async def __anext__(self) -> RelayEvent:
+        self.open()
         while not self._queue:
             if self._error is not None:
                 error, self._error = self._error, None

@@ -61,13 +61,13 @@ def test_reconnect_delays():
 
 
 class Reader:
-    """Reads ``stream`` into :attr:`events` until it ends."""
+    """Reads the stream ``open_stream(on_state)`` gives into :attr:`events` until it
+    ends."""
 
-    def __init__(self, net: Net, stream: Any) -> None:
-        self.stream = stream
+    def __init__(self, net: Net, open_stream: Any) -> None:
         self.events: List[RelayEvent] = []
         self.states: List[bool] = []
-        stream.on_state = self.states.append
+        self.stream = open_stream(self.states.append)
         self.done = defer.ensureDeferred(self._read())
         net.settle()
 
@@ -97,7 +97,7 @@ def event_paths(net: Net) -> List[str]:
 
 def test_events_arrive_without_bodies_and_keepalives_keep_a_quiet_stream_open():
     net, alpha, beta = two_agents()
-    reader = Reader(net, beta.events())
+    reader = Reader(net, lambda s: beta.events(on_state=s))
     assert reader.stream.connected and reader.states == [True]
     sent = send(net, alpha)
     net.settle()
@@ -117,11 +117,11 @@ def test_events_arrive_without_bodies_and_keepalives_keep_a_quiet_stream_open():
 
 def test_a_stream_the_broker_closes_is_opened_again_after_the_last_event_read():
     net, alpha, beta = two_agents(maxStreamsPerAgent=1)
-    reader = Reader(net, beta.events())
+    reader = Reader(net, lambda s: beta.events(on_state=s))
     first = send(net, alpha)
     net.settle()
     # another stream of beta's closes this one (one stream per agent here)
-    other = Reader(net, net.client("beta").events())
+    other = Reader(net, lambda s: net.client("beta").events(on_state=s))
     missed = [send(net, alpha), send(net, alpha)]
     net.settle(1)  # the reconnection delay; that stream closes the other in turn
     assert reader.stream.connections == 2
@@ -164,7 +164,7 @@ def test_a_stream_gone_quiet_is_given_up_and_opened_again_where_it_was():
         return real(method, url, **kwargs)
 
     net.http.request = request
-    reader = Reader(net, beta.events(since="0"))
+    reader = Reader(net, lambda s: beta.events(since="0", on_state=s))
     assert reader.stream.connected
     send(net, alpha)  # its event is not read: the connection is dead
     net.settle(34)
@@ -180,7 +180,7 @@ def test_a_stream_gone_quiet_is_given_up_and_opened_again_where_it_was():
 
 def test_an_unknown_position_is_a_reset_given_to_the_caller():
     net, alpha, beta = two_agents()
-    reader = Reader(net, beta.events(since="999"))
+    reader = Reader(net, lambda s: beta.events(since="999", on_state=s))
     assert reader.types() == ["reset"]
     assert "unknown" in reader.events[0].data["reason"]
     send(net, alpha)
@@ -194,7 +194,7 @@ def test_an_unknown_position_is_a_reset_given_to_the_caller():
 def test_a_broker_without_events_is_a_clear_error_and_nothing_is_requested():
     net = Net(v11=True)
     beta = net.client("beta")
-    reader = Reader(net, beta.events())
+    reader = Reader(net, lambda s: beta.events(on_state=s))
     error = reader.done.result.value
     reader.done.addErrback(lambda _: None)
     assert isinstance(error, RelayError) and error.code == "unsupported"
@@ -206,7 +206,7 @@ def test_a_refused_signature_ends_the_stream_with_the_error():
     net = Net()
     impostor = net.client("beta")
     impostor._secret = "not the secret"
-    reader = Reader(net, impostor.events())
+    reader = Reader(net, lambda s: impostor.events(on_state=s))
     error = reader.done.result.value
     reader.done.addErrback(lambda _: None)
     assert isinstance(error, RelayError) and error.status == 401

@@ -160,3 +160,102 @@ def test_ctrl_c_exits_130(broker):
         assert not any("Traceback" in line for line in follower.err)
     finally:
         follower.kill()
+
+
+# -- the examples of docs/CLIENT.md and docs/MCP.md -----------------------------------
+
+EXAMPLES = os.path.join(REPO, "docs", "examples")
+
+
+def example_env(broker: BrokerProcess, **more: str) -> dict:
+    return {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+            "HOME": broker.directory, "PYTHONPATH": REPO, "DSH_RELAY_BROKER_URL": broker.url,
+            "DSH_RELAY_SECRET": broker.secret, **more}
+
+
+def test_the_follow_events_example_runs(tmp_path):
+    broker = BrokerProcess(str(tmp_path)).start()
+    try:
+        for _ in range(2):  # and again: a run leaves nothing behind that trips the next
+            done = subprocess.run(
+                [sys.executable, os.path.join(EXAMPLES, "follow_events.py")],
+                capture_output=True, text=True, timeout=60, env=example_env(broker))
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.splitlines() == [
+                "event: a request from example-alpha",
+                "pulled: first",
+                "event: a message from example-alpha",
+                "pulled: second",
+                "resumed: message True",
+            ]
+    finally:
+        broker.kill()
+
+
+def test_the_webhook_receiver_example_takes_the_brokers_webhooks_and_nothing_else(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    from tests.broker_proc import free_port
+
+    broker = BrokerProcess(str(tmp_path)).start()
+    secret_file = tmp_path / "agent.secret"
+    secret_file.write_text(broker.secret + "\n")
+    port = free_port()
+    receiver = subprocess.Popen(
+        [sys.executable, os.path.join(EXAMPLES, "webhook_receiver.py"), str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=example_env(broker, DSH_RELAY_SECRET_FILE=str(secret_file)))
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # until it listens
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+            except urllib.error.HTTPError:
+                break
+            except OSError:
+                assert time.monotonic() < deadline, receiver.stderr.read()
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/relay?from=test"
+        assert broker.request("hooked", "POST", "/register", {"webhook": {"url": url}})[0] == 200
+        assert broker.request(ALPHA, "POST", "/register", {})[0] == 200
+        forged = urllib.request.Request(url, method="POST", data=b'{"id":"1","event":"message",'
+                                        b'"data":{"kind":"request","from":"mallory"}}',
+                                        headers={"X-Relay-Timestamp": str(int(time.time())),
+                                                 "X-Relay-Signature": "0" * 64})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(forged, timeout=10)
+        assert refused.value.code == 401
+        status, _ = broker.request(ALPHA, "POST", "/messages", {
+            "to": "hooked", "kind": "request", "body": {"text": "secret body"}})
+        assert status == 201
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in receiver.stdout],
+                         daemon=True).start()
+        assert lines.get(timeout=30).strip() == "a request from 'alpha' to pull"
+    finally:
+        receiver.kill()
+        receiver.wait(10)
+        broker.kill()
+
+
+def test_the_inbox_hook_counts_what_is_queued_and_not_leased(tmp_path):
+    broker = BrokerProcess(str(tmp_path)).start()
+    env = example_env(broker, DSH_RELAY_AGENT="hooky")
+    hook = os.path.join(EXAMPLES, "inbox_hook.sh")
+
+    def said() -> str:
+        done = subprocess.run(["sh", hook], capture_output=True, text=True, timeout=60,
+                              env=env)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        return done.stdout
+
+    try:
+        register(broker, ALPHA, "hooky")
+        assert said() == ""
+        send(broker, 2, to="hooky")
+        assert said() == "You have 2 relay messages waiting: call relay_inbox to take them.\n"
+        assert broker.request("hooky", "POST", "/v1/pull", {"limit": 1})[0] == 200
+        assert said() == "You have 1 relay message waiting: call relay_inbox to take it.\n"
+    finally:
+        broker.kill()

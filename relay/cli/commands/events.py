@@ -47,13 +47,11 @@ def event_line(event: RelayEvent) -> str:
 async def events(ctx: Context) -> int:
     """One line (or JSON object) per event until interrupted (or ``--count`` events)."""
     args, client, console = ctx.args, ctx.client, ctx.console
-    stream = client.events(since=args.since)
-
     def state(connected: bool) -> None:
         if not connected:
             console.warn("event stream lost; reconnecting")
 
-    stream.on_state = state
+    stream = client.events(since=args.since, on_state=state)
     if not console.as_json:
         console.warn(f"events of {client.agent} at {client.broker_url}; Ctrl+C to stop")
     shown = 0
