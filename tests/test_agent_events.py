@@ -156,3 +156,42 @@ def test_what_was_queued_before_it_started_is_all_taken_one_by_one(tmp_path: Pat
     assert pulls(net) == 6  # five full pages, then one that finds the queue empty
     service.stopService()
     net.settle()
+
+
+class Slow:
+    """A handler whose calls end when the test says."""
+
+    def __init__(self) -> None:
+        self.calls: List[str] = []
+        self.pending: List[Any] = []
+
+    def __call__(self, message: Dict[str, Any]) -> Any:
+        from twisted.internet import defer
+
+        self.calls.append(message["id"])
+        d: defer.Deferred = defer.Deferred()
+        self.pending.append(d)
+        return d
+
+    def finish(self) -> None:
+        self.pending.pop(0).callback("ok")
+
+
+def test_messages_that_came_while_it_was_busy_are_all_pulled_one_by_one(tmp_path: Path):
+    net = Net()
+    alpha = net.client("alpha")
+    net.run(alpha.register())
+    handler = Slow()
+    service = runtime(net, tmp_path, handler, concurrency=1)
+    first = send(net, alpha)
+    net.settle()
+    assert handler.calls == [first]
+    # three more while the only slot is taken: their events come, no pull can
+    later = [send(net, alpha) for _ in range(3)]
+    net.settle()
+    for _ in range(4):
+        handler.finish()
+        net.settle()
+    assert handler.calls == [first, *later], "none waits for the resync"
+    service.stopService()
+    net.settle()
