@@ -549,3 +549,49 @@ def test_listen_refuses_an_address_beyond_loopback_without_tls_and_needs_a_token
             env={**os.environ, "HOME": str(tmp_path)})
         assert result.returncode == 2, (extra, result.stderr)
         assert words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_with_tls_it_listens_beyond_loopback_over_https(broker, tmp_path) -> None:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from tests.test_tls import _certificate, _new_key, _write_cert, _write_key
+
+    ca_key, key = _new_key(), _new_key()
+    ca = _certificate("mcp test CA", ca_key)
+    leaf = _certificate("relay mcp", key, (ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH,
+                        ("127.0.0.1",))
+    _write_cert(tmp_path / "ca.crt", ca)
+    _write_cert(tmp_path / "mcp.crt", leaf)
+    _write_key(tmp_path / "mcp.key", key)
+    token_file = tmp_path / "mcp.token"
+    token_file.write_text("c" * 40)
+    token_file.chmod(0o600)
+    proc = subprocess.Popen(
+        [sys.executable, *relay_argv(broker, "hank", "--listen", "0.0.0.0:0", "--token-file",
+                                     str(token_file), "--tls-cert", str(tmp_path / "mcp.crt"),
+                                     "--tls-key", str(tmp_path / "mcp.key"))],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HOME": broker.directory})
+    try:
+        for line in proc.stderr:
+            if "serving MCP at " in line:
+                url = line.split("serving MCP at ")[1].strip()
+                break
+        else:
+            raise AssertionError("relay mcp did not start")
+        assert url.startswith("https://0.0.0.0:")
+        local = url.replace("0.0.0.0", "127.0.0.1")
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+        request = urllib.request.Request(local, data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10, context=context)
+        assert refused.value.code == 401
+        assert json.loads(refused.value.read())["error"]["code"] == "unauthenticated"
+    finally:
+        proc.terminate()
+        proc.wait(30)
