@@ -259,3 +259,34 @@ def test_the_inbox_hook_counts_what_is_queued_and_not_leased(tmp_path):
         assert said() == "You have 1 relay message waiting: call relay_inbox to take it.\n"
     finally:
         broker.kill()
+
+
+def test_a_broker_without_events_is_one_line_and_exit_1(tmp_path):
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Older(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the server's name)
+            body = json.dumps({"protocol": "1.0", "broker": "older", "capabilities": {
+                "leaseDelivery": True}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Older)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "relay.cli", "events", "--agent", "a", "--secret", "s" * 32,
+             "--broker", f"http://127.0.0.1:{server.server_port}"],
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+            env={**os.environ, "HOME": str(tmp_path)})
+    finally:
+        server.shutdown()
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines()[-1].startswith(
+        "error: unsupported: the broker lacks events (the event stream, REACH.md §11)")
