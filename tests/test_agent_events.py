@@ -195,3 +195,48 @@ def test_messages_that_came_while_it_was_busy_are_all_pulled_one_by_one(tmp_path
     assert handler.calls == [first, *later], "none waits for the resync"
     service.stopService()
     net.settle()
+
+
+def test_a_reset_after_a_long_outage_makes_it_pull_and_it_lost_nothing(tmp_path: Path):
+    from twisted.internet import defer
+    from twisted.internet.error import ConnectionRefusedError
+    from twisted.logger import capturedLogs, formatEvent
+
+    net = Net(eventRetentionSeconds=10, maxStreamsPerAgent=1)
+    alpha = net.client("alpha")
+    net.run(alpha.register())
+    handler = Handler()
+    with capturedLogs() as logged:
+        service = runtime(net, tmp_path, handler)
+        first = send(net, alpha)
+        net.settle()
+        # The broker closes the runtime's stream (a newer one of its agent), and the
+        # stream cannot come back for a while: the runtime long-polls meanwhile.
+        blocked = [True]
+        real = net.http.request
+
+        def request(method: str, url: str, **kwargs: Any) -> defer.Deferred:
+            if "/v1/events" in url and blocked[0]:
+                return defer.fail(ConnectionRefusedError())
+            return real(method, url, **kwargs)
+
+        other = net.client("worker").events()
+        net.settle()
+        net.http.request = request
+        other.close()
+        net.settle()
+        second = send(net, alpha)
+        net.settle()
+        assert handler.calls == [first, second]
+        elapse(net, 20)
+        net.run(net.api.broker.sweep_expired())  # the events of both are past retention
+        blocked[0] = False
+        elapse(net, 31)  # the next try opens it again: its position is gone
+        assert service._events.connected
+        third = send(net, alpha)
+        net.settle()
+        assert handler.calls == [first, second, third]
+        service.stopService()
+        net.settle()
+    text = "\n".join(formatEvent(event) for event in logged)
+    assert "events reset; pulling to re-sync" in text
