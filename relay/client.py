@@ -1696,7 +1696,6 @@ class EventStream:
         self._error: Optional[BaseException] = None
         self._waiter: Optional[defer.Deferred] = None
         self._loop: Optional[defer.Deferred] = None
-        self._body: Optional[_EventBody] = None
         self._closed = False
         self._quiet_timer: Any = None
 
