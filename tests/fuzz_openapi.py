@@ -32,7 +32,10 @@ DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "openapi.yaml"
 EXAMPLES = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "25"))
 AGENTS = ("alpha", "beta")
 
-schema = schemathesis.openapi.from_path(DOCUMENT)
+# GET /v1/events is a stream kept open (keepalives, no end): it does not fit a
+# request that is answered and done. Its answers are checked by tests/test_events.py
+# (in memory) and tests/test_events_process.py (a real broker).
+schema = schemathesis.openapi.from_path(DOCUMENT).exclude(path="/v1/events")
 
 
 class Signed(requests.auth.AuthBase):
