@@ -65,6 +65,18 @@ def _value(config: Config, path: str) -> object:
     return dict(value) if isinstance(value, Mapping) else value
 
 
+class _Part:
+    """A read-only attribute of a :class:`RelayService` that is its assembly's."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, service: Any, owner: Any = None) -> Any:
+        if service is None:
+            return self
+        return getattr(service.assembly, self.name)
+
+
 class RelayService(MultiService):
     """The whole broker: the listeners, the sweeps and the ops listener of an
     :class:`relay.assembly.Assembly`, and its store, closed when the service stops.
@@ -95,41 +107,16 @@ class RelayService(MultiService):
         for service in assembly.services:
             service.setServiceParent(self)
 
-    @property
-    def store(self) -> Any:
-        return self.assembly.store
-
-    @property
-    def clock(self) -> Any:
-        return self.assembly.clock
-
-    @property
-    def counters(self) -> Any:
-        return self.assembly.counters
-
-    @property
-    def api(self) -> Any:
-        return self.assembly.api
-
-    @property
-    def broker(self) -> Any:
-        return self.assembly.broker
-
-    @property
-    def site(self) -> Any:
-        return self.assembly.site
-
-    @property
-    def ops(self) -> Any:
-        return self.assembly.ops
-
-    @property
-    def ops_site(self) -> Any:
-        return self.assembly.ops_site
-
-    @property
-    def peer_watch(self) -> Any:
-        return self.assembly.peer_watch
+    # The parts of the assembly, under the names callers and tests know them by.
+    store = _Part("store")
+    clock = _Part("clock")
+    counters = _Part("counters")
+    api = _Part("api")
+    broker = _Part("broker")
+    site = _Part("site")
+    ops = _Part("ops")
+    ops_site = _Part("ops_site")
+    peer_watch = _Part("peer_watch")
 
     # -- reload ----------------------------------------------------------------------
 
