@@ -134,3 +134,19 @@ def store(backend, tmp_path):
     s = open_backend(backend, tmp_path)
     yield s
     pytest_twisted.blockon(s.close())
+
+
+@pytest.fixture
+def two_brokers(tmp_path):
+    """Two in-process brokers on one fresh PostgreSQL database: ``(dsn, a, b)``."""
+    import pytest_twisted
+    from twisted.internet import reactor as _reactor
+
+    from tests.http_support import Broker as _Broker
+
+    dsn = reset_postgres()
+    stores = [open_backend("postgres", tmp_path / name) for name in ("a", "b")]
+    brokers = [_Broker(clock=_reactor, store=store) for store in stores]
+    yield dsn, brokers[0], brokers[1]
+    for store in stores:
+        pytest_twisted.blockon(store.close())

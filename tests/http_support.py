@@ -10,11 +10,13 @@ strings and odd ids reach the broker exactly as a client wrote them.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from treq.testing import RequestTraversalAgent
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred, succeed
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
@@ -191,3 +193,12 @@ class Broker:
         reply = await self.post(agent, "/v1/status", {"messageIds": list(ids)})
         assert reply.code == 200, reply
         return reply.json["messages"]
+
+
+async def answered(broker: Broker, d: Deferred, seconds: float = 10.0) -> Reply:
+    """``d``'s reply, flushing what the broker writes once the database answered."""
+    deadline = time.monotonic() + seconds
+    while not d.called and time.monotonic() < deadline:
+        broker.flush()
+        await deferLater(reactor, 0.01, lambda: None)
+    return await d

@@ -21,8 +21,7 @@ from twisted.internet.task import deferLater
 
 from relay.signing import auth_headers
 from relay.testing import SECRET
-from tests.conftest import open_backend, reset_postgres
-from tests.http_support import Broker, Reply, assert_error
+from tests.http_support import Broker, answered, assert_error
 
 NONCE = "n0nce-0123456789_AB"
 
@@ -133,25 +132,6 @@ def signed(broker: Broker, agent: str, method: str, path: str, body: Any = None,
 
 
 # -- two brokers on one PostgreSQL database, in process ------------------------------------
-
-
-async def answered(broker: Broker, d: Deferred, seconds: float = 10.0) -> Reply:
-    """``d``'s reply, flushing what the broker writes once the database answered."""
-    deadline = time.monotonic() + seconds
-    while not d.called and time.monotonic() < deadline:
-        broker.flush()
-        await deferLater(reactor, 0.01, lambda: None)
-    return await d
-
-
-@pytest.fixture
-def two_brokers(tmp_path):
-    dsn = reset_postgres()
-    stores = [open_backend("postgres", tmp_path / name) for name in ("a", "b")]
-    brokers = [Broker(clock=reactor, store=store) for store in stores]
-    yield dsn, brokers[0], brokers[1]
-    for store in stores:
-        pytest_twisted.blockon(store.close())
 
 
 @pytest_twisted.ensureDeferred

@@ -15,9 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.task import Clock, deferLater
+from twisted.internet.task import Clock
 
 from relay import errors
 from relay.auth import Authenticator
@@ -25,7 +24,7 @@ from relay.errors import RelayError
 from relay.signing import auth_headers
 from relay.testing import SECRET, START, make_config
 from tests.conftest import open_backend, reset_postgres
-from tests.http_support import Broker, Reply, assert_error
+from tests.http_support import Broker, Reply, answered, assert_error
 
 NONCE = "n0nce-0123456789_AB"
 
@@ -256,30 +255,11 @@ async def test_no_route_waits_for_the_claim_a_replay_is_401_first():
 # -- two brokers on one PostgreSQL database, in process ------------------------------------
 
 
-async def answered(broker: Broker, d: Deferred, seconds: float = 10.0) -> Reply:
-    """``d``'s reply, flushing what the broker writes once the database answered."""
-    deadline = time.monotonic() + seconds
-    while not d.called and time.monotonic() < deadline:
-        broker.flush()
-        await deferLater(reactor, 0.01, lambda: None)
-    return await d
-
-
 def _rows(dsn: str, sql: str) -> List[Tuple[Any, ...]]:
     import psycopg
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         return conn.execute(sql).fetchall()
-
-
-@pytest.fixture
-def two_brokers(tmp_path):
-    dsn = reset_postgres()
-    stores = [open_backend("postgres", tmp_path / name) for name in ("a", "b")]
-    brokers = [Broker(clock=reactor, store=store) for store in stores]
-    yield dsn, brokers[0], brokers[1]
-    for store in stores:
-        pytest_twisted.blockon(store.close())
 
 
 @pytest_twisted.ensureDeferred
