@@ -642,7 +642,7 @@ class RelayClient:
     :param secret: the HMAC secret shared with the broker.
     :param clock: the time source for timestamps, retry delays and timeouts.
     :param http: a treq-like client (``request(method, url, headers=, data=)``);
-        by default a treq HTTPClient on ``reactor``. Tests pass ``StubTreq``.
+        by default a treq HTTPClient on ``reactor``. Tests pass :class:`relay.loopback.MemoryHTTP`.
     :param reactor: the reactor for the default HTTP client (defaults to ``clock``).
     :param ca_file: a PEM CA bundle to trust for https instead of the system store.
     :param client_cert: a PEM client certificate presented when the broker asks

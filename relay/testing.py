@@ -66,15 +66,15 @@ def new_message(sender: str, to: str, now: float, ttl_seconds: Optional[int] = N
 
 
 class SignedClient:
-    """Signs requests per spec §3 and sends them through ``treq.testing.StubTreq``."""
+    """Signs requests per spec §3 and sends them to ``site`` in memory
+    (:class:`relay.loopback.MemoryHTTP`)."""
 
-    def __init__(self, api, clock: Clock, secret: str = SECRET) -> None:
-        from treq.testing import StubTreq
+    def __init__(self, site, clock: Clock, secret: str = SECRET) -> None:
+        from relay.loopback import MemoryHTTP
 
-        self.api = api
         self.clock = clock
         self.secret = secret
-        self.treq = StubTreq(api.resource())
+        self.http = MemoryHTTP(site, clock)
 
     def headers(self, agent: str, method: str, path: str, raw: bytes,
                 secret: Optional[str] = None, timestamp: Optional[int] = None) -> Dict[str, str]:
@@ -95,7 +95,7 @@ class SignedClient:
         all_headers = {} if agent is None else self.headers(agent, method, path, raw,
                                                             **sign_options)
         all_headers.update(headers or {})
-        response = await self.treq.request(
+        response = await self.http.request(
             method, "http://127.0.0.1:19121" + path, data=raw or None, headers=all_headers
         )
         content = await response.content()
@@ -110,19 +110,21 @@ class SignedClient:
 
 def make_api(clock: Optional[Clock] = None, store=None, config: Optional[Config] = None,
              **broker: Any):
-    """``(api, client, clock)``: a RelayAPI over a memory store, and a signing client.
+    """``(api, client, clock)``: a broker over a memory store as
+    :func:`relay.assembly.assemble` builds it (without listeners), and a signing
+    client of its site.
 
     ``api.broker`` is the :class:`relay.broker.Broker` behind it.
     """
-    from relay.assembly import make_api as build
+    from relay.assembly import assemble
     from relay.store.memory import MemoryStore
 
     clock = clock if clock is not None else Clock()
     if clock.seconds() == 0:
         clock.advance(START)
     config = config if config is not None else make_config(**broker)
-    api = build(config, store if store is not None else MemoryStore(), clock)
-    return api, SignedClient(api, clock), clock
+    built = assemble(config, store if store is not None else MemoryStore(), clock, listen=False)
+    return built.api, SignedClient(built.site, clock), clock
 
 
 RULES = make_rules(max_attempts=3)

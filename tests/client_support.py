@@ -1,7 +1,8 @@
 """Client-side test support: an in-memory broker behind a recording HTTP client, and
 the same broker seen as a v1.1 broker (the reference's capabilities).
 
-Time is a ``task.Clock``; HTTP goes through ``StubTreq`` to the real resource.
+Time is a ``task.Clock``; HTTP goes to the broker's own site in memory
+(:class:`relay.loopback.MemoryHTTP`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 import pytest
-from treq.testing import StubTreq
 from twisted.internet import defer
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseNeverReceived
@@ -19,6 +19,8 @@ from twisted.web.resource import Resource
 
 from relay.client import RelayClient
 from relay.errors import RelayError
+from relay.http import RelaySite
+from relay.loopback import MemoryHTTP
 from relay.testing import SECRET
 
 # What the reference broker (v1.1) advertises.
@@ -76,13 +78,9 @@ class SeenAsV11(Resource):
         return self.resource.render(request)
 
 
-def relay_stub(resource: Any) -> StubTreq:
-    """StubTreq over ``resource``, serving with the broker's own request class."""
-    from relay.http import RelayRequest
-
-    stub = StubTreq(resource)
-    stub._agent._serverFactory.requestFactory = RelayRequest
-    return stub
+def relay_stub(resource: Any, clock: Any) -> MemoryHTTP:
+    """A treq client of ``resource`` served in memory by the broker's own site."""
+    return MemoryHTTP(RelaySite(resource, reactor=clock), clock)
 
 
 class Recording:
@@ -135,7 +133,7 @@ class Net:
 
         self.api, _, self.clock = make_api(**broker)
         resource = self.api.resource()
-        self.stub = relay_stub(SeenAsV11(resource, long_poll) if v11 else resource)
+        self.stub = relay_stub(SeenAsV11(resource, long_poll) if v11 else resource, self.clock)
         self.http = Recording(self.stub)
 
     def client(self, agent: str, **kwargs: Any) -> RelayClient:

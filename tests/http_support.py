@@ -1,8 +1,7 @@
 """HTTP-level test support for the API tests: raw, signed requests in memory.
 
-Requests go through a real ``twisted.web`` Site built with the broker's own
-:class:`relay.http.RelayRequest` (the body limit lives there), over
-``treq.testing.RequestTraversalAgent``: no sockets, and time is a
+Requests go through the broker's own site (as :func:`relay.assembly.assemble`
+builds it) over :class:`relay.loopback.MemoryAgent`: no sockets, and time is a
 ``task.Clock``. The path is sent and signed byte for byte as given, so query
 strings and odd ids reach the broker exactly as a client wrote them.
 """
@@ -13,44 +12,18 @@ import json
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from treq.testing import RequestTraversalAgent
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock, deferLater
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH, IBodyProducer
-from zope.interface import implementer
 
-from relay.http import RelayRequest
-from relay.service import make_api
+from relay.assembly import assemble
+from relay.loopback import BytesProducer, MemoryAgent
 from relay.signing import sign
 from relay.testing import SECRET, START, make_config
 
 BASE = b"http://127.0.0.1:19121"
-
-
-@implementer(IBodyProducer)
-class BytesProducer:
-    """Writes ``chunks`` at once; ``chunked`` hides the length (Transfer-Encoding: chunked)."""
-
-    def __init__(self, chunks: List[bytes], chunked: bool = False) -> None:
-        self.chunks = chunks
-        self.length = UNKNOWN_LENGTH if chunked else sum(len(c) for c in chunks)
-
-    def startProducing(self, consumer):
-        for chunk in self.chunks:
-            consumer.write(chunk)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
 
 
 class Reply:
@@ -103,10 +76,10 @@ class Broker:
             self.clock.advance(START)
         self.config = config if config is not None else make_config(**broker)
         self.store = store if store is not None else MemoryStore()
-        self.api = make_api(self.config, self.store, self.clock)
+        self.assembly = assemble(self.config, self.store, self.clock, listen=False)
+        self.api = self.assembly.api
         self.broker = self.api.broker
-        self.agent = RequestTraversalAgent(self.api.resource())
-        self.agent._serverFactory.requestFactory = RelayRequest
+        self.agent = MemoryAgent(self.assembly.site, self.clock)
         self.secrets: Dict[str, str] = {}
 
     # -- raw requests ---------------------------------------------------------
@@ -161,6 +134,10 @@ class Broker:
     def flush(self) -> None:
         """Deliver what the server wrote after the request returned (long polls)."""
         self.agent.flush()
+
+    def hang_up(self) -> None:
+        """Every client with a request in flight goes away."""
+        self.agent.hang_up()
 
     def advance(self, seconds: float) -> None:
         self.clock.advance(seconds)

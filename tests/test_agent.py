@@ -49,7 +49,7 @@ class World:
 
         self.api, _, self.clock = make_api(**broker)
         resource = self.api.resource()
-        self.stub = relay_stub(SeenAsV11(resource, long_poll=True) if v11 else resource)
+        self.stub = relay_stub(SeenAsV11(resource, long_poll=True) if v11 else resource, self.clock)
         self.home = tmp_path
         self.alpha = self.client("alpha")
 

@@ -43,10 +43,10 @@ class Shell:
     """``relay`` command lines as several agents, in process, on one memory broker."""
 
     def __init__(self, home: Path) -> None:
-        from tests.test_client import relay_stub
+        from tests.client_support import relay_stub
 
         self.api, _, self.clock = make_api()
-        self.http = relay_stub(self.api.resource())
+        self.http = relay_stub(self.api.resource(), self.clock)
         self.home = home
 
     def run(

@@ -24,6 +24,7 @@ from relay.client import RETRY_DELAYS_SECONDS, RelayClient, long_poll_limit
 from relay.errors import RelayError
 from relay.signing import auth_headers, sign, signing_string, verify
 from relay.testing import SECRET as TEST_SECRET
+from tests.client_support import relay_stub
 
 SECRET = "s3cret"
 NOW = 1712345678
@@ -571,25 +572,12 @@ def test_rejects_non_http_urls() -> None:
 # --- against our in-memory broker ---------------------------------------------
 
 
-def relay_stub(resource: Any) -> StubTreq:
-    """StubTreq over ``resource``, serving with the broker's own request class.
-
-    The API reads ``request.raw_body()``, which only ``relay.http.RelayRequest``
-    has; StubTreq builds a plain Site, so its request factory is swapped here.
-    """
-    from relay.http import RelayRequest
-
-    stub = StubTreq(resource)
-    stub._agent._serverFactory.requestFactory = RelayRequest
-    return stub
-
-
 def broker_clients(**broker: Any) -> Tuple[RelayClient, RelayClient, Any, Clock]:
     """Two RelayClients (alpha, beta) sharing one in-memory broker and clock."""
     from relay.testing import make_api
 
     api, _, clock = make_api(**broker)
-    stub = relay_stub(api.resource())
+    stub = relay_stub(api.resource(), clock)
 
     def client(agent: str) -> RelayClient:
         return RelayClient("http://127.0.0.1:19121", agent, TEST_SECRET, clock=clock, http=stub)

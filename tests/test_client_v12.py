@@ -1,7 +1,7 @@
 """RelayClient and the delivery extensions v1.2: each method against the in-memory
 broker, the signed nonce, the cached handshake, request/reply and its fallbacks.
 
-Time is a ``task.Clock``; HTTP goes through ``StubTreq`` to the real resource.
+Time is a ``task.Clock``; HTTP goes to the broker's own site in memory.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from twisted.python.failure import Failure
 from twisted.web.client import URI
 
-from relay.http import RelaySite
 from relay.protocol import MAX_WAIT_SECONDS
 from relay.signing import sign
 from relay.testing import SECRET
@@ -107,8 +106,6 @@ def new_broker(**kw: Any) -> Broker:
     """An in-memory broker with alpha, beta and gamma registered and no rate limit."""
     kw.setdefault("rateLimitLoopback", 10**9)
     b = Broker(**kw)
-    # The production channel too, so malformed HTTP gets the broker's own answers.
-    b.agent._serverFactory = RelaySite(b.api.resource(), reactor=b.clock)
     for agent in ("alpha", "beta", "gamma"):
         assert run(b, b.post(agent, "/register", {})).code == 200
     return b

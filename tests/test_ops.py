@@ -12,13 +12,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import pytest_twisted
 from prometheus_client.parser import text_string_to_metric_families
-from treq.testing import RequestTraversalAgent, StubTreq
+from treq.testing import StubTreq
 from twisted.internet.defer import succeed
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
 from relay.counters import FLOW_SAMPLES, MAX_FLOW_PAIRS, OTHER, Counters, Histogram
-from relay.http import RelayRequest, RelaySite
+from relay.http import RelaySite
+from relay.loopback import MemoryAgent
 from relay.ops import metrics
 from relay.ops.web import OpsAPI
 from relay.store.interface import QueueDepth
@@ -392,9 +393,8 @@ def test_per_agent_series_are_capped_and_the_rest_summed():
 async def test_http_requests_are_counted_by_route_code_and_duration():
     ops = Ops()
     counters = ops.broker.counters
-    agent = RequestTraversalAgent(ops.api.resource())
-    agent._serverFactory = RelaySite(ops.api.resource(), counters=counters, reactor=ops.clock)
-    agent._serverFactory.requestFactory = RelayRequest
+    agent = MemoryAgent(RelaySite(ops.api.resource(), counters=counters, reactor=ops.clock),
+                        ops.clock)
     for path in (b"/", b"/peers", b"/nowhere"):
         response = await agent.request(b"GET", b"http://127.0.0.1:19121" + path, Headers())
         await readBody(response)

@@ -28,7 +28,7 @@ class Fleet:
 
     def __init__(self, home: Path) -> None:
         self.api, _, self.clock = make_api()
-        self.stub = relay_stub(self.api.resource())
+        self.stub = relay_stub(self.api.resource(), self.clock)
         self.http = Recording(self.stub)
         self.home = home
         worker = RelayClient(URL, "worker", SECRET, clock=self.clock, http=self.http)

@@ -49,7 +49,7 @@ async def run(
     """Run one ``relay`` command line on ``reactor``; the exit status.
 
     ``env``, ``home``, ``out``, ``err`` and ``stdin`` default to the process's
-    own; ``http`` replaces the HTTP client (tests pass ``StubTreq``).
+    own; ``http`` replaces the HTTP client (tests pass :class:`relay.loopback.MemoryHTTP`).
     ``interactive`` (default: whether ``err`` is a terminal) prints a line on
     ``err`` before each retry.
     """

@@ -71,7 +71,7 @@ class Context:
     # The parser that read this command line (``relay completion`` prints its script).
     parser: argparse.ArgumentParser
     env: Mapping[str, str] = field(default_factory=dict)
-    http: Any = None  # an HTTP client replacing the default (tests pass StubTreq)
+    http: Any = None  # an HTTP client replacing the default (tests pass relay.loopback.MemoryHTTP)
 
     @cached_property
     def client(self) -> RelayClient:
