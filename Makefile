@@ -12,7 +12,7 @@ PYPY_STAMP = $(PYPY_VENV)/.installed-stamp
 # before ~2 GB. 4 MB is faster and keeps the broker's memory flat.
 export PYPY_GC_NURSERY ?= 4MB
 
-.PHONY: run run-cpython run-pypy test test-ops test-oldest test-pypy lint bench dist failover-drill clean
+.PHONY: run run-cpython run-pypy test test-fast test-ops test-oldest test-pypy lint bench dist failover-drill clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ run-cpython: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	RELAY_TEST_MCP_REQUIRED=1 $(BIN)/python -m pytest -q
+
+## test-fast: the in-memory tests alone (no process, no PostgreSQL, no browser)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not process and not postgres and not browser"
 
 CI_STAMP = $(VENV)/.ci-installed-stamp
 

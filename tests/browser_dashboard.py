@@ -19,6 +19,8 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.test_ops_process import TOKEN, OpsBroker
 
+pytestmark = [pytest.mark.process, pytest.mark.browser]
+
 CHROMIUM = os.environ.get("RELAY_CHROMIUM", "/usr/bin/chromium")
 # Without the background-networking flags a closed network refuses Chromium's own
 # connections and it stalls; --no-sandbox because CI runs as root.

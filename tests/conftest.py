@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 
 import pytest
@@ -38,7 +39,69 @@ def skip_postgres(reason: str) -> None:
     pytest.skip(reason)
 
 
+# -- markers -------------------------------------------------------------------------
+# pyproject's markers say what a test needs beyond memory. A test that starts a process
+# without ``process``, or reaches PostgreSQL without ``postgres``, fails with the marker
+# to add: the fast lane (``make test-fast``, which deselects both) then never runs a
+# test that is slow for a reason it does not show.
+_current = {}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """A test run on the postgres backend (a ``"postgres"`` parameter) is marked postgres."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "postgres" in params.values() or "two_brokers" in item.fixturenames:
+            item.add_marker(pytest.mark.postgres)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    _current["item"] = item
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item) -> None:
+    _current.pop("item", None)
+
+
+def require_marker(name: str, what: str) -> None:
+    """Fail the running test unless it carries marker ``name``."""
+    item = _current.get("item")
+    if item is not None and item.get_closest_marker(name) is None:
+        pytest.fail(f"{item.nodeid} {what}: mark it @pytest.mark.{name} "
+                    f"(or pytestmark = pytest.mark.{name} for its module)", pytrace=False)
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _marked_popen(self, *args, **kwargs) -> None:
+    require_marker("process", "starts a process")
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _marked_popen
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _processes_are_marked():
+    """``reactor.spawnProcess`` needs the ``process`` marker too."""
+    from twisted.internet import reactor
+
+    spawn = reactor.spawnProcess
+
+    def marked_spawn(*args, **kwargs):
+        require_marker("process", "starts a process")
+        return spawn(*args, **kwargs)
+
+    reactor.spawnProcess = marked_spawn
+    yield
+    reactor.spawnProcess = spawn
+
+
 def postgres_dsn() -> str:
+    require_marker("postgres", "uses PostgreSQL")
     """The DSN of this run's own database, created on first use (dropped at exit);
     skips the calling test when ``RELAY_TEST_POSTGRES_DSN`` is not set."""
     admin = os.environ.get(POSTGRES_ENV)

@@ -27,6 +27,8 @@ from schemathesis.checks import (
 from relay.signing import sign
 from tests.broker_proc import BrokerProcess
 
+pytestmark = pytest.mark.process
+
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "openapi.yaml"
 # Long polls (waitSeconds, wait) may each take up to 20 s: keep the count modest.
 EXAMPLES = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "25"))

@@ -468,6 +468,7 @@ def test_exec_input_is_text_or_json() -> None:
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_exec_handler_reads_stdin_and_replies_with_stdout() -> Any:
     from twisted.internet import reactor
 
@@ -479,6 +480,7 @@ def test_exec_handler_reads_stdin_and_replies_with_stdout() -> Any:
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_exec_handler_non_zero_exit_fails() -> Any:
     from twisted.internet import reactor
 
@@ -488,6 +490,7 @@ def test_exec_handler_non_zero_exit_fails() -> Any:
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_a_failed_command_is_named_with_its_status_and_last_error_lines() -> Any:
     """It used to be "command exited with status 127", the error output discarded."""
     from twisted.internet import reactor
@@ -526,6 +529,7 @@ def test_the_agent_logs_a_failed_command_s_error_output_as_its_own_words(
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_exec_handler_times_out() -> Any:
     from twisted.internet import reactor
 
@@ -535,6 +539,7 @@ def test_exec_handler_times_out() -> Any:
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_exec_script_as_an_agent(tmp_path: Path) -> Any:
     """A small script runs per request; the reply is its stdout; exit 1 means retry."""
     from twisted.internet import reactor
@@ -717,6 +722,7 @@ def test_the_agent_chooses_its_own_pid_file(
     assert broker["pidfile"] == (os.path.abspath(expected) if expected else "")
 
 
+@pytest.mark.process
 def test_a_second_signal_stops_a_stopping_agent_at_once_without_a_traceback(
     tmp_path: Path,
 ) -> None:

@@ -398,6 +398,7 @@ def python_relay(
     return done.returncode, done.stdout, done.stderr
 
 
+@pytest.mark.process
 def test_process_usage_error_is_exit_2_with_usage(tmp_path: Path) -> None:
     status, out, err = python_relay(["send", "beta", "--agent", "a", "--secret", "s"], tmp_path)
     assert status == 2
@@ -405,6 +406,7 @@ def test_process_usage_error_is_exit_2_with_usage(tmp_path: Path) -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.process
 def test_process_help_is_exit_0(tmp_path: Path) -> None:
     status, out, _ = python_relay(["--help"], tmp_path)
     assert status == 0
@@ -510,6 +512,7 @@ def unique(name: str) -> str:
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_every_subcommand_against_the_broker(broker: BrokerProcess, tmp_path: Path) -> Any:
     a_name, b_name = unique("alpha"), unique("beta")
     alpha, beta = Shell(broker, tmp_path, a_name), Shell(broker, tmp_path, b_name)
@@ -586,6 +589,7 @@ def test_every_subcommand_against_the_broker(broker: BrokerProcess, tmp_path: Pa
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_watch_prints_one_line_per_message(broker: BrokerProcess, tmp_path: Path) -> Any:
     a_name, b_name = unique("alpha"), unique("beta")
     alpha, beta = Shell(broker, tmp_path, a_name), Shell(broker, tmp_path, b_name)
@@ -604,6 +608,7 @@ def test_watch_prints_one_line_per_message(broker: BrokerProcess, tmp_path: Path
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_broker_errors_exit_1_with_code(broker: BrokerProcess, tmp_path: Path) -> Any:
     alpha = Shell(broker, tmp_path, unique("alpha"))
     yield alpha("register")
@@ -620,6 +625,7 @@ def test_broker_errors_exit_1_with_code(broker: BrokerProcess, tmp_path: Path) -
 
 
 @pytest_twisted.inlineCallbacks
+@pytest.mark.process
 def test_selfcheck_passes_against_the_broker(broker: BrokerProcess, tmp_path: Path) -> Any:
     shell = Shell(broker, tmp_path, "unused")
     report = yield shell("selfcheck")
@@ -630,6 +636,7 @@ def test_selfcheck_passes_against_the_broker(broker: BrokerProcess, tmp_path: Pa
     assert as_json.json()["ok"] is True
 
 
+@pytest.mark.process
 def test_process_round_trip_and_exit_codes(broker: BrokerProcess, tmp_path: Path) -> None:
     """The console entry point itself: output, exit codes, no tracebacks."""
     env = {"DSH_RELAY_BROKER_URL": broker.url, "DSH_RELAY_SECRET": BROKER_SECRET}
@@ -648,6 +655,7 @@ def test_process_round_trip_and_exit_codes(broker: BrokerProcess, tmp_path: Path
     assert status == 1 and err.startswith("error: no_such_agent") and "Traceback" not in err
 
 
+@pytest.mark.process
 def test_process_network_error_exit_1_without_traceback(tmp_path: Path) -> None:
     port = free_port()  # nothing listens here
     status, _, err = python_relay(
@@ -658,6 +666,7 @@ def test_process_network_error_exit_1_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.process
 def test_relay_agent_process_answers_requests(broker: BrokerProcess, tmp_path: Path) -> None:
     """``twistd -n relay-agent --exec`` as a process: a request gets the command's stdout."""
     import time
@@ -718,6 +727,7 @@ def test_relay_agent_process_answers_requests(broker: BrokerProcess, tmp_path: P
         log.close()
 
 
+@pytest.mark.process
 def test_relay_agent_process_exits_nonzero_on_a_fatal_handshake(tmp_path: Path) -> None:
     """A broker speaking another protocol stops the agent with status 1, so a
     supervisor (systemd ``Restart=on-failure``) sees the failure."""

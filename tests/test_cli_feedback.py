@@ -365,6 +365,7 @@ def test_a_refused_loopback_connection_can_fail_at_once(url: str, calls: int) ->
     assert retrying._http.calls == 4
 
 
+@pytest.mark.process
 def test_a_refused_loopback_broker_fails_fast_from_the_shell(tmp_path: Path) -> None:
     from tests.broker_proc import free_port
 
@@ -489,6 +490,7 @@ async def test_completion_covers_every_command_and_option(shell: Shell, shell_na
         assert option in done.out
 
 
+@pytest.mark.process
 def test_bash_completion_completes_commands_and_options(tmp_path: Path) -> None:
     """Load the script into bash and ask it, as the shell does on Tab."""
     script = tmp_path / "relay.bash"
@@ -550,6 +552,7 @@ def test_a_closed_pipe_ends_the_command_quietly(shell: Shell) -> None:
     assert err.getvalue() == ""
 
 
+@pytest.mark.process
 def test_the_next_steps_of_init_work_as_printed(tmp_path: Path) -> None:
     """`relay init --json` names its next steps; run them: a broker, then a selfcheck."""
     import urllib.request
@@ -594,6 +597,7 @@ def test_the_next_steps_of_init_work_as_printed(tmp_path: Path) -> None:
         broker.wait(20)
 
 
+@pytest.mark.process
 def test_ctrl_c_during_ask_stops_at_once_with_status_130(tmp_path: Path) -> None:
     """It used to print a false "retrying... use https://" line (the reactor closed
     the connection) and exit 0."""

@@ -203,6 +203,7 @@ async def cli(argv: List[str], home: Path, env: Optional[Mapping[str, str]] = No
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_client_round_trip_with_a_ca_file(tls_broker: RunningBroker, pki: Path) -> None:
     ca = str(pki / "ca.crt")
     a = make_client(tls_broker.url, unique("alpha"), ca_file=ca)
@@ -211,6 +212,7 @@ async def test_client_round_trip_with_a_ca_file(tls_broker: RunningBroker, pki: 
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_untrusted_certificate_is_an_immediate_tls_error(
     tls_broker: RunningBroker, pki: Path
 ) -> None:
@@ -226,6 +228,7 @@ async def test_untrusted_certificate_is_an_immediate_tls_error(
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_certificate_for_another_host_is_an_immediate_tls_error(
     misnamed_broker: RunningBroker, pki: Path
 ) -> None:
@@ -235,6 +238,7 @@ async def test_certificate_for_another_host_is_an_immediate_tls_error(
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_a_certificate_naming_no_host_is_an_immediate_tls_error(
     nameless_broker: RunningBroker, pki: Path
 ) -> None:
@@ -246,6 +250,7 @@ async def test_a_certificate_naming_no_host_is_an_immediate_tls_error(
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_client_certificate_required(mtls_broker: RunningBroker, pki: Path) -> None:
     ca = str(pki / "ca.crt")
     error = await tls_failure_of(mtls_broker.url, ca_file=ca)
@@ -319,6 +324,7 @@ def test_bad_client_certificate_is_a_relay_error_naming_the_path(
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_cli_round_trip_with_ca_file_flag_and_env(
     tls_broker: RunningBroker, pki: Path, tmp_path: Path
 ) -> None:
@@ -335,6 +341,7 @@ async def test_cli_round_trip_with_ca_file_flag_and_env(
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_cli_untrusted_certificate_exits_1_at_once(
     tls_broker: RunningBroker, pki: Path, tmp_path: Path
 ) -> None:
@@ -351,6 +358,7 @@ async def test_cli_untrusted_certificate_exits_1_at_once(
     )
 
 
+@pytest.mark.process
 def test_cli_process_untrusted_certificate_one_line_no_traceback(
     tls_broker: RunningBroker, pki: Path, tmp_path: Path
 ) -> None:
@@ -366,6 +374,7 @@ def test_cli_process_untrusted_certificate_one_line_no_traceback(
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_cli_client_certificate_from_flags_env_and_settings_file(
     mtls_broker: RunningBroker, pki: Path, tmp_path: Path
 ) -> None:
@@ -472,6 +481,7 @@ def shout(message: Dict[str, Any]) -> str:
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_agent_runtime_answers_a_request_with_a_client_certificate(
     mtls_broker: RunningBroker, pki: Path, tmp_path: Path
 ) -> None:
@@ -522,6 +532,7 @@ async def test_agent_runtime_answers_a_request_with_a_client_certificate(
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.process
 async def test_agent_runtime_stops_on_an_untrusted_broker(
     tls_broker: RunningBroker, pki: Path, tmp_path: Path
 ) -> None:

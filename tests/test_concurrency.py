@@ -26,6 +26,8 @@ from relay.signing import sign
 from tests.broker_proc import BrokerProcess
 from tests.conftest import broker_storage
 
+pytestmark = pytest.mark.process
+
 WORKERS = 8
 SENDERS = 2
 RECIPIENT = "worker"

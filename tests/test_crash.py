@@ -34,6 +34,8 @@ from relay.signing import sign
 from relay.store.jsonl import COMPACT_SUFFIX, LOG_NAME, read_log, snapshot_record, state_record
 from tests.broker_proc import BrokerProcess
 
+pytestmark = pytest.mark.process
+
 ROUNDS = int(os.environ.get("RELAY_CRASH_ROUNDS", "20"))
 RECIPIENT = "worker"
 SENDERS = ("s1", "s2")

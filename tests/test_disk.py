@@ -29,6 +29,8 @@ import pytest
 
 from tests.broker_proc import TWISTD, BrokerProcess
 
+pytestmark = pytest.mark.process
+
 UNLIMITED = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
 
 

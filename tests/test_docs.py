@@ -82,6 +82,7 @@ def test_every_python_block_is_an_example_file() -> None:
         assert text in marked, f"{page.name}: a Python block that is not a docs/examples/ file"
 
 
+@pytest.mark.process
 def test_the_relay_client_example_runs(tmp_path: Path) -> None:
     broker = BrokerProcess(str(tmp_path)).start()
     try:
@@ -128,6 +129,7 @@ V12_EXAMPLES = {
 
 
 @pytest.mark.parametrize("name", sorted(V12_EXAMPLES))
+@pytest.mark.process
 def test_the_v12_examples_run(tmp_path: Path, name: str) -> None:
     broker = BrokerProcess(str(tmp_path)).start()
     try:
@@ -202,6 +204,7 @@ def test_every_documented_relay_command_parses() -> None:
     assert checked >= 12
 
 
+@pytest.mark.process
 def test_shell_blocks_are_posix(tmp_path: Path) -> None:
     """No bash-only syntax in an sh block: `dash -n` parses every one."""
     dash = shutil.which("dash")
@@ -290,6 +293,7 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(10)
 
 
+@pytest.mark.process
 def test_the_documented_certificates_serve_and_verify(tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")

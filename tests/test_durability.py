@@ -12,6 +12,8 @@ import pytest
 from tests.broker_proc import BrokerProcess
 from tests.conftest import broker_storage
 
+pytestmark = pytest.mark.process
+
 SENDERS = 4
 TARGET_SENT = 300
 BURST_SECONDS = 15.0

@@ -9,6 +9,8 @@ import pytest
 from tests.broker_proc import TWISTD, BrokerProcess
 from tests.conftest import broker_storage
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def broker(tmp_path):

@@ -105,6 +105,7 @@ def broker(tmp_path):
     b.kill()
 
 
+@pytest.mark.process
 def test_relay_events_prints_lines_and_json_without_bodies(broker):
     # from the first event on: the processes need not be connected before the sends
     human = Events(broker, BETA, "--count", "2", "--since", "0")
@@ -129,6 +130,7 @@ def test_relay_events_prints_lines_and_json_without_bodies(broker):
         as_json.kill()
 
 
+@pytest.mark.process
 def test_it_resumes_across_a_broker_restart_without_loss_or_repeat(broker):
     follower = Events(broker, BETA, "--json", "--count", "6", "--since", "0")
     try:
@@ -151,6 +153,7 @@ def test_it_resumes_across_a_broker_restart_without_loss_or_repeat(broker):
         follower.kill()
 
 
+@pytest.mark.process
 def test_ctrl_c_exits_130(broker):
     follower = Events(broker, BETA)
     try:
@@ -173,6 +176,7 @@ def example_env(broker: BrokerProcess, **more: str) -> dict:
             "DSH_RELAY_SECRET": broker.secret, **more}
 
 
+@pytest.mark.process
 def test_the_follow_events_example_runs(tmp_path):
     broker = BrokerProcess(str(tmp_path)).start()
     try:
@@ -192,6 +196,7 @@ def test_the_follow_events_example_runs(tmp_path):
         broker.kill()
 
 
+@pytest.mark.process
 def test_the_webhook_receiver_example_takes_the_brokers_webhooks_and_nothing_else(tmp_path):
     import urllib.error
     import urllib.request
@@ -239,6 +244,7 @@ def test_the_webhook_receiver_example_takes_the_brokers_webhooks_and_nothing_els
         broker.kill()
 
 
+@pytest.mark.process
 def test_the_inbox_hook_counts_what_is_queued_and_not_leased(tmp_path):
     broker = BrokerProcess(str(tmp_path)).start()
     env = example_env(broker, DSH_RELAY_AGENT="hooky")
@@ -261,6 +267,7 @@ def test_the_inbox_hook_counts_what_is_queued_and_not_leased(tmp_path):
         broker.kill()
 
 
+@pytest.mark.process
 def test_a_broker_without_events_is_one_line_and_exit_1(tmp_path):
     from http.server import BaseHTTPRequestHandler, HTTPServer
 

@@ -35,6 +35,7 @@ def send(broker: BrokerProcess, n: int, to: str = BETA) -> List[str]:
     return ids
 
 
+@pytest.mark.process
 def test_events_arrive_in_order_without_bodies_and_statuses_reach_the_sender(tmp_path):
     broker = started(tmp_path, storage="sqlite")
     try:
@@ -62,6 +63,7 @@ def test_events_arrive_in_order_without_bodies_and_statuses_reach_the_sender(tmp
 
 @pytest.mark.parametrize("storage", ["sqlite", "jsonl"])
 @pytest.mark.parametrize("how", ["restart", "sigkill"])
+@pytest.mark.process
 def test_resume_after_a_restart_or_sigkill_gives_exactly_what_followed(tmp_path, storage,
                                                                       how):
     broker = started(tmp_path, storage=storage)
@@ -91,6 +93,7 @@ def test_resume_after_a_restart_or_sigkill_gives_exactly_what_followed(tmp_path,
         broker.kill()
 
 
+@pytest.mark.process
 def test_the_stream_limits_of_a_process(tmp_path):
     broker = started(tmp_path, maxStreamsPerAgent=1, maxStreams=2)
     try:
@@ -125,6 +128,8 @@ def pair(tmp_path):
             broker.kill()
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_an_event_caused_on_a_arrives_on_a_stream_held_on_b_in_order(pair):
     a, b = pair
     register(a, ALPHA, BETA)

@@ -504,6 +504,7 @@ def bystander(process):
 @examples(250)
 @given(method=st.sampled_from(["GET", "POST", "PUT"]), path=paths(), data=st.data(),
        signed=st.booleans())
+@pytest.mark.process
 def test_process_fuzz_keeps_serving_others(process, bystander, report, method, path, data,
                                            signed):
     body = data.draw(st.sampled_from(sorted(FIELDS)).flatmap(field_bodies) | json_values)
@@ -534,6 +535,7 @@ def test_process_fuzz_keeps_serving_others(process, bystander, report, method, p
     b"GET / HTTP/9.9",
     b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 600,
 ]))
+@pytest.mark.process
 def test_process_raw_garbage_gets_a_4xx_or_a_close(process, bystander, report, garbage):
     """Whatever bytes arrive, the reply is a §6 4xx (or the connection just closes)."""
     reply = socket_exchange(process, garbage + b"\r\n\r\n")
@@ -544,6 +546,7 @@ def test_process_raw_garbage_gets_a_4xx_or_a_close(process, bystander, report, g
     assert 400 <= code < 500 or (200 <= code < 300 and garbage.startswith(b"GET / ")), body
 
 
+@pytest.mark.process
 def test_process_malformed_http_gets_the_section_6_body(process, report):
     """Twisted's own refusals (request line too long, bad framing) carry the §6 body."""
     for data in (b"POST /messages/" + b"a" * 100_000 + b"/ack HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",

@@ -10,6 +10,8 @@ import pytest
 
 from tests.broker_proc import BrokerProcess
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory):

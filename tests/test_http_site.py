@@ -128,6 +128,7 @@ def broker(tmp_path_factory):
     b.kill()
 
 
+@pytest.mark.process
 def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
     """What the socket does not take at once is queued after it, so a slow reader
     still gets every byte in order."""

@@ -25,6 +25,8 @@ import pytest
 from relay.mcp import unavailable
 from tests.broker_proc import BrokerProcess
 
+pytestmark = pytest.mark.process
+
 REQUIRED_ENV = "RELAY_TEST_MCP_REQUIRED"
 TOOLS = {
     "relay_whoami", "relay_peers", "relay_send", "relay_request", "relay_wait_reply",

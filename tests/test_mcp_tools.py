@@ -376,6 +376,7 @@ def test_stopping_the_asyncio_thread_cancels_its_main_task() -> None:
     assert ended.wait(10) and cancelled == [True]
 
 
+@pytest.mark.process
 def test_without_the_sdk_relay_mcp_says_so_in_one_line(tmp_path: Path) -> None:
     # sys.modules["mcp"] = None makes every import of the SDK fail, as when it is
     # not installed (on Python 3.9 the version is the reason given).

@@ -319,6 +319,7 @@ async def test_the_expiry_sweep_forgets_the_nonces_past_the_window(two_brokers):
         (NONCE, now + 300), ("old-" + NONCE, now + 300)]
 
 
+@pytest.mark.postgres
 def test_migration_5_adds_the_nonce_table(tmp_path):
     import psycopg
 

@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.broker_proc import BrokerProcess, free_port
 
+pytestmark = pytest.mark.process
+
 TOKEN = "process-ops-token"
 
 

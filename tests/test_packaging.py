@@ -8,7 +8,11 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from tests.check_dist import sdist_problems, wheel_problems
+
+pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -57,6 +57,8 @@ def register(broker: BrokerProcess, *agents: str) -> None:
         assert broker.request(agent, "POST", "/register", {})[0] == 200
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_send_through_a_pull_through_b(pair):
     a, b = pair
     assert a.request("x", "GET", "/")[1]["storage"] == "postgres"
@@ -74,6 +76,8 @@ def test_send_through_a_pull_through_b(pair):
     assert [p["agent"] for p in peers["peers"]] == ["beta"]
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_workers_through_both_brokers_lease_each_message_once(pair):
     a, b = pair
     register(a, "worker", "sender0", "sender1")
@@ -103,6 +107,8 @@ def test_workers_through_both_brokers_lease_each_message_once(pair):
     assert counts["messages"] == 2 * per_sender
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_v10_cursor_never_skips_while_two_brokers_insert(pair):
     """Two senders on each broker insert at once; one v1.0 poller alternates brokers."""
     a, b = pair
@@ -152,6 +158,8 @@ def test_v10_cursor_never_skips_while_two_brokers_insert(pair):
         assert [i for i in seen if i.startswith(name + "-")] == ids, "each sender in order"
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_long_poll_on_b_is_woken_by_a_send_on_a(pair):
     a, b = pair
     register(a, "waiter")
@@ -179,6 +187,8 @@ def test_long_poll_on_b_is_woken_by_a_send_on_a(pair):
     assert p99 < 0.1, latencies
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_a_lockout_triggered_through_a_holds_on_b(tmp_path):
     a, b = start_pair(tmp_path)
     try:
@@ -229,6 +239,8 @@ def _send_as_captured(broker: BrokerProcess, method: str, path: str, raw: bytes,
         return e.code, json.loads(e.read() or b"null")
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_a_request_with_a_nonce_accepted_by_a_is_refused_when_replayed_to_b(tmp_path):
     a, b = start_pair(tmp_path)
     try:
@@ -249,6 +261,8 @@ def test_a_request_with_a_nonce_accepted_by_a_is_refused_when_replayed_to_b(tmp_
         b.kill()
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_sigkill_of_a_under_load_loses_nothing(tmp_path):
     a, b = start_pair(tmp_path, leaseSeconds=2, sweepSeconds=0.2, maxAttempts=1000,
                       maxDeliveries=0)

@@ -94,6 +94,7 @@ def test_a_second_put_replaces_the_receipt(tmp_path: Path) -> None:
     assert store.get("q") == {"at": NOW + 5, "reply": reply("second")}
 
 
+@pytest.mark.process
 def test_a_receipt_survives_sigkill_right_after_put_returns(tmp_path: Path) -> None:
     path = tmp_path / "receipts.sqlite3"
     script = textwrap.dedent(

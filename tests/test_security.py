@@ -80,6 +80,7 @@ def start(tmp_path, brokers, preexec_fn=None, **config: Any) -> BrokerProcess:
     "TCP6:{port}:interface=\\:\\:", "Tcp6:{port}:interface=\\:\\:", "TCP:{port}",
     "systemd:domain=INET:index=0",
 ])
+@pytest.mark.process
 def test_an_endpoint_that_may_be_remote_does_not_start_without_tls(tmp_path, listen):
     broker = BrokerProcess(str(tmp_path), listen=[listen.format(port=free_port())])
     code, output = broker.exit_status()
@@ -90,6 +91,7 @@ def test_an_endpoint_that_may_be_remote_does_not_start_without_tls(tmp_path, lis
         socket.create_connection(("::1", broker.port), timeout=0.5).close()
 
 
+@pytest.mark.process
 def test_a_short_secret_stops_the_start_with_one_line(tmp_path):
     broker = BrokerProcess(str(tmp_path), secret="qzx")
     code, output = broker.exit_status()
@@ -102,6 +104,7 @@ def test_a_short_secret_stops_the_start_with_one_line(tmp_path):
 # -- DNS rebinding -----------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_loopback_listener_answers_only_to_loopback_names_and_allowed_hosts(tmp_path,
                                                                              brokers):
     broker = start(tmp_path, brokers, allowedHosts=["relay.internal"])
@@ -131,6 +134,7 @@ def _umask_022() -> None:
     ("sqlite", ["relay.db", "relay.db-wal", "relay.db-shm"]),
     ("jsonl", ["messages.jsonl"]),
 ])
+@pytest.mark.process
 def test_the_data_directory_and_files_are_private_whatever_the_umask(tmp_path, brokers,
                                                                     storage, files):
     broker = start(tmp_path, brokers, preexec_fn=_umask_022, storage=storage)
@@ -142,6 +146,7 @@ def test_the_data_directory_and_files_are_private_whatever_the_umask(tmp_path, b
         assert stat.S_IMODE((data / name).stat().st_mode) == 0o600, name
 
 
+@pytest.mark.process
 def test_a_config_with_secrets_readable_by_others_is_warned_about(tmp_path, brokers):
     broker = BrokerProcess(str(tmp_path))
     os.chmod(broker.config_path, 0o644)
@@ -181,6 +186,7 @@ def _refused(held: List[socket.socket]) -> Tuple[int, int]:
     return answered, closed
 
 
+@pytest.mark.process
 def test_connections_over_the_cap_are_refused_cheaply_and_logged_once(tmp_path, brokers):
     broker = start(tmp_path, brokers, maxConnections=8)
     held = _hold(broker.port, 30)
@@ -203,6 +209,7 @@ def _few_open_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160))
 
 
+@pytest.mark.process
 def test_the_cap_stays_below_the_open_files_limit(tmp_path, brokers):
     broker = start(tmp_path, brokers, preexec_fn=_few_open_files, storage="sqlite")
     assert "at most 96 connections: the open-files limit is 160" in broker.log()
@@ -245,6 +252,7 @@ def test_the_per_address_cap_counts_ipv6_per_64_and_not_loopback():
 # -- amplification and quotas --------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_body_of_hundreds_of_thousands_of_values_is_400_and_others_are_served(tmp_path,
                                                                                brokers):
     broker = start(tmp_path, brokers)
@@ -327,6 +335,7 @@ async def test_agents_seen_within_the_heartbeat_ttl_are_never_forgotten():
     assert [p["agent"] for p in peers["peers"]] == ["beta"]
 
 
+@pytest.mark.process
 def test_new_messages_are_503_below_the_free_disk_floor(tmp_path, brokers):
     broker = start(tmp_path, brokers, storage="sqlite", minFreeDiskMB=2**40)
     assert broker.request("beta", "POST", "/register", {})[0] == 200

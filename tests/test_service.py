@@ -31,6 +31,7 @@ def test_twistd_plugins_are_found():
     assert {"relay", "relay-agent"} <= names
 
 
+@pytest.mark.process
 def test_twistd_lists_relay():
     out = subprocess.run(
         [sys.executable, "-m", "twisted", "--help"], capture_output=True, text=True, timeout=60

@@ -81,6 +81,7 @@ def test_a_reactor_without_threads_is_refused_before_connecting():
         open_configured_store(config, Clock())
 
 
+@pytest.mark.postgres
 def test_an_unreachable_server_stops_the_start_with_one_line(tmp_path):
     postgres_dsn()  # the driver is there, or the test skips as every postgres test does
     from tests.broker_proc import free_port
@@ -94,6 +95,7 @@ def test_an_unreachable_server_stops_the_start_with_one_line(tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.postgres
 def test_an_unreachable_listen_dsn_stops_the_start_too(tmp_path):
     """Else the broker would start and never hear the other brokers' writes."""
     dsn = reset_postgres()
@@ -146,6 +148,7 @@ def connect(dsn, autocommit=False):
     return psycopg.connect(dsn, autocommit=autocommit)
 
 
+@pytest.mark.postgres
 def test_several_brokers_migrating_at_once_migrate_once(dsn):
     errors = []
     barrier = threading.Barrier(4)
@@ -169,6 +172,7 @@ def test_several_brokers_migrating_at_once_migrate_once(dsn):
     assert rows == [(v,) for v in range(1, postgres.SCHEMA_VERSION + 1)]
 
 
+@pytest.mark.postgres
 def test_numbered_migrations_run_in_order_once(dsn):
     def script(version):
         if version == 1:
@@ -191,6 +195,7 @@ def _records(conn):
     return postgres.PostgresRecords(conn.cursor())
 
 
+@pytest.mark.postgres
 def test_migration_4_counts_the_pending_messages_already_stored(dsn):
     with connect(dsn, autocommit=True) as conn:
         postgres.migrate(conn, target=3)
@@ -209,6 +214,7 @@ def test_migration_4_counts_the_pending_messages_already_stored(dsn):
         assert records.usage("nobody") == (0, 0)
 
 
+@pytest.mark.postgres
 def test_migration_8_counts_the_envelope_strings_of_the_pending_messages(dsn):
     with connect(dsn, autocommit=True) as conn:
         postgres.migrate(conn, target=7)
@@ -225,6 +231,7 @@ def test_migration_8_counts_the_envelope_strings_of_the_pending_messages(dsn):
         assert _records(conn).usage("beta") == (2, envelope + len("m2" "alpha" "beta") + 2)
 
 
+@pytest.mark.postgres
 def test_the_usage_of_a_new_message_counts_its_envelope_strings(dsn):
     with connect(dsn, autocommit=True) as conn:
         postgres.migrate(conn)
@@ -236,6 +243,7 @@ def test_the_usage_of_a_new_message_counts_its_envelope_strings(dsn):
         assert message.stored_bytes() == 256 + 512 + 1 + len("alpha" "beta" "{}")
 
 
+@pytest.mark.postgres
 def test_a_senders_dead_letters_are_read_from_the_failed_rows(dsn):
     """A query of the sent box for ``failed`` does not walk the sender's sent box: the
     plan reads the partial index of its failed rows (``relay dead``, box all, finds
@@ -292,6 +300,7 @@ def generic_plan(conn, sql, params):
         conn.execute("DEALLOCATE generic")
 
 
+@pytest.mark.postgres
 def test_a_recipients_numbers_commit_in_order(dsn):
     """The second sender to an agent takes its number only after the first commits."""
     with connect(dsn, autocommit=True) as conn:
@@ -327,6 +336,7 @@ def test_a_recipients_numbers_commit_in_order(dsn):
         second.close()
 
 
+@pytest.mark.postgres
 def test_a_save_that_lost_a_race_conflicts(dsn):
     with connect(dsn, autocommit=True) as conn:
         postgres.migrate(conn)
@@ -348,6 +358,7 @@ def test_a_save_that_lost_a_race_conflicts(dsn):
         two.close()
 
 
+@pytest.mark.postgres
 def test_a_reply_another_broker_stored_after_the_duplicate_rule_read_runs_the_ack_again(dsn):
     """Two brokers settle the same ack with a reply at once: the one whose rule read
     no reply, and whose insert then met the other's committed one, is run again and
@@ -380,6 +391,7 @@ def test_a_reply_another_broker_stored_after_the_duplicate_rule_read_runs_the_ac
         two.close()
 
 
+@pytest.mark.postgres
 def test_an_operation_that_raced_is_run_again_in_a_new_transaction(dsn):
     from relay.store import records as ops
 
@@ -402,6 +414,7 @@ def test_an_operation_that_raced_is_run_again_in_a_new_transaction(dsn):
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_a_claim_gives_the_lease_of_delivery_lease(tmp_path, dsn):
     store = open_backend("postgres", tmp_path)
     try:
@@ -430,6 +443,7 @@ async def _heard(recorder: Recorder, seconds: float = 5.0):
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_changes_of_one_store_reach_the_other(tmp_path, dsn):
     a = open_backend("postgres", tmp_path / "a")
     b = open_backend("postgres", tmp_path / "b")
@@ -456,6 +470,7 @@ async def test_changes_of_one_store_reach_the_other(tmp_path, dsn):
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_the_inbox_quota_holds_exactly_across_brokers(tmp_path, dsn):
     from twisted.internet.defer import DeferredList
 
@@ -478,6 +493,7 @@ async def test_the_inbox_quota_holds_exactly_across_brokers(tmp_path, dsn):
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_forgetting_on_one_broker_reaches_the_others_cache(tmp_path, dsn):
     a = open_backend("postgres", tmp_path / "a")
     b = open_backend("postgres", tmp_path / "b")
@@ -496,6 +512,7 @@ async def test_forgetting_on_one_broker_reaches_the_others_cache(tmp_path, dsn):
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_lockout_counts_are_shared(tmp_path, dsn):
     a = open_backend("postgres", tmp_path / "a")
     b = open_backend("postgres", tmp_path / "b")
@@ -533,6 +550,7 @@ async def test_lockout_counts_are_shared(tmp_path, dsn):
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_failures_from_three_addresses_through_two_brokers_lock_the_agent(tmp_path, dsn):
     """The shared count follows Lockout's rules: five failures from three addresses,
     spread over two brokers that each saw fewer, lock the agent on both; an
@@ -585,6 +603,7 @@ async def _settle(seconds: float = 0.3) -> None:
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_racing_sweeps_leave_one_failure_notice_per_request(tmp_path, dsn):
     """Both brokers sweep the same lapsed leases and the same expired requests at
     once, several times over: each request that failed has exactly one notice."""
@@ -620,6 +639,7 @@ async def test_racing_sweeps_leave_one_failure_notice_per_request(tmp_path, dsn)
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_after_a_reconnect_the_deadlines_set_meanwhile_are_learnt(tmp_path, dsn):
     """B was not listening when A leased a message and stored a delayed one: once
     its LISTEN connection is back, B learns both deadlines, not only who has work."""
@@ -651,6 +671,7 @@ async def test_after_a_reconnect_the_deadlines_set_meanwhile_are_learnt(tmp_path
 
 
 @pytest_twisted.ensureDeferred
+@pytest.mark.postgres
 async def test_a_lock_decided_on_one_brokers_own_count_holds_on_the_others(tmp_path, dsn):
     """A success through B reset the shared count while A's failures were on their
     way to the database (its notice not yet heard by A); A still locks on its own

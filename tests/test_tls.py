@@ -329,6 +329,7 @@ def ssl_listen(port: int, interface: str, directory: str = "tls") -> str:
 # -- end to end ----------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_round_trip_over_verified_tls(workdir: Path, running: List[Broker]) -> None:
     port = free_port()
     listen = [ssl_listen(port, "127.0.0.1")]
@@ -358,6 +359,7 @@ def test_round_trip_over_verified_tls(workdir: Path, running: List[Broker]) -> N
         handshake(port, trusted, server_hostname="relay.example")
 
 
+@pytest.mark.process
 def test_client_certificate_required(workdir: Path, running: List[Broker]) -> None:
     port = free_port()
     running.append(
@@ -384,6 +386,7 @@ def test_client_certificate_required(workdir: Path, running: List[Broker]) -> No
     )
 
 
+@pytest.mark.process
 def test_rate_limit_class_from_the_real_peer_address(workdir: Path, running: List[Broker]) -> None:
     """Loopback peers over IPv4, IPv6 and IPv4-mapped IPv6 all get the loopback limit.
 
@@ -412,6 +415,7 @@ def test_rate_limit_class_from_the_real_peer_address(workdir: Path, running: Lis
             assert status == 200, (interface, host, body)
 
 
+@pytest.mark.process
 def test_plaintext_remote_bind_refused(tmp_path: Path) -> None:
     port = free_port()
     broker = Broker(tmp_path, write_config(tmp_path, listen=[f"tcp:{port}:interface=0.0.0.0"]))
@@ -423,6 +427,7 @@ def test_plaintext_remote_bind_refused(tmp_path: Path) -> None:
     assert "0.0.0.0" in lines[0]
 
 
+@pytest.mark.process
 def test_allow_insecure_remote_starts_with_a_warning(tmp_path: Path, running: List[Broker]) -> None:
     port = free_port()
     broker = start_broker(
@@ -451,6 +456,7 @@ def test_allow_insecure_remote_starts_with_a_warning(tmp_path: Path, running: Li
     ],
     ids=["missing-key", "mismatched-key", "no-certificate", "missing-client-ca"],
 )
+@pytest.mark.process
 def test_bad_key_or_certificate_refused_at_start(
     workdir: Path, broker: Dict[str, Any], path: str, reason: str
 ) -> None:

@@ -59,6 +59,7 @@ def local_copy(tmp_path: Path, name: str) -> Path:
 
 @needs_analyze
 @pytest.mark.parametrize("name", sorted(UNITS))
+@pytest.mark.process
 def test_the_unit_verifies(tmp_path: Path, name: str) -> None:
     local_copy(tmp_path, name)
     done = subprocess.run(
@@ -71,6 +72,7 @@ def test_the_unit_verifies(tmp_path: Path, name: str) -> None:
 
 @needs_analyze
 @pytest.mark.parametrize("name", sorted(UNITS))
+@pytest.mark.process
 def test_the_unit_is_hardened(tmp_path: Path, name: str) -> None:
     local_copy(tmp_path, name)
     done = subprocess.run(

@@ -102,6 +102,7 @@ def start(tmp_path, **broker: Any) -> BrokerProcess:
     return process.start()
 
 
+@pytest.mark.process
 def test_order_signature_retries_and_backoff(tmp_path, receiver):
     receiver.codes = [500, 502]
     broker = start(tmp_path)
@@ -130,6 +131,7 @@ def test_order_signature_retries_and_backoff(tmp_path, receiver):
         broker.kill()
 
 
+@pytest.mark.process
 def test_skip_then_disable_then_enabled_again(tmp_path, receiver):
     receiver.codes = [500] * 4
     broker = start(tmp_path, webhookMaxAttempts=2, webhookDisableAfter=4)
@@ -151,6 +153,7 @@ def test_skip_then_disable_then_enabled_again(tmp_path, receiver):
         broker.kill()
 
 
+@pytest.mark.process
 def test_allow_list_refusal_and_a_reload_that_narrows_it(tmp_path, receiver):
     broker = start(tmp_path)
     try:
@@ -173,6 +176,7 @@ def test_allow_list_refusal_and_a_reload_that_narrows_it(tmp_path, receiver):
         broker.kill()
 
 
+@pytest.mark.process
 def test_delivery_resumes_after_a_sigkill_from_the_last_acknowledged_event(tmp_path,
                                                                          receiver):
     broker = start(tmp_path)
@@ -218,6 +222,8 @@ def pg_pair(tmp_path):
     yield from postgres_pair(tmp_path)
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_two_brokers_on_postgres_deliver_each_event_once_in_order(pg_pair, receiver):
     a, b = pg_pair
     url = f"http://127.0.0.1:{receiver.port}/"
@@ -236,6 +242,8 @@ def test_two_brokers_on_postgres_deliver_each_event_once_in_order(pg_pair, recei
     assert receiver.ids()[8:] == later
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_every_broker_of_a_shared_store_shows_the_webhook_and_its_disabling(tmp_path,
                                                                            receiver):
     receiver.codes = [500] * 10

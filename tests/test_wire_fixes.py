@@ -19,6 +19,8 @@ from relay.signing import sign
 from tests.broker_proc import BrokerProcess
 from tests.conftest import broker_storage
 
+pytestmark = pytest.mark.process
+
 SENT_TS = "1999-01-01T00:00:00.000Z"
 
 
