@@ -52,6 +52,10 @@ class Policy:
     min_free_disk_bytes: int
     # REACH §11: how long events are kept
     event_retention_seconds: float
+    # REACH §13: the configured groups and roles, by name (relay.config.GroupConfig,
+    # relay.config.RoleConfig)
+    groups: Mapping[str, Any]
+    roles: Mapping[str, Any]
 
     @classmethod
     def from_config(cls, config) -> Policy:
@@ -72,6 +76,8 @@ class Policy:
             max_agents=config.max_agents,
             min_free_disk_bytes=config.min_free_disk_mb * 1024 * 1024,
             event_retention_seconds=config.event_retention_seconds,
+            groups=config.groups,
+            roles=config.roles,
         )
 
     @property
@@ -280,7 +286,17 @@ class Broker:
         d = self.store.peers()
         d.addCallback(self._peer_entries, cards)
         d.addCallback(protocol.peers_page, after, limit)
+        d.addCallback(self._with_teams)
         return d
+
+    def _with_teams(self, document: Dict[str, Any]) -> Dict[str, Any]:
+        """``document`` with the configured ``groups`` and ``roles`` (REACH §13), each
+        list present when the config names any (so a broker without them answers
+        the v1.2 shape)."""
+        for key, teams in (("groups", self.policy.groups), ("roles", self.policy.roles)):
+            if teams:
+                document[key] = protocol.team_listing(teams)
+        return document
 
     # The hot operations (send, pull, ack) chain callbacks rather than use
     # inlineCallbacks: a generator per request is measurable at this rate.

@@ -42,8 +42,8 @@ from relay.endpoints import (  # noqa: F401 (endpoint helpers, named here too)
 from relay.errors import ConfigError
 from relay.protocol import MAX_LEASE_SECONDS, is_valid_agent_name
 
-__all__ = ["AgentConfig", "Config", "ConfigError", "OpsConfig", "RESTART_KEYS", "SETTINGS",
-           "Setting", "load_config", "parse_config", "read_settings"]
+__all__ = ["AgentConfig", "Config", "ConfigError", "GroupConfig", "OpsConfig", "RESTART_KEYS",
+           "RoleConfig", "SETTINGS", "Setting", "load_config", "parse_config", "read_settings"]
 
 # The storage backends shipped with the relay; a dropin adds its own name (see
 # relay.store.plugins.store_factories, which load_config's callers pass in).
@@ -67,6 +67,24 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.secret is not None and not self.secrets:
             object.__setattr__(self, "secrets", (self.secret,))
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """A group of REACH §13 (``groups.<name>``): a send to ``group:<name>`` stores a
+    copy for each member but the sender."""
+
+    members: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """A role of REACH §13 (``roles.<name>``): a send to ``role:<name>`` is one message
+    that one of the members takes. ``self_join``: an agent may also join it through
+    its card (``card.roles``)."""
+
+    members: Tuple[str, ...] = ()
+    self_join: bool = False
 
 
 # -- the table of settings -----------------------------------------------------------
@@ -355,6 +373,8 @@ Config = _settings_class(
     (
         ("ops", OpsConfig),
         ("agents", Mapping[str, AgentConfig]),
+        ("groups", Mapping[str, GroupConfig]),
+        ("roles", Mapping[str, RoleConfig]),
         ("backend_sections", Mapping[str, Mapping[str, Any]]),
         ("ignored_keys", Tuple[str, ...]),
         ("warnings", Tuple[str, ...]),
@@ -375,6 +395,9 @@ _IGNORED_SECURITY_KEYS = frozenset({"admin_agents"})
 _IGNORED_AGENT_KEYS = frozenset(
     {"keys", "allowed_read_targets", "allowed_continue_targets", "allowed_write_targets"}
 )
+
+# The top-level keys of the config file.
+_SECTIONS = ("broker", "security", "agents", "groups", "roles")
 
 _AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets", "webhook"})
 
@@ -577,6 +600,58 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
     return agents, skipped
 
 
+# The keys of an entry of ``groups:`` and of ``roles:``.
+_GROUP_KEYS = frozenset({"members"})
+_ROLE_KEYS = frozenset({"members", "selfJoin"})
+
+
+def _members(entry: Mapping[str, Any], prefix: str, agents: Mapping[str, AgentConfig]
+             ) -> Tuple[str, ...]:
+    """``<prefix>.members``: a list of distinct agents configured under ``agents:``."""
+    raw = entry.get("members")
+    if raw is None:
+        raise ConfigError(f"{prefix}.members", "is required: a list of agent names")
+    if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
+        raise ConfigError(f"{prefix}.members", "must be a list of agent names")
+    seen = set()
+    for member in raw:
+        if member in seen:
+            raise ConfigError(f"{prefix}.members", f"lists {member!r} twice")
+        seen.add(member)
+        if not is_valid_agent_name(member):
+            raise ConfigError(f"{prefix}.members",
+                              f"{member[:80]!r} is not an agent name "
+                              "(1-64 of A-Z a-z 0-9 _ . -)")
+        if member not in agents:
+            raise ConfigError(f"{prefix}.members",
+                              f"{member!r} is not an agent of agents: (list it there; "
+                              f"'{member}: {{}}' is enough when the agents share the secret)")
+    return tuple(raw)
+
+
+def _teams(data: Mapping[str, Any], agents: Mapping[str, AgentConfig]
+           ) -> Tuple[Dict[str, GroupConfig], Dict[str, RoleConfig]]:
+    """The ``groups:`` and ``roles:`` sections (REACH §13): names like agent names,
+    members configured agents, and a role's ``selfJoin`` (false by default)."""
+    groups: Dict[str, GroupConfig] = {}
+    roles: Dict[str, RoleConfig] = {}
+    for section, keys in (("groups", _GROUP_KEYS), ("roles", _ROLE_KEYS)):
+        for name, entry in _section(data, section).items():
+            prefix = f"{section}.{name}"
+            if not isinstance(name, str) or not is_valid_agent_name(name):
+                raise ConfigError(prefix, f"{section[:-1]} names are 1-64 of A-Z a-z 0-9 _ . -")
+            if not isinstance(entry, dict):
+                raise ConfigError(prefix, "must be a mapping with members")
+            check_keys(entry, prefix, keys, frozenset())
+            members = _members(entry, prefix, agents)
+            if section == "groups":
+                groups[name] = GroupConfig(members=members)
+            else:
+                roles[name] = RoleConfig(
+                    members=members, self_join=read_bool(entry, "selfJoin", prefix, False))
+    return groups, roles
+
+
 def _ops(values: Mapping[str, Any], token_from_file: Optional[str],
          allow_insecure: bool) -> Any:
     """The OpsConfig of ``broker.opsListen``, ``opsToken`` and ``opsTokenFile`` (read
@@ -667,8 +742,8 @@ def parse_config(
     if not isinstance(data, dict):
         raise ConfigError("", "the config file must hold a mapping")
     for key in data:
-        if key not in ("broker", "security", "agents"):
-            raise ConfigError(str(key), unknown_key(str(key), ("broker", "security", "agents")))
+        if key not in _SECTIONS:
+            raise ConfigError(str(key), unknown_key(str(key), _SECTIONS))
     broker = _section(data, "broker")
     security = _section(data, "security")
     backend_sections: Dict[str, Mapping[str, Any]] = {}
@@ -684,6 +759,7 @@ def parse_config(
     skipped = check_keys(scalar, "broker", _BROKER_KEYS, _IGNORED_BROKER_KEYS)
     skipped += check_keys(security, "security", _SECURITY_KEYS, _IGNORED_SECURITY_KEYS)
     agents, skipped_agents = _agents(data)
+    groups, roles = _teams(data, agents)
     values = read_settings(BROKER_SETTINGS, scalar, base_dir)
     values.update(read_settings(SECURITY_SETTINGS, security, base_dir))
 
@@ -704,6 +780,8 @@ def parse_config(
         **{name: value for name, value in values.items() if "." not in name},
         ops=ops,
         agents=agents,
+        groups=MappingProxyType(groups),
+        roles=MappingProxyType(roles),
         backend_sections=MappingProxyType(backend_sections),
         ignored_keys=tuple(skipped + skipped_agents),
         warnings=tuple(warnings),

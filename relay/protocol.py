@@ -12,7 +12,7 @@ import ipaddress
 import json
 import re
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from relay.errors import bad_request
 
@@ -651,6 +651,12 @@ def peers_page(entries: List[Dict[str, Any]], after: Optional[str], limit: Optio
     if len(page) < len(remaining):
         document["next"] = page[-1]["agent"]
     return document
+
+
+def team_listing(teams: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """The ``/peers`` ``groups`` or ``roles`` list (REACH §13) of configured teams
+    (each with ``members``): ``[{"name", "members"}, ...]`` sorted by name."""
+    return [{"name": name, "members": list(teams[name].members)} for name in sorted(teams)]
 
 
 def _peer_size(entry: Dict[str, Any]) -> int:

@@ -26,8 +26,11 @@ START = 1_712_345_678.0
 
 
 def make_config(base_dir: str = "/tmp", agents: Optional[Dict[str, Any]] = None,
-                security: Optional[Dict[str, Any]] = None, **broker: Any) -> Config:
-    """A validated Config: the shared secret :data:`SECRET`, memory storage, and ``broker``."""
+                security: Optional[Dict[str, Any]] = None,
+                groups: Optional[Dict[str, Any]] = None, roles: Optional[Dict[str, Any]] = None,
+                **broker: Any) -> Config:
+    """A validated Config: the shared secret :data:`SECRET`, memory storage, and ``broker``
+    (and ``agents``, ``security``, ``groups``, ``roles`` sections when given)."""
     values = {"secret": SECRET, "storage": "memory"}
     values.update(broker)
     data: Dict[str, Any] = {"broker": values}
@@ -35,6 +38,10 @@ def make_config(base_dir: str = "/tmp", agents: Optional[Dict[str, Any]] = None,
         data["agents"] = agents
     if security is not None:
         data["security"] = security
+    if groups is not None:
+        data["groups"] = groups
+    if roles is not None:
+        data["roles"] = roles
     return parse_config(data, base_dir)
 
 

@@ -16,7 +16,9 @@ from relay.config import (
     SETTINGS,
     Config,
     ConfigError,
+    GroupConfig,
     OpsConfig,
+    RoleConfig,
     load_config,
     parse_config,
 )
@@ -532,8 +534,9 @@ def test_every_number_is_held_to_the_bounds_of_the_table(setting):
 def test_the_fields_of_config_are_the_rows_of_the_table():
     names = [f.name for f in fields(Config)]
     assert names[:len(SETTINGS) - 3] == [s.field for s in SETTINGS if "." not in s.field]
-    assert names[len(SETTINGS) - 3:] == ["ops", "agents", "backend_sections", "ignored_keys",
-                                         "warnings", "base_dir"]
+    assert names[len(SETTINGS) - 3:] == ["ops", "agents", "groups", "roles",
+                                         "backend_sections", "ignored_keys", "warnings",
+                                         "base_dir"]
     assert [f.name for f in fields(OpsConfig)] == ["listen", "tokens", "token_file"]
     assert all(f.default is MISSING for f in fields(Config) + fields(OpsConfig))
 
@@ -550,13 +553,17 @@ def test_policy_and_rules_take_every_value_from_the_config():
         "notifyFailures": False, "messageTtlDays": 2, "inboxMaxMessages": 6,
         "inboxMaxBytes": 7, "minFreeDiskMB": 8, "maxAgents": 9,
         "eventRetentionSeconds": 10},
-        "security": {"requireNonce": True}, "agents": {"alpha": {"allowed_targets": ["beta"]}}}))
+        "security": {"requireNonce": True}, "agents": {"alpha": {"allowed_targets": ["beta"]}},
+        "groups": {"g": {"members": ["alpha"]}},
+        "roles": {"r": {"members": ["alpha"], "selfJoin": True}}}))
     assert Policy.from_config(config) == Policy(
         lease_seconds=31, message_ttl_seconds=2 * 86400.0,
         rules=Rules(max_attempts=4, max_deliveries=5, notify_failures=False,
                     inbox_max_messages=6, inbox_max_bytes=7),
         allowed_targets={"alpha": frozenset({"beta"})}, require_nonce=True, max_agents=9,
-        min_free_disk_bytes=8 * 1024 * 1024, event_retention_seconds=10)
+        min_free_disk_bytes=8 * 1024 * 1024, event_retention_seconds=10,
+        groups={"g": GroupConfig(members=("alpha",))},
+        roles={"r": RoleConfig(members=("alpha",), self_join=True)})
 
 
 def test_the_restart_list_comes_from_the_table():
@@ -621,3 +628,62 @@ def test_agent_webhooks_and_the_webhook_settings():
     with pytest.raises(ConfigError) as caught:
         config_of(webhookAllow=["127.0.0.1"])
     assert caught.value.key == "broker.webhookAllow" and "http://" in caught.value.reason
+
+
+# -- groups and roles (REACH §13) ---------------------------------------------------
+
+TEAM_AGENTS = "broker: {secret: s0123456789abcdef}\nagents: {alice: {}, bob: {}, carol: {}}\n"
+
+
+def test_groups_and_roles_are_read_with_their_members_in_order():
+    config = parse(TEAM_AGENTS + "groups: {reviewers: {members: [carol, alice]}}\n"
+                   "roles: {triage: {members: [bob], selfJoin: true}, ops.on-call: "
+                   "{members: []}}")
+    assert config.groups["reviewers"].members == ("carol", "alice")
+    assert config.roles["triage"].members == ("bob",)
+    assert config.roles["triage"].self_join is True
+    assert config.roles["ops.on-call"].self_join is False
+    assert config.roles["ops.on-call"].members == ()
+
+
+def test_no_groups_or_roles_by_default():
+    config = parse("broker: {secret: s0123456789abcdef}")
+    assert dict(config.groups) == {} and dict(config.roles) == {}
+
+
+@pytest.mark.parametrize(
+    "text, key, reason",
+    [
+        ("groups: {'bad name': {members: [alice]}}", "groups.bad name", "names are 1-64"),
+        ("roles: {'': {members: [alice]}}", "roles.", "names are 1-64"),
+        ("groups: {" + "g" * 65 + ": {members: [alice]}}", "groups." + "g" * 65, "1-64"),
+        ("groups: [reviewers]", "groups", "must be a mapping"),
+        ("groups: {reviewers: [alice]}", "groups.reviewers", "must be a mapping"),
+        ("groups: {reviewers: {}}", "groups.reviewers.members", "is required"),
+        ("groups: {reviewers: {members: alice}}", "groups.reviewers.members", "list"),
+        ("groups: {reviewers: {members: [alice, 3]}}", "groups.reviewers.members", "list"),
+        ("groups: {reviewers: {members: [alice, dave]}}", "groups.reviewers.members",
+         "'dave' is not an agent of agents:"),
+        ("groups: {reviewers: {members: ['group:x']}}", "groups.reviewers.members",
+         "is not an agent name"),
+        ("groups: {reviewers: {members: [alice, alice]}}", "groups.reviewers.members",
+         "twice"),
+        ("groups: {reviewers: {members: [alice], selfJoin: true}}",
+         "groups.reviewers.selfJoin", "unknown key"),
+        ("roles: {triage: {members: [bob], selfjoin: true}}", "roles.triage.selfjoin",
+         "did you mean selfJoin?"),
+        ("roles: {triage: {members: [bob], selfJoin: 'yes'}}", "roles.triage.selfJoin",
+         "true or false"),
+        ("teams: {}", "teams", "unknown key"),
+    ],
+)
+def test_group_and_role_errors_name_the_key_and_the_reason(text, key, reason):
+    error = error_of(TEAM_AGENTS + text)
+    assert error.key == key
+    assert reason in str(error)
+
+
+def test_members_must_be_configured_agents_even_with_a_shared_secret():
+    error = error_of("broker: {secret: s0123456789abcdef}\ngroups: {g: {members: [alice]}}")
+    assert error.key == "groups.g.members"
+    assert "'alice: {}' is enough" in str(error)
