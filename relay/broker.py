@@ -239,6 +239,7 @@ class Broker:
                            "keepaliveSeconds": KEEPALIVE_SECONDS},
                 **({"webhooks": {"maxAttempts": self.webhooks.settings.max_attempts}}
                    if self.webhooks is not None else {}),
+                "groups": True,
             },
             "storage": self.storage(),
         }
@@ -318,6 +319,35 @@ class Broker:
         # that adds: one store call per send, and no window between the two.
         return self.store.add(message, self.policy.rules,
                               registered_recipient=True).addErrback(self._count_refusal)
+
+    def send_group(self, agent: str, envelope: Dict[str, Any],
+                   ttl_seconds: Optional[int] = None, delay_seconds: int = 0) -> Deferred:
+        """Store a copy of a normalised envelope to ``group:NAME`` for each member but
+        ``agent`` (REACH §13), all or none; fires with ``(stored, [(member, copy id)])``,
+        ``stored`` False for a repeated send (the copies of the first). Errbacks as
+        :meth:`send`; 404 ``no_such_agent`` for a group that is not configured."""
+        self._check_disk()
+        if ttl_seconds is not None and ttl_seconds > self.policy.max_ttl_seconds:
+            raise errors.bad_request(
+                f"ttlSeconds must be an integer from 1 to {self.policy.max_ttl_seconds}")
+        address = envelope["to"]
+        group = self.policy.groups.get(address[len(protocol.GROUP_PREFIX):])
+        if group is None:
+            raise errors.no_such_agent(f"group {address!r} is not configured")
+        self.policy.check_route(agent, address)
+        sent = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds, delay_seconds)
+        copies = delivery.group_copies(sent, address, group.members)
+        d = self.store.add_group(copies, agent, sent.id, self.policy.rules)
+        d.addErrback(self._count_refusal)
+        d.addCallback(self._group_sent, address)
+        return d
+
+    def _group_sent(self, result: Tuple[bool, List[Message]], address: str
+                    ) -> Tuple[bool, List[Tuple[str, str]]]:
+        stored, copies = result
+        if stored:
+            self.counters.group_sent(address[len(protocol.GROUP_PREFIX):])
+        return stored, [(copy.to, copy.id) for copy in copies]
 
     def disk_low(self) -> Optional[str]:
         """Why new messages are refused for want of disk space, or None: the store's

@@ -113,8 +113,14 @@ class Counters:
         self.webhook_failures = 0
         self.webhook_skips = 0
         self.webhooks_disabled = 0
+        # REACH §13: group sends stored, by group (names come from the config)
+        self.group_sends: Dict[str, int] = {}
 
     # -- events (the hot path) ---------------------------------------------------------
+
+    def group_sent(self, group: str) -> None:
+        """A send to ``group:<group>`` stored its copies (each also counts as sent)."""
+        self.group_sends[group] = self.group_sends.get(group, 0) + 1
 
     def message_stored(self, sender: str, recipient: str) -> None:
         """A message was stored (a send, a v1.0 receipt; a duplicate is not one)."""

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from json.encoder import encode_basestring
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from relay import errors
 from relay.protocol import (
@@ -99,6 +100,8 @@ class Message:
         "dead_reason",
         "delay_until",
         "expires_at",
+        "via",
+        "sent_id",
         "_bytes",
     )
 
@@ -129,6 +132,8 @@ class Message:
         dead_reason: Optional[str] = None,
         delay_until: Optional[float] = None,
         expires_at: Optional[float] = None,
+        via: Optional[str] = None,
+        sent_id: Optional[str] = None,
     ) -> None:
         self.seq = seq
         self.id = id
@@ -160,6 +165,10 @@ class Message:
         self.dead_reason = dead_reason
         self.delay_until = delay_until
         self.expires_at = expires_at
+        # REACH §13: a copy of a group send has the group's address (``group:NAME``)
+        # and the id its sender sent under.
+        self.via = via
+        self.sent_id = sent_id
         self._bytes: Optional[int] = None
 
     @property
@@ -228,6 +237,8 @@ class Message:
         other.dead_reason = self.dead_reason
         other.delay_until = self.delay_until
         other.expires_at = self.expires_at
+        other.via = self.via
+        other.sent_id = self.sent_id
         other._bytes = self._bytes
         return other
 
@@ -267,7 +278,8 @@ class Message:
 
         ``leaseId`` is shown only to the recipient, only while the message is
         leased; ``expiresAt`` only for a message sent with ``ttlSeconds``;
-        ``notBefore`` only for one sent with ``delaySeconds``, until it is due.
+        ``notBefore`` only for one sent with ``delaySeconds``, until it is due;
+        ``via`` only for a copy of a group send.
         """
         out = {
             "id": self.id,
@@ -287,6 +299,8 @@ class Message:
         }
         if viewer is not None and viewer == self.to and self.status == LEASED:
             out["leaseId"] = self.lease_id
+        if self.via is not None:
+            out["via"] = self.via
         if self.expires_at is not None:
             out["expiresAt"] = iso_timestamp(self.expires_at)
         if self._delayed(now):
@@ -313,6 +327,8 @@ class Message:
         ]
         if viewer is not None and viewer == self.to and self.status == LEASED:
             parts += ',"leaseId":', _text(self.lease_id)
+        if self.via is not None:
+            parts += ',"via":', encode_basestring(self.via)
         if self.expires_at is not None:
             parts += ',"expiresAt":', encode_basestring(iso_timestamp(self.expires_at))
         if self._delayed(now):
@@ -417,8 +433,8 @@ class Outcome:
 class IdConflict(errors.RelayError):
     """A message a transition would store has an id another message uses."""
 
-    def __init__(self, message_id: str) -> None:
-        super().__init__(409, "id_conflict", "reply.id is used by another message")
+    def __init__(self, message_id: str, field: str = "reply.id") -> None:
+        super().__init__(409, "id_conflict", f"{field} is used by another message")
         self.message_id = message_id
 
 
@@ -533,6 +549,41 @@ def inbox_full(usage: Tuple[int, int], message: Message, rules: Rules) -> bool:
 def not_found_status(message_id: str) -> Dict[str, Any]:
     """The ``/v1/status`` entry of an unknown (or not visible) id."""
     return {"id": message_id, "status": "not_found", "attempts": 0}
+
+
+# REACH §13: the namespace of the ids of group copies (uuid5 of sender, sent id, member).
+GROUP_COPY_NAMESPACE = uuid.UUID("5b0f3a4e-7d1c-4c8e-9a52-6d7e1f0c2b93")
+
+
+def group_copy_id(sender: str, sent_id: str, member: str) -> str:
+    """The id of ``member``'s copy of the group send ``sent_id`` by ``sender``: the same
+    on every broker, so a repeated send finds the copies the first one stored."""
+    return str(uuid.uuid5(GROUP_COPY_NAMESPACE, json.dumps([sender, sent_id, member])))
+
+
+def group_copies(sent: Message, via: str, members: Iterable[str]) -> List[Message]:
+    """The copies of the group send ``sent`` (a message built from the sent envelope)
+    to ``via`` (``group:NAME``) for ``members`` other than the sender, in name order:
+    each its own message to its member with ``via`` and ``sent_id``, in the thread of
+    the sent ``rootId`` (the sent id when it starts one)."""
+    copies = []
+    for member in sorted(set(members) - {sent.sender}):
+        copy = sent.copy()
+        copy.id = group_copy_id(sent.sender, sent.id, member)
+        copy.to = member
+        copy.via = via
+        copy.sent_id = sent.id
+        copy.root_id = sent.root_id if sent.root_id is not None else sent.id
+        copies.append(copy)
+    return copies
+
+
+def group_status(sent_id: str, copies: Sequence[Message]) -> Dict[str, Any]:
+    """The ``/v1/status`` entry of a group send (REACH §13): its id, ``via`` and its
+    copies (``to``, ``id``, ``status``) in recipient order."""
+    return {"id": sent_id, "via": copies[0].via,
+            "copies": [{"to": c.to, "id": c.id, "status": c.status}
+                       for c in sorted(copies, key=lambda c: c.to)]}
 
 
 def new_lease_id() -> str:

@@ -68,6 +68,8 @@ DONE = "done"
 FAILED = "failed"
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+# REACH §13: the address of a group (``group:NAME``) beside agent names.
+GROUP_PREFIX = "group:"
 
 _MISSING = object()
 

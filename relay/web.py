@@ -196,9 +196,19 @@ class RelayAPI:
         fields = protocol.parse_json_body(body)
         envelope = protocol.normalize_envelope(fields, agent)
         ttl, delay = protocol.parse_send_options(fields)
+        if envelope["to"].startswith(protocol.GROUP_PREFIX):
+            d = self.broker.send_group(agent, envelope, ttl, delay)
+            d.addCallback(self._group_sent, request, envelope["id"])
+            return d
         d = self.broker.send(agent, envelope, ttl, delay)
         d.addCallback(self._sent, request, envelope["id"])
         return d
+
+    def _group_sent(self, result, request, sent_id: str) -> bytes:
+        stored, copies = result
+        return write_json(request, 201 if stored else 200, {
+            "accepted": True, "id": sent_id, "duplicate": not stored,
+            "copies": [{"to": to, "id": copy_id} for to, copy_id in copies]})
 
     def _sent(self, added: bool, request, message_id: str) -> bytes:
         # encode_json({"accepted": True, "id": message_id, "duplicate": not added}),

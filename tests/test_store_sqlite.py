@@ -346,6 +346,9 @@ def test_a_lease_or_a_settle_leaves_the_id_and_sent_box_indexes_alone():
         written_btrees(db, backend.STATEMENTS["insert"][0]))
 
 
+V3_COLUMNS = 24
+
+
 def version_3_database(path: str) -> List[Message]:
     """A database as the schema-3 releases created it, holding messages of two
     senders in every status."""
@@ -361,9 +364,10 @@ def version_3_database(path: str) -> List[Message]:
         if message.status == LEASED:
             message.lease_id, message.lease_until = f"lease-{seq}", int(START + 60) * 1000
         messages.append(message)
-        db.execute(f"INSERT INTO messages ({backend.COLUMNS}) "
-                   f"VALUES ({', '.join('?' * len(backend._row(message)))})",
-                   backend._row(message))
+        # the columns of schema 3: those before the group copies' (schema 6)
+        row = backend._row(message)[:V3_COLUMNS]
+        db.execute(f"INSERT INTO messages ({', '.join(backend.COLUMNS.split(', ')[:V3_COLUMNS])}) "
+                   f"VALUES ({', '.join('?' * len(row))})", row)
     db.execute("INSERT INTO peers (agent, last_seen) VALUES ('beta', ?)", (int(START),))
     db.close()
     return messages

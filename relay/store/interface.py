@@ -67,6 +67,15 @@ class IMessageStore(Interface):
         across brokers sharing the store) from counters, never by a scan.
         """
 
+    def add_group(copies, sender, sent_id, rules):
+        """Store the copies of a group send (REACH §13; :func:`relay.delivery.group_copies`)
+        in one transaction, all or none. Fires with ``(True, copies)`` once durable,
+        or ``(False, the copies stored before)`` when ``sender`` sent ``sent_id``
+        already (the same on every broker sharing the store). Errbacks 429
+        ``inbox_full`` when one copy would overfill its member's inbox, 409
+        ``id_conflict`` when ``sent_id`` is a message's id or a copy's id is
+        taken; nothing is written then. Members need not have registered."""
+
     def find(message_id, now):
         """Fires with (a copy of) the message of that id, or None (also when its
         ``ttlSeconds`` ran out by ``now``)."""
@@ -109,8 +118,9 @@ class IMessageStore(Interface):
         """
 
     def status(message_ids, agent, now, rules):
-        """Fires with one :meth:`~relay.delivery.Message.status_entry` per id,
-        ``not_found`` for ids ``agent`` neither sent nor received."""
+        """Fires with one :meth:`~relay.delivery.Message.status_entry` per id; for the
+        id of a group send of ``agent``, :func:`relay.delivery.group_status` of its
+        copies; ``not_found`` for ids ``agent`` neither sent nor received."""
 
     def recent(agent, limit, now, rules):
         """Fires with the newest ``limit`` messages to ``agent``, any status."""

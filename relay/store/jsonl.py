@@ -124,7 +124,8 @@ def snapshot_line(message: Message) -> bytes:
                        ("deadReason", message.dead_reason),
                        ("notBeforeTime", message.not_before),
                        ("delayUntilTime", message.delay_until),
-                       ("expiresAtTime", message.expires_at)):
+                       ("expiresAtTime", message.expires_at),
+                       ("sentId", message.sent_id)):
         if value is not None:
             extra[key] = value
     # The envelope without its view-only fields (the times are kept as epoch seconds).
@@ -275,6 +276,8 @@ def message_from_snapshot(seq: Any, envelope: Any, now: float) -> Message:
         not_before=_time(envelope.get("notBeforeTime")),
         delay_until=_time(envelope.get("delayUntilTime")),
         expires_at=_time(envelope.get("expiresAtTime")),
+        via=_text(envelope.get("via")),
+        sent_id=_text(envelope.get("sentId")),
     )
 
 

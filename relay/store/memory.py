@@ -51,6 +51,7 @@ class MemoryRecords(Records):
         self.recovery_seqs: Dict[str, Set[int]] = {}
         self.parents: Dict[str, Set[int]] = {}  # parent_id and reply_to values
         self.roots: Dict[str, Set[int]] = {}
+        self.sent_ids: Dict[str, Set[int]] = {}  # REACH §13: the copies of a group send
         self.leases: List[Tuple[int, int, str]] = []
         self.delayed: List[Tuple[float, int]] = []
         # (not_before, seq) of queued messages held back: release_due clears them
@@ -140,6 +141,8 @@ class MemoryRecords(Records):
             self.parents.setdefault(value, set()).add(seq)
         if message.root_id is not None:
             self.roots.setdefault(message.root_id, set()).add(seq)
+        if message.sent_id is not None:
+            self.sent_ids.setdefault(message.sent_id, set()).add(seq)
         if message.expires_at is not None:
             heapq.heappush(self.expiries, (message.expires_at, seq))
         self._index(message)
@@ -280,6 +283,11 @@ class MemoryRecords(Records):
     def seq_of(self, message_id: str) -> int:
         message = self.by_id.get(message_id)
         return 0 if message is None else message.seq
+
+    def copies(self, sent_id: str) -> List[Message]:
+        by_seq = self.by_seq
+        seqs = self.sent_ids.get(sent_id, ())
+        return [by_seq[s].copy() for s in sorted(seqs) if s in by_seq]
 
     def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
         for message in messages:
@@ -447,7 +455,7 @@ class MemoryRecords(Records):
             if not seqs:
                 del index[key]
         for index, keys in ((self.parents, {message.parent_id, message.reply_to}),
-                            (self.roots, {message.root_id})):
+                            (self.roots, {message.root_id}), (self.sent_ids, {message.sent_id})):
             for key in keys - {None}:
                 seqs = index.get(key)
                 if seqs is not None:

@@ -96,7 +96,7 @@ from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 CHANNEL = "relay_changes"
 # The package is not on the index: name the driver itself (the postgres extra).
 INSTALL_HINT = "pip install 'psycopg[binary]>=3.2' in the broker's environment"
@@ -152,6 +152,8 @@ ENVELOPE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("created", "created", "double precision"),
     ("delay_until", "delay_until", "double precision"),
     ("expires_at", "expires_at", "double precision"),
+    ("via", "via", "text"),
+    ("sent_id", "sent_id", "text"),
 )
 STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("status", "status", "text"),
@@ -233,6 +235,7 @@ STATEMENTS = {
     "insert": _INSERT,
     "get": f"{_SELECT} WHERE id = %s",
     "seq_of": "SELECT seq FROM relay_messages WHERE id = %s",
+    "copies": f"{_SELECT} WHERE sent_id = %s ORDER BY seq",
     "save": _SAVE,
     "claim": _CLAIM.format(parent=""),
     "claim_parent": _CLAIM.format(parent=f"AND {_PARENT}"),
@@ -500,6 +503,9 @@ class PostgresRecords(Records):
         self.cursor.execute(STATEMENTS["seq_of"], (message_id,))
         row = self.cursor.fetchone()
         return 0 if row is None else row[0]
+
+    def copies(self, sent_id: str) -> List[Message]:
+        return self._rows(STATEMENTS["copies"], (sent_id,))
 
     def _usage_changed(self, deltas: Mapping[str, List[int]]) -> None:
         changed = sorted(agent for agent, (count, size) in deltas.items() if count or size)
@@ -1179,6 +1185,10 @@ class PostgresStore:
         if registered_recipient and message.to in self._registered:
             registered_recipient = False
         return self._run(ops.add, message, rules, registered_recipient)
+
+    def add_group(self, copies: Sequence[Message], sender: str, sent_id: str,
+                  rules: Rules) -> Deferred:
+        return self._run(ops.add_group, copies, sender, sent_id, rules)
 
     def find(self, message_id: str, now: float) -> Deferred:
         return self._run(ops.find, message_id, now)

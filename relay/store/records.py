@@ -80,6 +80,11 @@ class Records:
         """The sequence number of that id; 0 when unknown."""
         raise NotImplementedError
 
+    def copies(self, sent_id: str) -> List[Message]:
+        """The group copies (REACH §13) whose ``sent_id`` is that id, expired or not,
+        from any sender, from an index."""
+        raise NotImplementedError
+
     def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
         """Persist the delivery state (:meth:`Message.state`) of messages got from here;
         ``befores`` are their states when they were got."""
@@ -279,6 +284,29 @@ def add(records: Records, message: Message, rules: Rules,
     return True
 
 
+def add_group(records: Records, copies: Sequence[Message], sender: str, sent_id: str,
+              rules: Rules) -> Tuple[bool, List[Message]]:
+    """Store every copy of a group send or none (REACH §13): fires with ``(True,
+    copies)``, or ``(False, the copies stored before)`` when ``sender`` sent ``sent_id``
+    already. 429 ``inbox_full`` when one member's inbox is full, 409 ``id_conflict``
+    when the sent id is a message's or a copy's id is taken; then nothing is
+    written."""
+    stored = [m for m in records.copies(sent_id) if m.sender == sender]
+    if stored:
+        return False, sorted(stored, key=lambda m: m.to)
+    if records.seq_of(sent_id):
+        raise delivery.IdConflict(sent_id, "id")
+    for copy in copies:
+        if records.seq_of(copy.id):
+            raise delivery.IdConflict(copy.id, "id")
+        _refuse_if_full(records, copy, rules)
+    for copy in copies:
+        if not records.insert(copy):
+            raise Raced(copy.id)  # another writer stored it since the check
+        note(records, None, copy, copy.created)
+    return True, list(copies)
+
+
 def find(records: Records, message_id: str, now: float) -> Optional[Message]:
     message = records.get(message_id)
     if message is None or delivery.expired(message, now):
@@ -356,10 +384,15 @@ def status(records: Records, message_ids: Iterable[str], agent: str, now: float,
     out = []
     for message_id in message_ids:
         message = find(records, message_id, now)
-        if message is None or agent not in (message.sender, message.to):
-            out.append(delivery.not_found_status(message_id))
-        else:
+        if message is not None and agent in (message.sender, message.to):
             out.append(message.status_entry(now))
+            continue
+        copies = [m for m in records.copies(message_id)
+                  if m.sender == agent and not delivery.expired(m, now)]
+        if copies:
+            out.append(delivery.group_status(message_id, copies))
+        else:
+            out.append(delivery.not_found_status(message_id))
     return out
 
 
@@ -526,6 +559,10 @@ class RecordStore:
     def add(self, message: Message, rules: Rules,
             registered_recipient: bool = False) -> Deferred:
         return self._run(add, message, rules, registered_recipient)
+
+    def add_group(self, copies: Sequence[Message], sender: str, sent_id: str,
+                  rules: Rules) -> Deferred:
+        return self._run(add_group, copies, sender, sent_id, rules)
 
     def find(self, message_id: str, now: float) -> Deferred:
         return self._run(find, message_id, now)

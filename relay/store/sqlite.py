@@ -69,7 +69,7 @@ from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
@@ -86,7 +86,7 @@ EVENT_TRIM_BATCH = 20_000
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
     "status, attempts, lease_until, lease_id, error, created, recovery, deliveries, "
-    "not_before, dead_reason, delay_until, expires_at"
+    "not_before, dead_reason, delay_until, expires_at, via, sent_id"
 )
 _SELECT = f"SELECT {COLUMNS} FROM messages"
 # What a row counts toward its recipient's inbox quota (delivery.Message.stored_bytes):
@@ -154,6 +154,7 @@ STATEMENTS = {
     "insert": [_INSERT],
     "get": [f"{_SELECT} WHERE id = ?"],
     "seq_of": ["SELECT seq FROM messages WHERE id = ?"],
+    "copies": [f"{_SELECT} WHERE sent_id = ? ORDER BY seq"],
     "save": [_SAVE_STATE],
     "queued": [
         f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > ? AND {_DUE} "
@@ -335,6 +336,8 @@ def _row(message: Message) -> Tuple[Any, ...]:
         message.dead_reason,
         message.delay_until,
         message.expires_at,
+        message.via,
+        message.sent_id,
     )
 
 
@@ -364,6 +367,8 @@ def _message(row: Sequence[Any]) -> Message:
         dead_reason=row[21],
         delay_until=row[22],
         expires_at=row[23],
+        via=row[24],
+        sent_id=row[25],
     )
 
 
@@ -550,6 +555,9 @@ class SQLiteRecords(Records):
     def seq_of(self, message_id: str) -> int:
         rows = self.cursor.execute(STATEMENTS["seq_of"][0], (message_id,)).fetchall()
         return rows[0][0] if rows else 0
+
+    def copies(self, sent_id: str) -> List[Message]:
+        return self._select(STATEMENTS["copies"][0], sent_id)
 
     def _count_pending(self) -> None:
         self.pending = {agent: [count, size or 0]
