@@ -172,6 +172,23 @@ async def test_quotas_and_refusals_are_in_the_overview_and_metrics():
 
 
 @pytest_twisted.ensureDeferred
+async def test_group_sends_are_counted_in_the_overview_and_metrics():
+    ops = Ops(agents={"alpha": {}, "beta": {}, "gamma": {}},
+              groups={"team": {"members": ["alpha", "beta", "gamma"]}})
+    for i in range(2):
+        code, answer, *_ = await ops.client.post("alpha", "/messages",
+                                             {"to": "group:team", "id": f"g{i}"})
+        assert code == 201 and len(answer["copies"]) == 2
+    await ops.client.post("alpha", "/messages", {"to": "group:team", "id": "g0"})  # repeat
+    _, overview, _ = await ops.get("/api/overview")
+    assert overview["totals"]["groupSends"] == {"team": 2}
+    assert overview["totals"]["sent"] == 4, "each copy is a message sent"
+    f = families((await ops.get("/metrics"))[1])
+    assert value(f["relay_group_sends"], group="team") == 2
+    assert value(f["relay_messages_sent"]) == 4
+
+
+@pytest_twisted.ensureDeferred
 async def test_healthz_is_503_while_the_broker_stops():
     ops = Ops()
     ops.ops.stopping = True

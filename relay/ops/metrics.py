@@ -150,6 +150,9 @@ class Report:
         yield _labelled("relay_sends_refused", "Messages not stored because the recipient's "
                         "inbox was full (inbox_full) or the disk nearly so (disk_full).",
                         "reason", c.refused, REFUSALS)
+        yield _labelled("relay_group_sends", "Sends to a group whose copies were stored, by "
+                        "group (each copy also counts in relay_messages_sent).", "group",
+                        c.group_sends, ())
         yield GaugeMetricFamily("relay_agents_registered", "Agents registered (broker.maxAgents "
                                 "caps them).", value=s.agents_registered)
         if s.disk_free_bytes is not None:

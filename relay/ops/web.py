@@ -390,6 +390,7 @@ class OpsAPI:
                 "webhookFailures": counters.webhook_failures,
                 "webhookSkips": counters.webhook_skips,
                 "webhooksDisabled": counters.webhooks_disabled,
+                "groupSends": dict(counters.group_sends),
             },
             "throughput": counters.throughput(),
             "flow": counters.recent_flow(),

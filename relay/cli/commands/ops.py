@@ -186,6 +186,8 @@ def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
                  f"{t.get('eventsStreamed', 0)}  webhook attempts {t.get('webhookAttempts', 0)}"
                  f"  failures {t.get('webhookFailures', 0)}  skips {t.get('webhookSkips', 0)}"
                  f"  disabled {t.get('webhooksDisabled', 0)}")
+    if t.get("groupSends"):
+        console.line(f"group sends {_pairs(t['groupSends'])}")
     if overview["throughput"]:
         last = overview["throughput"][-1]
         console.line(f"last interval: sent {last['sent']:.2f}/s  delivered "

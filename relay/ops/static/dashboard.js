@@ -104,6 +104,8 @@ function showBroker(overview) {
   $("t-failed").textContent = t.failed;
   $("t-sent").textContent = t.sent;
   $("t-delivered").textContent = t.delivered;
+  $("t-groupsends").textContent = sum(t.groupSends);
+  $("t-groupsends").title = pairs(t.groupSends) || "";
   $("t-waiting").textContent = t.pullWaiting;
   const refused = [
     ["t-ratelimited", t.rateLimited || 0], ["t-sendsrefused", sum(t.sendsRefused)],
