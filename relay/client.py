@@ -69,7 +69,13 @@ from zope.interface import implementer
 
 from relay import pem
 from relay.errors import RelayError
-from relay.protocol import KEEP_CARD, PROTOCOL_VERSION, is_loopback_host, notice_id
+from relay.protocol import (
+    GROUP_PREFIX,
+    KEEP_CARD,
+    PROTOCOL_VERSION,
+    is_loopback_host,
+    notice_id,
+)
 from relay.settings import ENV_CA_FILE, ENV_CLIENT_CERT
 from relay.signing import auth_headers, new_nonce
 from relay.sse import RelayEvent, SSEParser, StreamError, reconnect_delay
@@ -1006,6 +1012,12 @@ class RelayClient:
         The id (``message_id`` or a fresh UUID) is fixed once, so every retry
         re-sends the same message and a duplicate answer is success.
 
+        ``to`` may be a group, ``"group:NAME"`` (REACH §13, needs ``groups``): the
+        broker stores a copy for each member but this agent, all or none, and
+        the answer adds ``copies``, ``[{"to", "id"}, ...]``, each an ordinary
+        message; a retry answers the same copies. :meth:`status` of the sent id
+        lists them with their status.
+
         :param ttl_seconds: the message expires that long after it is stored
             (v1.2 §7, needs ``messageTtl``); rounded up to whole seconds.
         :param delay_seconds: the message is not delivered before that many
@@ -1028,6 +1040,8 @@ class RelayClient:
             envelope["parentId"] = parent_id
 
         async def go() -> Dict[str, Any]:
+            if to.startswith(GROUP_PREFIX):
+                await self._require("groups", "sending to a group", "REACH.md v1.3")
             if ttl_seconds is not None:
                 await self._require("messageTtl", "per-message TTL")
                 envelope["ttlSeconds"] = _whole_seconds(ttl_seconds)
@@ -1248,7 +1262,8 @@ class RelayClient:
     def status(self, message_ids: Sequence[str]) -> defer.Deferred:
         """POST /v1/status: ``{"messages": [{id, status, attempts, ts, from, to, kind}]}``;
         a v1.2 broker adds ``deliveries`` and, when set, ``error``, ``notBefore``
-        and ``expiresAt`` (epoch milliseconds)."""
+        and ``expiresAt`` (epoch milliseconds). The id of a group send of this
+        agent (REACH §13) is ``{id, via, copies: [{to, id, status}]}``."""
         return self._run(self._request, "POST", "/v1/status", {"messageIds": list(message_ids)})
 
     def recent(self, limit: Optional[int] = None) -> defer.Deferred:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, TextIO
 
 from relay.cli.command import Context, non_negative_int, positive_float, positive_int
-from relay.cli.output import body_text, print_messages, watch_line
+from relay.cli.output import body_text, print_messages, table, watch_line
 from relay.cli.state import STATE_FILE, CursorState
 from relay.client import DEFAULT_REQUEST_TIMEOUT_SECONDS
 from relay.errors import RelayError
@@ -69,7 +69,9 @@ def _ttl_argument(parser: argparse.ArgumentParser, what: str) -> None:
 def send_arguments(parser: argparse.ArgumentParser) -> None:
     """``TARGET CONTENT`` and the envelope's optional fields."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("target", metavar="TARGET", help="the receiving agent")
+    parser.add_argument("target", metavar="TARGET",
+                        help="the receiving agent, or group:NAME for a copy to each member "
+                        "of a configured group (v1.3)")
     _content_arguments(parser)
     parser.add_argument("--ack", action="store_true", help="ask the receiver for a receipt")
     parser.add_argument(
@@ -154,7 +156,15 @@ async def send(ctx: Context) -> int:
 
     def readable() -> None:
         note = " (already accepted earlier)" if answer.get("duplicate") else ""
-        ctx.console.line(f"sent {answer.get('id')} to {args.target}{note}")
+        copies = answer.get("copies")
+        if not isinstance(copies, list):
+            ctx.console.line(f"sent {answer.get('id')} to {args.target}{note}")
+            return
+        count = f"{len(copies)} cop{'y' if len(copies) == 1 else 'ies'}"
+        ctx.console.line(f"sent {answer.get('id')} to {args.target}: {count}{note}")
+        rows = [[c.get("to"), c.get("id")] for c in copies if isinstance(c, dict)]
+        for line in table(rows, ["TO", "COPY ID"]) if rows else ():
+            ctx.console.line("  " + line)
 
     ctx.console.emit(answer, readable)
     return 0

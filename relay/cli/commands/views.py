@@ -23,7 +23,7 @@ async def status(ctx: Context) -> int:
     and, from a v1.2 broker, the deliveries and when a message is due or expires."""
     console = ctx.console
     answer = await ctx.client.status(ctx.args.message_ids)
-    messages = answer.get("messages") or []
+    messages = _with_copies(answer.get("messages") or [])
 
     def readable() -> None:
         if not messages:
@@ -36,6 +36,7 @@ async def status(ctx: Context) -> int:
         ]
         optional = [
             ("DELIVERIES", "deliveries", lambda m: m.get("deliveries")),
+            ("GROUP SEND", "sentAs", lambda m: m.get("sentAs")),
         ]
         columns += [(h, f) for h, key, f in optional if any(key in m for m in messages)]
         columns += [
@@ -56,6 +57,23 @@ async def status(ctx: Context) -> int:
 
     console.emit(answer, readable)
     return 0
+
+
+def _with_copies(entries: List[Any]) -> List[Dict[str, Any]]:
+    """The status entries with each group send (REACH §13) as a row per copy, which
+    names the sent id and the group."""
+    out: List[Dict[str, Any]] = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        copies = entry.get("copies")
+        if not isinstance(copies, list):
+            out.append(entry)
+            continue
+        sent_as = f"{entry.get('id')} ({entry.get('via')})"
+        out += [{"id": c.get("id"), "status": c.get("status"), "to": c.get("to"),
+                 "sentAs": sent_as} for c in copies if isinstance(c, dict)]
+    return out
 
 
 def _when(console: Any, value: Any) -> str:
