@@ -391,3 +391,36 @@ def test_without_the_sdk_relay_mcp_says_so_in_one_line(tmp_path: Path) -> None:
     (line,) = done.stderr.splitlines()
     assert line.startswith("error: relay mcp needs ")
     assert line.endswith("pip install 'mcp>=2.0,<3' in the relay's environment")
+
+
+# -- groups (REACH §13) ------------------------------------------------------------------
+
+GROUPED = {"agents": {"alice": {}, "bob": {}, "carol": {}},
+           "groups": {"reviewers": {"members": ["alice", "bob", "carol"]}}}
+
+
+def test_relay_send_to_a_group_reports_the_copies_and_each_is_answered_on_its_own() -> None:
+    net = Net(**GROUPED)
+    alice, _ = session(net, "alice")
+    bob, _ = session(net, "bob")
+    peers = call(net, alice, "relay_peers")
+    assert peers["groups"] == [{"name": "reviewers", "members": ["alice", "bob", "carol"]}]
+    sent = call(net, alice, "relay_send", to="group:reviewers", text="vote?", kind="request")
+    assert [c["to"] for c in sent["copies"]] == ["bob", "carol"]
+    assert "copy's id" in sent["next"]
+    bob_copy = sent["copies"][0]["id"]
+    assert set(call(net, alice, "relay_whoami")["waiting_for"]) == {
+        c["id"] for c in sent["copies"]}
+    (question,) = call(net, bob, "relay_inbox", wait_seconds=0)["messages"]
+    assert (question["id"], question["via"]) == (bob_copy, "group:reviewers")
+    call(net, bob, "relay_reply", message_id=question["id"], text="yes")
+    waited = call(net, alice, "relay_wait_reply", request_id=bob_copy, wait_seconds=0)
+    assert waited["answered"] is True and waited["untrusted"]["from"] == "bob"
+
+
+def test_relay_request_to_a_group_is_refused_with_the_way_to_do_it() -> None:
+    net = Net(**GROUPED)
+    alice, _ = session(net, "alice")
+    failure = refused(net, alice, "relay_request", to="group:reviewers", text="?",
+                      wait_seconds=0)
+    assert failure.code == "bad_arguments" and "relay_send" in str(failure)

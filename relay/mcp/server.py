@@ -138,7 +138,10 @@ class RelayToolset:
 
     async def relay_send(
         self,
-        to: AgentName,
+        to: Annotated[
+            str, Field(min_length=1, max_length=200,
+                       description='the agent\'s name (see relay_peers), or "group:NAME" '
+                       "for a copy to each member of a group relay_peers lists")],
         text: Text = None,
         body: Body = None,
         kind: Annotated[
@@ -149,7 +152,9 @@ class RelayToolset:
         """Send a message to another agent and return at once with its id. Give text
         or body, not both. With kind "request" the other agent answers later: wait for
         the answer with relay_wait_reply(request_id=<id>). To ask and wait in one call,
-        use relay_request."""
+        use relay_request. To "group:NAME", every member but you gets its own copy:
+        the result lists "copies" (to, id), and a request is answered per copy
+        (relay_wait_reply with the copy's id)."""
         return await self._run("relay_send", to=to, text=text, body=body, kind=kind)
 
     async def relay_request(

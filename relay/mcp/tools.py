@@ -48,7 +48,7 @@ from relay.client import (
     broker_notice,
 )
 from relay.errors import RelayError
-from relay.protocol import KEEP_CARD, is_selfcheck_agent
+from relay.protocol import GROUP_PREFIX, KEEP_CARD, is_selfcheck_agent
 
 # The longest a tool may wait for a message or an answer: MCP clients give a
 # tool call a minute or less, and a call also needs time for its requests.
@@ -152,6 +152,8 @@ def message_view(message: Mapping[str, Any], *, with_state: bool = False) -> Dic
     root = message.get("rootId")
     if root and root != message.get("id") and root != parent:
         view["root_id"] = root
+    if message.get("via"):
+        view["via"] = message.get("via")  # a copy of a send to a group (REACH §13)
     if with_state and message.get("status"):
         view["status"] = message.get("status")
     view["ts"] = message.get("ts")
@@ -413,6 +415,13 @@ class RelayTools:
             entry.update(untrusted(**written))
             listed.append(entry)
         result: Dict[str, Any] = {"peers": listed, "count": len(listed)}
+        # REACH §13: the operator's teams (from the broker's config), addressed as
+        # "group:NAME" / "role:NAME"
+        for key in ("groups", "roles"):
+            teams = answer.get(key)
+            if isinstance(teams, list):
+                result[key] = [{"name": t.get("name"), "members": t.get("members")}
+                               for t in teams if isinstance(t, dict)]
         following = answer.get("next")
         if isinstance(following, str):
             result["next"] = following
@@ -439,6 +448,17 @@ class RelayTools:
             "to": to,
             "kind": kind,
         }
+        copies = answer.get("copies")
+        if isinstance(copies, list):
+            # REACH §13: a copy per member, each its own message (and request)
+            result["copies"] = [{"to": c.get("to"), "id": c.get("id")}
+                                for c in copies if isinstance(c, dict)]
+            if kind == "request":
+                for copy in result["copies"]:
+                    self.pending[copy["id"]] = copy["to"]
+                result["next"] = ("each member answers its own copy: relay_wait_reply with a "
+                                  "copy's id as request_id waits for that member's answer")
+            return result
         if kind == "request":
             self.pending[result["id"]] = to
             result["next"] = "relay_wait_reply with this id as request_id waits for the answer"
@@ -454,6 +474,10 @@ class RelayTools:
         """Send a request to ``to`` and wait up to ``wait_seconds`` for its answer."""
         content = body_of(text, body)
         wait = _wait(wait_seconds)
+        if to.startswith(GROUP_PREFIX):
+            raise ToolFailure("bad_arguments", "relay_request waits for one answer: to ask a "
+                              'group, use relay_send with kind "request", then '
+                              "relay_wait_reply for each copy")
         request_id = str(uuid.uuid4())
         await self.client.send(to, content, message_id=request_id, kind="request")
         self.pending[request_id] = to
