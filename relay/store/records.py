@@ -298,6 +298,9 @@ def add_group(records: Records, copies: Sequence[Message], sender: str, sent_id:
         raise delivery.IdConflict(sent_id, "id")
     for copy in copies:
         if records.seq_of(copy.id):
+            taken = records.get(copy.id)
+            if taken is not None and (taken.sent_id, taken.sender) == (sent_id, sender):
+                raise Raced(copy.id)  # the same send, stored by another writer since
             raise delivery.IdConflict(copy.id, "id")
         _refuse_if_full(records, copy, rules)
     for copy in copies:
