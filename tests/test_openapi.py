@@ -144,3 +144,37 @@ async def test_answers_of_every_route_match_their_schemas(document):
     await call("post", "/messages", "/messages", {"to": "nobody"}, agent="alpha", expect=404)
     await call("post", "/v1/pull", "/v1/pull", {"limit": 1}, agent=None, expect=401)
     await call("get", "/peers", "/peers", agent="x y", expect=401)
+
+
+@pytest_twisted.ensureDeferred
+async def test_group_answers_match_their_schemas(document):
+    """REACH §13: a group send, its duplicate, its status, a copy and /peers."""
+    from relay.testing import make_api
+
+    check = Checker(document).check
+    _, c, _ = make_api(agents={"alpha": {}, "beta": {}, "gamma": {}},
+                       groups={"team": {"members": ["alpha", "beta", "gamma"]}},
+                       roles={"triage": {"members": ["beta"]}})
+
+    async def call(method: str, path: str, body: Any = None, agent: str = "alpha",
+                   expect: int = 200) -> Any:
+        code, answer, _ = await c.request(agent, method.upper(), path, body)
+        assert code == expect, (path, code, answer)
+        check(path, method, code, answer)
+        return answer
+
+    await call("post", "/register", {}, agent="beta")
+    sent = await call("post", "/messages", {"to": "group:team", "id": "g1"}, expect=201)
+    assert len(sent["copies"]) == 2
+    await call("post", "/messages", {"to": "group:team", "id": "g1"}, expect=200)
+    await call("post", "/messages", {"to": "group:team", "id": "g1"}, agent="beta",
+               expect=201)
+    await call("post", "/messages", {"to": "beta", "id": "plain"}, expect=201)
+    await call("post", "/messages", {"to": "group:team", "id": "plain"}, expect=409)
+    await call("post", "/messages", {"to": "group:none"}, expect=404)
+    (entry, _) = (await call("post", "/v1/status", {"messageIds": ["g1", "nope"]}))["messages"]
+    assert entry["via"] == "group:team"
+    (copy,) = (await call("post", "/v1/pull", {"limit": 1}, agent="gamma"))["messages"]
+    assert copy["via"] == "group:team"
+    peers = await call("get", "/peers")
+    assert peers["groups"] and peers["roles"]
