@@ -1433,10 +1433,17 @@ class RelayClient:
         seconds with read-only queries for the reply and ``/v1/status`` for a
         failure of the request (every fifth look): nothing is leased or
         acknowledged, so the answer stays queued in this agent's inbox.
+
+        A group (``group:NAME``) is refused before anything is sent: each member
+        answers its own copy, so :meth:`send` it as a request and
+        :meth:`await_reply` each copy's id.
         """
         request_id = message_id or str(uuid.uuid4())
 
         async def go() -> Dict[str, Any]:
+            if to.startswith(GROUP_PREFIX):
+                raise RelayError(0, "bad_request", "a request to a group is answered per "
+                                 "copy: send it, then wait for the answer to each copy")
             started = self._clock.seconds()
             if self.registered_at is None:
                 await self.register()

@@ -61,3 +61,13 @@ def test_relay_send_to_a_group_prints_the_copies(tmp_path: Path) -> None:
     assert "GROUP SEND" in rows[0]
     assert {row.split()[0] for row in rows[1:]} == {c["id"] for c in as_json["copies"]}
     assert all(f"{as_json['id']} (group:reviewers)" in row for row in rows[1:])
+
+
+def test_a_request_to_a_group_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    net = Net(**TEAM)
+    error = failure_of(net.start(net.client("alice").request("group:reviewers", {}, 5)))
+    assert error.code == "bad_request" and "per copy" in str(error)
+    assert ("POST", "/messages") not in net.http.paths()
+    term = Terminal(tmp_path, **TEAM)
+    asked = term("alice", "ask", "group:reviewers", "anyone?", "--timeout", "5")
+    assert asked.status == 1 and "per copy" in asked.err
