@@ -331,10 +331,11 @@ class Broker:
             raise errors.bad_request(
                 f"ttlSeconds must be an integer from 1 to {self.policy.max_ttl_seconds}")
         address = envelope["to"]
+        # The ACL first, as for an agent: a sender it leaves out learns nothing of groups.
+        self.policy.check_route(agent, address)
         group = self.policy.groups.get(address[len(protocol.GROUP_PREFIX):])
         if group is None:
             raise errors.no_such_agent(f"group {address!r} is not configured")
-        self.policy.check_route(agent, address)
         sent = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds, delay_seconds)
         copies = delivery.group_copies(sent, address, group.members)
         d = self.store.add_group(copies, agent, sent.id, self.policy.rules)

@@ -161,6 +161,8 @@ async def test_the_acl_names_the_group_as_a_target(store):
     assert_error(await group_send(b, to="group:reviewers"), 403, "forbidden")
     # members themselves are no licence to reach their group
     assert_error(await group_send(b, sender="dan", to="group:pair"), 403, "forbidden")
+    # as for an agent, the ACL answers first: an unknown group is no different
+    assert_error(await group_send(b, sender="dan", to="group:nobody"), 403, "forbidden")
 
 
 @pytest_twisted.ensureDeferred
