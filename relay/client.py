@@ -976,7 +976,9 @@ class RelayClient:
         return self._run(self._request, "GET", "/peers" + _query(params))
 
     def all_peers(self, *, cards: Optional[bool] = None) -> defer.Deferred:
-        """Every peer, following ``next`` from page to page: ``{"peers": [...]}``."""
+        """Every peer, following ``next`` from page to page: ``{"peers": [...]}``, with
+        the ``groups`` and ``roles`` of the last page when the broker lists them
+        (REACH §13)."""
 
         async def go() -> Dict[str, Any]:
             listed: List[Dict[str, Any]] = []
@@ -987,7 +989,9 @@ class RelayClient:
                 listed.extend(page)
                 following = answer.get("next")
                 if not isinstance(following, str) or not page or following == after:
-                    return {"peers": listed}
+                    teams = {key: answer[key] for key in ("groups", "roles")
+                             if isinstance(answer.get(key), list)}
+                    return {"peers": listed, **teams}
                 after = following
 
         return self._run(go)

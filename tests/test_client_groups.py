@@ -71,3 +71,14 @@ def test_a_request_to_a_group_is_refused_before_anything_is_sent(tmp_path: Path)
     term = Terminal(tmp_path, **TEAM)
     asked = term("alice", "ask", "group:reviewers", "anyone?", "--timeout", "5")
     assert asked.status == 1 and "per copy" in asked.err
+
+
+def test_relay_peers_lists_the_groups_and_roles(tmp_path: Path) -> None:
+    term = Terminal(tmp_path, roles={"triage": {"members": ["bob"]}}, **TEAM)
+    term("alice", "register")
+    lines = term("alice", "peers").out.splitlines()
+    assert [line.split() for line in lines[-5:]] == [
+        ["GROUP", "MEMBERS"], ["group:reviewers", "alice,", "bob,", "carol"], [],
+        ["ROLE", "MEMBERS"], ["role:triage", "bob"]]
+    answer = term("alice", "peers", "--json").json()
+    assert answer["groups"] == [{"name": "reviewers", "members": ["alice", "bob", "carol"]}]

@@ -134,6 +134,15 @@ async def peers(ctx: Context) -> int:
                 console.line(line)
         if hidden:
             console.line(f"({hidden} selfcheck agents not shown; `relay peers --all` lists them)")
+        # REACH §13: the operator's teams, addressed as group:NAME and role:NAME
+        for key in ("groups", "roles"):
+            teams = [t for t in answer.get(key) or [] if isinstance(t, dict)]
+            if teams:
+                console.line()
+                rows = [[f"{key[:-1]}:{t.get('name')}",
+                         ", ".join(str(m) for m in t.get("members") or [])] for t in teams]
+                for line in table(rows, [key[:-1].upper(), "MEMBERS"]):
+                    console.line(line)
 
     console.emit(answer, readable)
     return 0
