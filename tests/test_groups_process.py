@@ -46,6 +46,7 @@ def status_of(broker: BrokerProcess, sent_id: str) -> Dict[str, Any]:
 
 
 @pytest.mark.parametrize("storage", ["sqlite", "jsonl"])
+@pytest.mark.process
 def test_copies_and_the_sent_status_survive_a_sigkill(tmp_path, storage):
     broker = BrokerProcess(str(tmp_path), storage=storage)
     write_config(broker, ["alice", "bob", "carol"])
@@ -71,6 +72,7 @@ def test_copies_and_the_sent_status_survive_a_sigkill(tmp_path, storage):
         broker.kill()
 
 
+@pytest.mark.process
 def test_a_reload_changes_the_members_that_get_a_copy(tmp_path):
     broker = BrokerProcess(str(tmp_path), storage="memory")
     write_config(broker, ["bob", "carol"])
@@ -106,6 +108,7 @@ def test_a_reload_changes_the_members_that_get_a_copy(tmp_path):
         broker.kill()
 
 
+@pytest.mark.process
 def test_a_bad_group_stops_the_start_with_the_key_and_the_reason(tmp_path):
     broker = BrokerProcess(str(tmp_path), storage="memory")
     write_config(broker, ["bob", "nobody"])
@@ -114,6 +117,7 @@ def test_a_bad_group_stops_the_start_with_the_key_and_the_reason(tmp_path):
     assert "groups.reviewers.members" in output and "'nobody' is not an agent" in output
 
 
+@pytest.mark.process
 def test_each_copy_fires_its_members_webhook(tmp_path):
     receiver = Receiver()
     broker = BrokerProcess(str(tmp_path), storage="memory")
@@ -133,6 +137,8 @@ def test_each_copy_fires_its_members_webhook(tmp_path):
         receiver.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_two_brokers_on_one_postgres_give_the_same_copies(tmp_path):
     from tests.conftest import reset_postgres
 
