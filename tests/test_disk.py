@@ -6,10 +6,16 @@ database, WAL or log fails with ``EFBIG`` exactly as on a full disk, and later
 the limit is lifted again ("the disk recovers"). Its output goes to a pipe, so
 the limit never touches the test's own log. Checked, for sqlite and jsonl:
 
-- requests that cannot be stored get ``503 busy`` with the §6 body;
-- nothing is acknowledged that was not stored: after a SIGKILL and restart,
-  every ``201``/``200`` send exists and every acknowledged completion is done;
-- the broker recovers on its own once writes succeed again.
+- every write that cannot be stored (a send, its resend, an ack) gets ``503
+  busy`` with the §6 body, and is undone: the store's commit rolls the turn back
+  (docs/RELIABILITY.md), so a refused ack leaves its lease as it was and a
+  refused send is stored by nothing;
+- reads that change nothing still answer ``200`` from the stored state;
+- the broker recovers on its own once writes succeed again: the next send is
+  ``201``, a refused id sent again is ``201`` (new, not a duplicate), a refused
+  ack made again with the same lease is ``200`` ``done``;
+- after a SIGKILL and restart every ``201`` send exists, every acknowledged
+  completion is done, and every refused send is unknown.
 
 (A read-only ``chmod`` of the data directory would not do: the open files stay
 writable through their descriptors.)
@@ -23,7 +29,7 @@ import subprocess
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, List, Set, Tuple
 
 import pytest
 
@@ -69,20 +75,37 @@ class PipedBroker(BrokerProcess):
 
 
 def send(broker: BrokerProcess, message_id: str) -> int:
+    """Send a fresh message: ``201``, or ``503 busy`` with the §6 body; nothing else."""
     status, reply = broker.request("s1", "POST", "/messages",
                                    {"id": message_id, "to": "worker", "body": {"k": 1}})
-    if status >= 400:
-        assert set(reply) == {"error"} and set(reply["error"]) == {"code", "message"}, reply
     if status == 503:
-        assert reply["error"]["code"] == "busy"
+        assert reply == {"error": {"code": "busy", "message": reply["error"]["message"]}}, reply
+    else:
+        assert (status, reply) == (201, {"accepted": True, "id": message_id,
+                                         "duplicate": False}), (status, reply)
     return status
+
+
+def ack(broker: BrokerProcess, lease: Dict[str, Any]) -> Tuple[int, Any]:
+    return broker.request("worker", "POST", "/v1/ack", {
+        "messageId": lease["id"], "leaseId": lease["leaseId"], "outcome": "completed"})
+
+
+def states(broker: BrokerProcess, ids: List[str]) -> Dict[str, str]:
+    """The ``/v1/status`` of ``ids`` as ``{id: status}``."""
+    out: Dict[str, str] = {}
+    for i in range(0, len(ids), 200):
+        status, reply = broker.request("s1", "POST", "/v1/status",
+                                       {"messageIds": ids[i:i + 200]})
+        assert status == 200, reply
+        out.update((e["id"], e["status"]) for e in reply["messages"])
+    return out
 
 
 @pytest.mark.parametrize("storage", ["sqlite", "jsonl"])
 def test_full_disk_503_then_recovery(tmp_path, storage):
     broker = PipedBroker(str(tmp_path), storage=storage, leaseSeconds=30)
-    acked: Set[str] = set()
-    completed: Set[str] = set()
+    sent: List[str] = []
     try:
         broker.start()
         for agent in ("s1", "worker"):
@@ -90,71 +113,62 @@ def test_full_disk_503_then_recovery(tmp_path, storage):
         for _ in range(20):
             message_id = str(uuid.uuid4())
             assert send(broker, message_id) == 201
-            acked.add(message_id)
+            sent.append(message_id)
         status, pulled = broker.request("worker", "POST", "/v1/pull", {"limit": 5})
         leases = pulled["messages"]
+        assert (status, len(leases)) == (200, 5), pulled
+        before = states(broker, sent)
 
         broker.limit_files((1, resource.RLIM_INFINITY))  # the disk is full
-        refused: List[str] = []
-        statuses: Dict[int, int] = {}
-        for _ in range(6):  # each waits for the store's next commit retry (1 s)
-            message_id = str(uuid.uuid4())
-            status = send(broker, message_id)
-            statuses[status] = statuses.get(status, 0) + 1
-            if status in (200, 201):
-                acked.add(message_id)
-            else:
-                refused.append(message_id)
-        assert statuses.get(503, 0) >= 5, statuses
-        # Acks that cannot be stored are refused too; reads still work.
-        for m in leases:
-            status, reply = broker.request("worker", "POST", "/v1/ack", {
-                "messageId": m["id"], "leaseId": m["leaseId"], "outcome": "completed"})
-            assert status in (200, 503, 409), reply
-            if status == 200:
-                completed.add(m["id"])
-        assert broker.request("s1", "GET", "/")[0] == 200
+        refused = [str(uuid.uuid4()) for _ in range(6)]
+        for message_id in refused:  # each after the first waits for the 1 s commit retry
+            assert send(broker, message_id) == 503
+        for lease in leases:
+            status, reply = ack(broker, lease)
+            assert (status, reply["error"]["code"]) == (503, "busy"), reply
         # A resend of a refused id is not acknowledged while nothing can be written.
-        status = send(broker, refused[0])
-        assert status == 503, "a duplicate of an unstored message is not acknowledged"
+        assert send(broker, refused[0]) == 503, "a duplicate of an unstored message"
+        # Reads are answered from what is stored: the refused acks changed nothing.
+        assert states(broker, sent + refused) == {**before, **dict.fromkeys(refused,
+                                                                            "not_found")}
+        assert broker.request("s1", "GET", "/")[0] == 200
 
         broker.limit_files(UNLIMITED)  # the disk recovers
-        deadline = time.monotonic() + 15
-        recovered = False
-        while time.monotonic() < deadline:
-            message_id = str(uuid.uuid4())
-            status = send(broker, message_id)
-            if status in (200, 201):
-                acked.add(message_id)
-                recovered = True
-                break
-            time.sleep(0.2)
-        assert recovered, f"the broker did not recover: {broker.log()[-2000:]}"
+        recovered = str(uuid.uuid4())
+        assert send(broker, recovered) == 201, broker.log()[-2000:]
         for message_id in refused:
-            assert send(broker, message_id) in (200, 201)
-            acked.add(message_id)
+            assert send(broker, message_id) == 201, "a refused send was stored"
+        for lease in leases:  # the refused acks left each lease as it was
+            status, reply = ack(broker, lease)
+            assert (status, reply["status"]) == (200, "done"), reply
+        acked = sent + refused + [recovered]
 
         broker.kill()  # SIGKILL: only what was stored survives
         broker.start()
-        ids = sorted(acked)
-        status, reply = broker.request("s1", "POST", "/v1/status", {"messageIds": ids})
-        states = {e["id"]: e["status"] for e in reply["messages"]}
-        lost = [i for i in ids if states[i] == "not_found"]
-        assert not lost, f"{len(lost)} acknowledged sends lost"
-        for message_id in completed:
-            assert states[message_id] == "done"
+        done = {lease["id"] for lease in leases}
+        assert states(broker, acked) == {i: "done" if i in done else "queued" for i in acked}
         assert "Traceback" not in broker.log()
     finally:
         broker.kill()
 
 
+def wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("storage", ["sqlite", "jsonl"])
 def test_concurrent_sends_on_a_failing_disk_ack_only_what_is_stored(tmp_path, storage):
-    """Many sends in the same reactor turns as the failing ones: none is acknowledged
-    unless it survives a SIGKILL right after."""
+    """Many sends in the same reactor turns as the failing ones: every send is ``201``
+    or ``503``; after a SIGKILL right after, each ``201`` is stored and each ``503``
+    is not. The disk fails four times, each time until sends were refused, and
+    recovers each time until sends were stored again."""
     broker = PipedBroker(str(tmp_path), storage=storage)
     acked: Set[str] = set()
-    refused: List[str] = []
+    refused: Set[str] = set()
+    errors: List[str] = []
     lock = threading.Lock()
     stop = threading.Event()
 
@@ -163,13 +177,16 @@ def test_concurrent_sends_on_a_failing_disk_ack_only_what_is_stored(tmp_path, st
             message_id = str(uuid.uuid4())
             try:
                 status = send(broker, message_id)
-            except OSError:
+            except AssertionError as e:
+                errors.append(str(e))
                 return
             with lock:
-                if status in (200, 201):
-                    acked.add(message_id)
-                else:
-                    refused.append(message_id)
+                (acked if status == 201 else refused).add(message_id)
+
+    def grown(which: Set[str], by: int) -> Any:
+        with lock:
+            target = len(which) + by
+        return lambda: len(which) >= target
 
     try:
         broker.start()
@@ -179,24 +196,22 @@ def test_concurrent_sends_on_a_failing_disk_ack_only_what_is_stored(tmp_path, st
         for t in threads:
             t.start()
         for _ in range(4):
-            time.sleep(0.3)
+            wait_for(grown(acked, 20), "sends to be stored")
             broker.limit_files((1, resource.RLIM_INFINITY))
-            time.sleep(0.3)
+            wait_for(grown(refused, 6), "sends to be refused")
             broker.limit_files(UNLIMITED)
-        time.sleep(1.5)
+        wait_for(grown(acked, 20), "sends to be stored after the last recovery")
         stop.set()
         for t in threads:
             t.join(15)
+        assert not errors, errors[:3]
         broker.kill()
         broker.start()
-        ids = sorted(acked)
-        assert len(ids) > 50 and refused, (len(ids), len(refused))
-        lost = []
-        for i in range(0, len(ids), 200):
-            status, reply = broker.request("s1", "POST", "/v1/status",
-                                           {"messageIds": ids[i:i + 200]})
-            lost += [e["id"] for e in reply["messages"] if e["status"] == "not_found"]
-        assert not lost, f"{len(lost)} of {len(ids)} acknowledged sends lost"
+        found = states(broker, sorted(acked | refused))
+        lost = [i for i in acked if found[i] == "not_found"]
+        assert not lost, f"{len(lost)} of {len(acked)} acknowledged sends lost"
+        stored = [i for i in refused if found[i] != "not_found"]
+        assert not stored, f"{len(stored)} of {len(refused)} refused sends were stored"
     finally:
         stop.set()
         broker.kill()
