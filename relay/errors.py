@@ -59,6 +59,11 @@ def unknown_agent(message: str = "agent is not configured") -> RelayError:
     return RelayError(401, "unknown_agent", message)
 
 
+def unknown_key(message: str = "unknown relay key id") -> RelayError:
+    """A v3 request naming a key its agent lacks, or a key past its ``notAfter``."""
+    return RelayError(401, "unknown_key", message)
+
+
 def locked(message: str = "agent is locked after repeated authentication failures") -> RelayError:
     return RelayError(403, "locked", message)
 
