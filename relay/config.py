@@ -20,10 +20,12 @@ the secret file.
 
 from __future__ import annotations
 
+import datetime
 import difflib
+import math
 import os
 import secrets
-from dataclasses import dataclass, make_dataclass, replace
+from dataclasses import dataclass, field, make_dataclass, replace
 from types import MappingProxyType
 from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -41,21 +43,38 @@ from relay.endpoints import (  # noqa: F401 (endpoint helpers, named here too)
 )
 from relay.errors import ConfigError
 from relay.protocol import MAX_LEASE_SECONDS, is_valid_agent_name
+from relay.wire2.signing import KEY_ID, LEGACY_KEY_ID, SigningKey
 
-__all__ = ["AgentConfig", "Config", "ConfigError", "GroupConfig", "OpsConfig", "RESTART_KEYS",
-           "RoleConfig", "SETTINGS", "Setting", "load_config", "parse_config", "read_settings"]
+__all__ = ["AgentConfig", "Config", "ConfigError", "EXECUTION_MODES", "GroupConfig",
+           "OpsConfig", "RESTART_KEYS", "RoleConfig", "SETTINGS", "Setting", "load_config",
+           "may_send", "parse_config", "read_settings"]
 
 # The storage backends shipped with the relay; a dropin adds its own name (see
 # relay.store.plugins.store_factories, which load_config's callers pass in).
 BUILTIN_BACKENDS = ("memory", "sqlite", "jsonl", "postgres")
 
 
+# The execution modes of a v2/v3 request, each with its own send whitelist (PROTOCOL-V2 §5.1).
+EXECUTION_MODES = ("read", "continue", "write")
+
+
 @dataclass(frozen=True)
 class AgentConfig:
-    """Per-agent settings: own secrets and a send whitelist (None = anyone).
+    """Per-agent settings: own secrets and keyring, send whitelists (None = anyone).
 
-    ``secrets`` are every secret that verifies the agent's requests (several
-    while one is rotated); ``secret`` is the first, the one a client signs with.
+    ``secrets`` are every secret of ``secret`` (several while one is rotated);
+    ``secret`` is the one the broker signs the agent's webhooks with: the first of
+    ``secrets``, or the first key's when the agent has only ``keys``.
+
+    ``keys`` is the agent's keyring (WIRE-V2 §4), by key id, on every wire: the
+    ``legacy`` key holds ``secrets`` (made from them when not given), the others come
+    from ``agents.<name>.keys``. A request verifies with a key not past its
+    ``not_after``.
+
+    ``allowed_targets`` is the seed wire's whitelist, as written. The per-mode
+    whitelists of v2/v3 requests hold names in lower case; read and continue
+    default to ``allowed_targets`` (so None, anyone, when it is unset), write to
+    none: write is closed unless granted (:meth:`may_send`).
     """
 
     secret: Optional[str] = None
@@ -63,10 +82,52 @@ class AgentConfig:
     secrets: Tuple[str, ...] = ()
     # REACH §12: the operator's webhook URL for the agent (it wins over the agent's own)
     webhook: Optional[str] = None
+    keys: Mapping[str, SigningKey] = field(default_factory=dict)
+    allowed_read_targets: Optional[Tuple[str, ...]] = None
+    allowed_continue_targets: Optional[Tuple[str, ...]] = None
+    allowed_write_targets: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.secret is not None and not self.secrets:
             object.__setattr__(self, "secrets", (self.secret,))
+        keys = dict(self.keys)
+        if self.secrets:
+            legacy = keys.get(LEGACY_KEY_ID)
+            keys[LEGACY_KEY_ID] = SigningKey(
+                self.secrets, legacy.not_after if legacy is not None else None)
+            keys = {LEGACY_KEY_ID: keys.pop(LEGACY_KEY_ID), **keys}
+        object.__setattr__(self, "keys", MappingProxyType(keys))
+        if self.secret is None and keys:
+            object.__setattr__(self, "secret", next(iter(keys.values())).secrets[0])
+        default = (None if self.allowed_targets is None
+                   else tuple(t.strip().lower() for t in self.allowed_targets))
+        for mode in ("read", "continue"):
+            if getattr(self, f"allowed_{mode}_targets") is None:
+                object.__setattr__(self, f"allowed_{mode}_targets", default)
+
+    def targets_for(self, mode: str) -> Optional[Tuple[str, ...]]:
+        """The whitelist of a v2/v3 request of ``mode`` (``read``, ``continue`` or
+        ``write``): None means anyone."""
+        if mode not in EXECUTION_MODES:
+            raise ValueError(f"no execution mode {mode!r}")
+        return getattr(self, f"allowed_{mode}_targets")
+
+    def may_send(self, target: str, mode: str) -> bool:
+        """True when a v2/v3 request of ``mode`` may go to ``target`` (a lower-case name)."""
+        targets = self.targets_for(mode)
+        return targets is None or target in targets
+
+
+def may_send(agents: Mapping[str, AgentConfig], origin: str, target: str, mode: str) -> bool:
+    """The per-mode ACL of a v2/v3 request (PROTOCOL-V2 §5.1): an agent with an entry in
+    ``agents`` sends as :meth:`AgentConfig.may_send` says; one without may send read and
+    continue requests to anyone, and write requests to no one."""
+    entry = agents.get(origin)
+    if entry is None:
+        if mode not in EXECUTION_MODES:
+            raise ValueError(f"no execution mode {mode!r}")
+        return mode != "write"
+    return entry.may_send(target, mode)
 
 
 @dataclass(frozen=True)
@@ -106,6 +167,7 @@ KIND_TYPES: Mapping[str, Any] = MappingProxyType({
     "secrets": Tuple[str, ...],   # a secret, or a list of them while one is rotated
     "endpoints": Tuple[str, ...],  # Twisted endpoint strings (at least ``lo`` of them)
     "hosts": Tuple[str, ...],     # host names, read in lower case
+    "names": Tuple[str, ...],     # agent names, read in lower case
     "prefixes": Tuple[str, ...],  # http:// or https:// URL prefixes, as written
 })
 
@@ -202,6 +264,8 @@ class Setting:
             return read_endpoints(section, key, prefix, default, base_dir, int(self.lo or 0))
         if kind == "hosts":
             return read_hosts(section, key, prefix, default)
+        if kind == "names":
+            return read_names(section, key, prefix, default)
         if kind == "prefixes":
             return read_url_prefixes(section, key, prefix, default)
         value = read_str(section, key, prefix, default)
@@ -278,6 +342,8 @@ SETTINGS: Tuple[Setting, ...] = (
     _broker("maxAttempts", "max_attempts", "int", 3, 0, 1000),
     _broker("maxDeliveries", "max_deliveries", "int", 10, 0, 1000),
     _broker("notifyFailures", "notify_failures", "bool", True),
+    # The reference's switch of the undelivered replies to v2/v3 senders (WIRE-V2 §3).
+    _broker("notifyFailedToSender", "notify_failed_to_sender", "bool", True),
     _broker("messageTtlDays", "message_ttl_days", "number", 7, 0, 36500, restart=True,
             restart_part="the sweep interval"),
     _broker("sweepSeconds", "sweep_seconds", "number", 5, 0.05, 3600, restart=True),
@@ -304,6 +370,8 @@ SETTINGS: Tuple[Setting, ...] = (
     _security("lockAfterFailures", "lock_after_failures", "int", 5, 1, 1_000_000),
     _security("lockMinutes", "lock_minutes", "number", 5, 0.01, 525600),
     _security("requireNonce", "require_nonce", "bool", False),
+    # The reference's operators: v2 agents that may requeue or cancel any message.
+    _security("admin_agents", "admin_agents", "names", ()),
 )
 
 # The settings of each section, and the keys they make known.
@@ -388,18 +456,24 @@ Config = _settings_class(
 )
 
 
-# Keys the reference broker accepts for its own later protocol generations.
-# They are read without error (so its config files load) and have no effect here.
-_IGNORED_BROKER_KEYS = frozenset({"notifyFailedToSender"})
-_IGNORED_SECURITY_KEYS = frozenset({"admin_agents"})
-_IGNORED_AGENT_KEYS = frozenset(
-    {"keys", "allowed_read_targets", "allowed_continue_targets", "allowed_write_targets"}
-)
+# Keys read without error and with no effect (none at present: every key of the
+# reference broker's config means here what it means there).
+_IGNORED_BROKER_KEYS: frozenset = frozenset()
+_IGNORED_SECURITY_KEYS: frozenset = frozenset()
+_IGNORED_AGENT_KEYS: frozenset = frozenset()
 
 # The top-level keys of the config file.
 _SECTIONS = ("broker", "security", "agents", "groups", "roles")
 
-_AGENT_KEYS = frozenset({"secret", "allowed_targets", "allowedTargets", "webhook"})
+# The send whitelists of an agent: the seed wire's, then one per v2/v3 execution mode,
+# each in the reference's spelling and in camelCase.
+_TARGET_KEYS = (("allowed_targets", "allowedTargets"),
+                ("allowed_read_targets", "allowedReadTargets"),
+                ("allowed_continue_targets", "allowedContinueTargets"),
+                ("allowed_write_targets", "allowedWriteTargets"))
+_AGENT_KEYS = frozenset({"secret", "webhook", "keys"} | {k for pair in _TARGET_KEYS for k in pair})
+# The keys of one key of a keyring; notAfter is also spelled not_after (the reference's).
+_KEY_KEYS = frozenset({"secret", "secretFile", "notAfter", "not_after"})
 
 
 def _section(data: Mapping[str, Any], key: str) -> Dict[str, Any]:
@@ -493,6 +567,19 @@ def read_hosts(section: Mapping[str, Any], key: str, prefix: str,
     return tuple(h.strip().lower() for h in raw)
 
 
+def read_names(section: Mapping[str, Any], key: str, prefix: str,
+               default: Tuple[str, ...]) -> Tuple[str, ...]:
+    """``section[key]``, a list of agent names (read in lower case); ``default`` when
+    absent."""
+    raw = section.get(key)
+    if raw is None:
+        return default
+    if not isinstance(raw, list) or not all(
+            isinstance(n, str) and is_valid_agent_name(n.strip()) for n in raw):
+        raise ConfigError(f"{prefix}.{key}", "must be a list of agent names")
+    return tuple(n.strip().lower() for n in raw)
+
+
 def read_url_prefixes(section: Mapping[str, Any], key: str, prefix: str,
                       default: Tuple[str, ...]) -> Tuple[str, ...]:
     """``section[key]``, a list of URL prefixes each starting with ``http://`` or
@@ -565,7 +652,135 @@ def _agent_webhook(entry: Mapping[str, Any], prefix: str) -> Optional[str]:
     return raw
 
 
-def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]:
+def _targets(entry: Mapping[str, Any], prefix: str, spellings: Tuple[str, str]
+             ) -> Optional[Tuple[str, ...]]:
+    """A whitelist of ``entry`` under either spelling, as written; None when absent."""
+    present = [k for k in spellings if entry.get(k) is not None]
+    if len(present) > 1:
+        raise ConfigError(f"{prefix}.{present[1]}", f"set either {present[0]} or {present[1]}")
+    if not present:
+        return None
+    key = present[0]
+    targets = entry[key]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ConfigError(f"{prefix}.{key}", "must be a list of agent names")
+    return tuple(targets)
+
+
+def _lower(targets: Optional[Tuple[str, ...]]) -> Optional[Tuple[str, ...]]:
+    return None if targets is None else tuple(t.strip().lower() for t in targets)
+
+
+def _not_after(spec: Mapping[str, Any], prefix: str) -> Optional[float]:
+    """``notAfter`` (or ``not_after``) of a key: epoch seconds, from a number or an ISO
+    8601 date and time; None when absent."""
+    present = [k for k in ("notAfter", "not_after") if spec.get(k) is not None]
+    if len(present) > 1:
+        raise ConfigError(f"{prefix}.not_after", "set either notAfter or not_after")
+    if not present:
+        return None
+    key = f"{prefix}.{present[0]}"
+    value = spec[present[0]]
+    reason = ("must be a time: epoch seconds (1798761600) or an ISO 8601 date and time "
+              "(2027-01-01T00:00:00Z)")
+    when: Optional[float] = None
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = float(text)
+        except ValueError:
+            if "T" in text.upper() or " " in text:
+                try:
+                    value = datetime.datetime.fromisoformat(
+                        text[:-1] + "+00:00" if text.upper().endswith("Z") else text)
+                except ValueError:
+                    raise ConfigError(key, reason) from None
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:  # YAML reads a time without a zone as UTC
+            value = value.replace(tzinfo=datetime.timezone.utc)
+        when = value.timestamp()
+    elif isinstance(value, datetime.date):
+        raise ConfigError(key, reason + "; a date alone is ambiguous, give the time too")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        when = float(value)
+    if when is None or not math.isfinite(when) or when <= 0:
+        raise ConfigError(key, reason)
+    return when
+
+
+def _key_secret(spec: Mapping[str, Any], prefix: str, base_dir: str,
+                key_files: Mapping[str, str]) -> Optional[str]:
+    """The secret of one key of a keyring: ``secret``, or the one line of ``secretFile``
+    (its text is in ``key_files``, by absolute path); None when neither is set."""
+    inline, path = spec.get("secret"), spec.get("secretFile")
+    if inline is not None and path is not None:
+        raise ConfigError(f"{prefix}.secret", "set either secret or secretFile")
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{prefix}.secretFile", "must be a non-empty string")
+        full = _resolve(base_dir, path)
+        text = key_files.get(full)
+        if text is None:
+            raise ConfigError(f"{prefix}.secretFile", f"cannot read {full}")
+        lines = split_secrets(text)
+        if len(lines) != 1:
+            raise ConfigError(f"{prefix}.secretFile", f"{full} is empty" if not lines else
+                              f"{full} holds {len(lines)} lines; a key has one secret "
+                              "(rotate by adding a key with another id)")
+        inline, where = lines[0], f"{prefix}.secretFile"
+    elif inline is not None:
+        where = f"{prefix}.secret"
+        if not isinstance(inline, str) or not inline:
+            raise ConfigError(where, "must be a non-empty string")
+    else:
+        return None
+    if inline in PLACEHOLDER_SECRETS:
+        raise ConfigError(where, "is a placeholder; make a real secret")
+    check_secret_strength(where, inline)
+    return inline
+
+
+def _keyring(entry: Mapping[str, Any], prefix: str, agent_secrets: Tuple[str, ...],
+             base_dir: str, key_files: Mapping[str, str]) -> Dict[str, SigningKey]:
+    """``agents.<name>.keys``: ``{key id: {secret | secretFile, notAfter?}}``. The key
+    ``legacy`` is the agent's ``secret``: it may be listed without a secret (to give it
+    a ``notAfter``), or with the same one."""
+    raw = entry.get("keys")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{prefix}.keys", "must be a non-empty mapping of key id to "
+                                            "{secret | secretFile, notAfter}")
+    ring: Dict[str, SigningKey] = {}
+    for key_id, spec in raw.items():
+        where = f"{prefix}.keys.{key_id}"
+        if not isinstance(key_id, str) or not KEY_ID.match(key_id):
+            raise ConfigError(where, "a key id is 1-64 of A-Z a-z 0-9 . _ -, starting with a "
+                                     "letter or digit")
+        if spec is None:
+            spec = {}
+        if not isinstance(spec, dict):
+            raise ConfigError(where, "must be a mapping: {secret | secretFile, notAfter}")
+        check_keys(spec, where, _KEY_KEYS, frozenset())
+        secret = _key_secret(spec, where, base_dir, key_files)
+        not_after = _not_after(spec, where)
+        if key_id == LEGACY_KEY_ID and agent_secrets:
+            if secret is not None and secret not in agent_secrets:
+                raise ConfigError(f"{where}.secret", f"differs from {prefix}.secret; the legacy "
+                                                     "key is that secret (leave this one out)")
+            ring[key_id] = SigningKey(agent_secrets, not_after)
+        elif secret is None:
+            raise ConfigError(f"{where}.secret", "is not set (set secret or secretFile"
+                              + (", or the agent's secret" if key_id == LEGACY_KEY_ID else "")
+                              + ")")
+        else:
+            ring[key_id] = SigningKey((secret,), not_after)
+    return ring
+
+
+def _agents(data: Mapping[str, Any], base_dir: str = ".",
+            key_files: Optional[Mapping[str, str]] = None
+            ) -> Tuple[Dict[str, AgentConfig], List[str]]:
     raw = _section(data, "agents")
     agents: Dict[str, AgentConfig] = {}
     skipped: List[str] = []
@@ -581,21 +796,19 @@ def _agents(data: Mapping[str, Any]) -> Tuple[Dict[str, AgentConfig], List[str]]
         agent_secrets = read_secrets(entry, "secret", prefix) or ()
         for secret in agent_secrets:
             check_secret_strength(f"{prefix}.secret", secret)
-        key = "allowed_targets" if "allowed_targets" in entry else "allowedTargets"
-        targets = entry.get(key)
-        if targets is not None:
-            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-                raise ConfigError(f"{prefix}.{key}", "must be a list of agent names")
-            targets = tuple(targets)
-        agents[name] = AgentConfig(secret=agent_secrets[0] if agent_secrets else None,
-                                   allowed_targets=targets, secrets=agent_secrets,
-                                   webhook=_agent_webhook(entry, prefix))
-    with_secret = [n for n, a in agents.items() if a.secret]
-    if with_secret and len(with_secret) != len(agents):
-        missing = sorted(n for n, a in agents.items() if not a.secret)
+        targets, read, cont, write = (_targets(entry, prefix, pair) for pair in _TARGET_KEYS)
+        agents[name] = AgentConfig(
+            secret=agent_secrets[0] if agent_secrets else None, allowed_targets=targets,
+            secrets=agent_secrets, webhook=_agent_webhook(entry, prefix),
+            keys=_keyring(entry, prefix, agent_secrets, base_dir, key_files or {}),
+            allowed_read_targets=_lower(read), allowed_continue_targets=_lower(cont),
+            allowed_write_targets=_lower(write) or ())
+    with_keys = [n for n, a in agents.items() if a.keys]
+    if with_keys and len(with_keys) != len(agents):
+        missing = sorted(n for n, a in agents.items() if not a.keys)
         raise ConfigError(
             f"agents.{missing[0]}.secret",
-            "per-agent authentication requires a secret for every configured agent",
+            "per-agent authentication requires a secret (or keys) for every configured agent",
         )
     return agents, skipped
 
@@ -728,12 +941,14 @@ def _check_plaintext(listen: Sequence[str]) -> None:
 def parse_config(
     data: Any, base_dir: str, secret_from_file: Optional[str] = None,
     backends: Collection[str] = BUILTIN_BACKENDS, token_from_file: Optional[str] = None,
+    key_files: Optional[Mapping[str, str]] = None,
 ) -> Config:
     """Validate a parsed YAML document; relative paths are taken from ``base_dir``.
 
     ``secret_from_file`` is the content of ``broker.secretFile`` when the
     caller has read it (one secret per line), ``token_from_file`` that of
-    ``broker.opsTokenFile``. ``backends`` names the storage backends whose own
+    ``broker.opsTokenFile``, ``key_files`` the content of each ``secretFile`` of an
+    agent's keyring, by absolute path. ``backends`` names the storage backends whose own
     section ``broker.<name>`` may appear; each section is kept as written, for
     its backend's factory to validate.
     """
@@ -758,17 +973,20 @@ def parse_config(
     scalar = {key: value for key, value in broker.items() if key not in backend_sections}
     skipped = check_keys(scalar, "broker", _BROKER_KEYS, _IGNORED_BROKER_KEYS)
     skipped += check_keys(security, "security", _SECURITY_KEYS, _IGNORED_SECURITY_KEYS)
-    agents, skipped_agents = _agents(data)
+    agents, skipped_agents = _agents(data, base_dir, key_files)
     groups, roles = _teams(data, agents)
     values = read_settings(BROKER_SETTINGS, scalar, base_dir)
     values.update(read_settings(SECURITY_SETTINGS, security, base_dir))
 
     values["secrets"] = _shared_secrets(values, secret_from_file)
     warnings: List[str] = []
-    if not any(a.secret for a in agents.values()) and any(
-            a.allowed_targets is not None for a in agents.values()):
+    if not any(a.keys for a in agents.values()) and any(
+            a.allowed_targets is not None or a.allowed_write_targets
+            or a.allowed_read_targets is not None or a.allowed_continue_targets is not None
+            for a in agents.values()):
         warnings.append(
-            "agents.*.allowed_targets is set but the agents share one secret: any agent can "
+            "agents.*.allowed_targets (or a per-mode list) is set but the agents share one "
+            "secret: any agent can "
             "sign as any other, so the routing ACL protects nothing; give each agent its own "
             "agents.<name>.secret")
     if values["listen"] is None:
@@ -884,13 +1102,38 @@ def load_config(path: str, overrides: Optional[Dict[str, Any]] = None,
 
     secret_from_file = from_file("secretFile", "secret")
     token_from_file = from_file("opsTokenFile", "opsToken")
-    config = parse_config(data, base_dir, secret_from_file, backends, token_from_file)
+    key_files: Dict[str, str] = {}
+    for key, key_path in _key_files(data, base_dir):
+        try:
+            with open(key_path, encoding="utf-8") as f:
+                key_files[key_path] = f.read()
+        except OSError as e:
+            raise ConfigError(key, f"cannot read {key_path}: {e.strerror}") from None
+        if os.stat(key_path).st_mode & 0o077:
+            exposed.append(f"{key_path} ({key}) is readable by other users: chmod 600 it")
+    config = parse_config(data, base_dir, secret_from_file, backends, token_from_file,
+                          key_files)
     if _holds_secrets(data) and os.stat(path).st_mode & 0o077:
         exposed.append(f"{path} holds secrets and is readable by other users: chmod 600 it, "
                        "or keep the secret in broker.secretFile")
     if exposed:
         config = replace(config, warnings=config.warnings + tuple(exposed))
     return config, tuple(created)
+
+
+def _key_files(data: Any, base_dir: str) -> List[Tuple[str, str]]:
+    """``(key, absolute path)`` of every ``agents.<name>.keys.<id>.secretFile`` of ``data``
+    (the ones well formed enough to name a file; :func:`parse_config` judges the rest)."""
+    agents = data.get("agents") if isinstance(data, dict) else None
+    found = []
+    for name, entry in (agents.items() if isinstance(agents, dict) else ()):
+        keys = entry.get("keys") if isinstance(entry, dict) else None
+        for key_id, spec in (keys.items() if isinstance(keys, dict) else ()):
+            path = spec.get("secretFile") if isinstance(spec, dict) else None
+            if isinstance(path, str) and path:
+                found.append((f"agents.{name}.keys.{key_id}.secretFile",
+                              _resolve(base_dir, path)))
+    return found
 
 
 def _holds_secrets(data: Any) -> bool:
@@ -900,4 +1143,10 @@ def _holds_secrets(data: Any) -> bool:
     agents = data.get("agents")
     return (isinstance(broker, dict) and broker.get("secret") is not None) or (
         isinstance(agents, dict)
-        and any(isinstance(a, dict) and a.get("secret") for a in agents.values()))
+        and any(isinstance(a, dict) and (a.get("secret") or _inline_keys(a.get("keys")))
+                for a in agents.values()))
+
+
+def _inline_keys(keys: Any) -> bool:
+    return isinstance(keys, dict) and any(
+        isinstance(k, dict) and k.get("secret") for k in keys.values())

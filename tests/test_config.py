@@ -90,7 +90,8 @@ agents:
     assert config.data_dir == "/srv/relay/state"
     assert config.agents["alpha"].allowed_targets == ("beta", "gamma")
     assert config.agents["beta"].allowed_targets is None
-    assert set(config.ignored_keys) == {"broker.notifyFailedToSender", "security.admin_agents"}
+    assert config.notify_failed_to_sender is True and config.admin_agents == ("ops",)
+    assert config.ignored_keys == (), "every reference key means here what it means there"
 
 
 @pytest.mark.parametrize(
