@@ -37,6 +37,15 @@ from relay.protocol import (
     is_valid_agent_name,
 )
 from relay.signing import NONCE, signed_bytes
+from relay.wire2.signing import (
+    LEGACY_KEY_ID,
+    Keyring,
+    Refusal,
+    SignedHeaders,
+    SigningKey,
+    check_request,
+    read_agent,
+)
 
 RATE_WINDOW_SECONDS = 60.0
 MAX_TRACKED = 50_000
@@ -333,13 +342,17 @@ MAX_NONCES = 200_000
 
 class Signed(NamedTuple):
     """A request whose signature verified: the agent that signed it, its nonce
-    (None without ``X-Relay-Nonce``), its timestamp, and the client address it came
-    from."""
+    (None without ``X-Relay-Nonce``, and always on the v2/v3 wire), its timestamp, the
+    client address it came from, the id of the agent's key that verified it
+    (:data:`~relay.wire2.signing.LEGACY_KEY_ID` for the agent's ``secret`` or the
+    shared secret), and the wire's scheme: ``seed``, ``v2`` or ``v3``."""
 
     agent: str
     nonce: Optional[str]
     timestamp: int
     source: str = ""
+    key_id: str = LEGACY_KEY_ID
+    scheme: str = "seed"
 
 
 class SharedNonces(Protocol):
@@ -401,24 +414,32 @@ class NonceTable:
 
 # Why a request failed authentication: the ``reason`` of ``relay_auth_failures_total``.
 FAILURE_REASONS = ("missing_headers", "bad_nonce", "bad_agent_name", "unknown_agent", "locked",
-                   "bad_timestamp", "clock_skew", "bad_signature", "replayed")
+                   "bad_timestamp", "clock_skew", "bad_signature", "replayed", "unknown_key",
+                   "expired_key")
 
 
-def _keys(secrets: Sequence[str]) -> Tuple[Any, ...]:
-    """A keyed HMAC-SHA256 per secret, copied per request (the key is prepared once).
+def _keys(ring: Keyring) -> Tuple[Tuple[Any, str, Optional[float]], ...]:
+    """A keyed HMAC-SHA256 per secret of ``ring``, copied per request (the key is
+    prepared once), with the id and ``not_after`` of its key.
 
     Where :mod:`hmac` wraps OpenSSL's HMAC object, that object itself: its ``copy``,
     ``update`` and ``hexdigest`` are the same, without a Python call each."""
-    keyed = (hmac.new(s.encode("utf-8"), digestmod=hashlib.sha256) for s in secrets)
-    return tuple(getattr(key, "_hmac", None) or key for key in keyed)
+    prepared = []
+    for key_id, key in ring.items():
+        for secret in key.secrets:
+            mac = hmac.new(secret.encode("utf-8"), digestmod=hashlib.sha256)
+            prepared.append((getattr(mac, "_hmac", None) or mac, key_id, key.not_after))
+    return tuple(prepared)
 
 
 class Authenticator:
-    """Checks the §3 headers of a request (and the §9 nonce) and names the agent that
-    signed it.
+    """Checks the §3 headers of a request (and the §9 nonce), or those of the v2/v3
+    wire (:meth:`verify_v2`), and names the agent that signed it.
 
-    An agent (or the shared secret) may have several secrets, while one is
-    rotated: a signature made with any of them verifies. ``on_failure(reason)``
+    Each agent has a keyring (WIRE-V2 §4; without per-agent secrets, every agent has
+    the one key ``legacy`` of the shared secrets): a seed-wire or v2 signature made
+    with any key not past its ``notAfter`` verifies, a v3 one with the key it names.
+    A key may hold several secrets while one is rotated. ``on_failure(reason)``
     hears of every refused request (a reason of :data:`FAILURE_REASONS`).
     ``lockout`` and ``nonces`` carry over the state of the authenticator this one
     replaces (a reload), so a reload neither lifts a lock nor forgets a nonce.
@@ -445,14 +466,19 @@ class Authenticator:
         self.on_failure = on_failure
         self.require_nonce = require_nonce
         self.nonces = nonces if nonces is not None else NonceTable(clock, max_nonces)
-        self.per_agent = any(a.secrets for a in agents.values())
+        self.per_agent = any(a.keys for a in agents.values())
+        self._rings: Dict[str, Keyring] = {}
         self._keys: Dict[str, Tuple[Any, ...]] = {}
+        self._shared_ring: Optional[Keyring] = None
         self._shared: Optional[Tuple[Any, ...]] = None
         if self.per_agent:
             for name, agent in agents.items():
-                self._keys[name] = _keys(agent.secrets)
+                self._rings[name] = agent.keys
+                self._keys[name] = _keys(agent.keys)
         else:
-            self._shared = _keys(shared_secrets or (shared_secret,))
+            self._shared_ring = {LEGACY_KEY_ID: SigningKey(
+                tuple(shared_secrets or (shared_secret,)))}
+            self._shared = _keys(self._shared_ring)
         if lockout is None:
             lockout = Lockout(clock, lock_after_failures, lock_seconds, max_tracked)
         else:  # a reload keeps the failure counts and locks, under the new settings
@@ -504,6 +530,13 @@ class Authenticator:
         if self._shared is not None:
             return self._shared
         return self._keys.get(agent)
+
+    def keyring(self, agent: str) -> Optional[Keyring]:
+        """The keys that verify ``agent``'s requests, by id; None for an agent this
+        broker does not know (one not configured, where agents have their own secrets)."""
+        if self._shared_ring is not None:
+            return self._shared_ring
+        return self._rings.get(agent)
 
     def verify(
         self,
@@ -570,12 +603,22 @@ class Authenticator:
         signed = signed_bytes(method, path, timestamp_header, raw_body, agent_header,
                               nonce_header)
         signature = signature_header.lower()
-        for key in keys:
+        now = self.clock.seconds()
+        expired = False
+        key_id = None
+        for key, kid, not_after in keys:
+            if not_after is not None and now > not_after:
+                expired = True
+                continue
             mac = key.copy()
             mac.update(signed)
             if hmac.compare_digest(mac.hexdigest().encode("ascii"), signature):
+                key_id = kid
                 break
-        else:
+        if key_id is None:
+            if expired and _signed_by_expired(keys, now, signed, signature):
+                raise self._refused("expired_key", errors.unauthenticated(
+                    "signed with a key past its notAfter; sign with a current key"))
             raise self._failed(agent, source, "bad_signature", errors.unauthenticated(
                 "invalid signature; check the secret and the clock"))
         if nonce is not None:
@@ -584,9 +627,62 @@ class Authenticator:
             except errors.RelayError as error:
                 raise (self._refused("replayed", error) if error.status == 401 else error) from None
             if self.nonces.shared is not None:  # the success is the claim's to count
-                return Signed(agent, nonce, timestamp, source)
+                return Signed(agent, nonce, timestamp, source, key_id)
         self.lockout.succeeded(agent, source)
-        return Signed(agent, nonce, timestamp, source)
+        return Signed(agent, nonce, timestamp, source, key_id)
+
+    def verify_v2(self, method: bytes, path: bytes, headers: SignedHeaders, raw_body: bytes,
+                  source: str = "") -> Signed:
+        """Authenticate a request of the v2/v3 wire (one carrying ``X-Agent-Relay-Agent``)
+        from the client address ``source``; returns who signed it, with which key and
+        scheme (``v3`` when it names a key id, else ``v2``). ``method`` and ``path`` are
+        the request's method and target (path and query) as sent, ``headers`` its four
+        authentication headers (``SignedHeaders.read(header)``), ``raw_body`` the body
+        as received.
+
+        The same rails as :meth:`verify`: unknown agents, the failure lockout (shared
+        with the seed wire: it counts per agent and address), the rate limit (the
+        caller's, before this). The v2/v3 wire carries no nonce, so a broker with
+        ``security.requireNonce`` refuses every v2/v3 request. Raises a RelayError
+        whose body is the reference's ``{"error": {"code", "message"}}``:
+
+        - ``401 unauthenticated``: a missing or empty header, a bad agent name, a
+          timestamp not a number or more than 300 s off, a signature no key
+          verifies, or ``requireNonce`` set;
+        - ``401 unknown_agent``: an agent this broker does not know (where agents
+          have their own secrets);
+        - ``401 unknown_key``: a v3 key id the agent's keyring lacks, or a key past
+          its ``notAfter``;
+        - ``403 locked``: the agent is locked for this address, or everywhere.
+
+        As with :meth:`verify`, a failure that counts toward the lockout (a bad
+        timestamp or signature) carries in ``pending`` the Deferred of its count in a
+        table shared with other brokers: answer once it fired.
+        """
+        try:
+            agent = read_agent(headers)
+        except Refusal as refusal:
+            raise self._refused(refusal.reason, refusal.error) from None
+        ring = self.keyring(agent)
+        if ring is None:
+            raise self._refused("unknown_agent", errors.unknown_agent())
+        left, scope = self.lockout.seconds_left(agent, source)
+        if left > 0:
+            raise self._refused("locked", errors.locked(locked_message(agent, scope, left)))
+        if self.require_nonce:
+            raise self._refused("bad_nonce", errors.unauthenticated(
+                "this broker requires a signed nonce on every request (security.requireNonce); "
+                "the v2/v3 wire carries none"))
+        try:
+            verified = check_request(ring, agent, headers, method, path, raw_body,
+                                     self.clock.seconds())
+        except Refusal as refusal:
+            if refusal.counts:
+                raise self._failed(agent, source, refusal.reason, refusal.error) from None
+            raise self._refused(refusal.reason, refusal.error) from None
+        self.lockout.succeeded(agent, source)
+        return Signed(agent, None, verified.timestamp, source, verified.key_id,
+                      verified.scheme)
 
     def claim(self, signed: Signed) -> Deferred:
         """The second step, where :attr:`shares_nonces` and ``signed.nonce`` is not
@@ -629,6 +725,18 @@ def locked_message(agent: str, scope: str, seconds_left: float) -> str:
             f"agent {agent} is locked for this address after repeated authentication failures")
     return (f"{what}; try again in {left}, or an operator clears it with "
             f"`relay unlock {agent}` or the dashboard")
+
+
+def _signed_by_expired(keys: Tuple[Tuple[Any, str, Optional[float]], ...], now: float,
+                       signed: bytes, signature: bytes) -> bool:
+    """True when a key of ``keys`` past its ``not_after`` made ``signature``."""
+    for key, _, not_after in keys:
+        if not_after is not None and now > not_after:
+            mac = key.copy()
+            mac.update(signed)
+            if hmac.compare_digest(mac.hexdigest().encode("ascii"), signature):
+                return True
+    return False
 
 
 def _is_integer(value: bytes) -> bool:

@@ -65,7 +65,7 @@ def nonce_request(auth: Authenticator, agent: str = "alpha", nonce: str = NONCE)
     headers = auth_headers(SECRET, agent, "GET", "/peers", ts, b"", nonce)
     signed = auth.verify(b"GET", b"/peers", agent.encode(), str(ts).encode(),
                          headers["X-Relay-Signature"].encode(), b"", nonce.encode())
-    assert signed == (agent, nonce, ts, "")
+    assert signed == (agent, nonce, ts, "", "legacy", "seed")
     if auth.shares_nonces and signed.nonce is not None:
         return auth.claim(signed)
     return signed.agent
@@ -143,7 +143,8 @@ def test_requests_without_a_nonce_or_without_sharing_are_answered_at_once():
     headers = auth_headers(SECRET, "alpha", "GET", "/peers", ts, b"")
     signed = auth.verify(b"GET", b"/peers", b"alpha", str(ts).encode(),
                          headers["X-Relay-Signature"].encode(), b"")
-    assert signed == ("alpha", None, ts, "") and shared.claims == [], "no nonce, no claim"
+    assert signed == ("alpha", None, ts, "", "legacy", "seed")
+    assert shared.claims == [], "no nonce, no claim"
     with pytest.raises(ValueError):
         auth.claim(signed)
 
