@@ -34,6 +34,7 @@ from relay.store.interface import ISharedLockouts, ISharedNonces
 from relay.streams import EventStreams
 from relay.web import RelayAPI
 from relay.webhooks import HookSettings, Poster, WebhookDelivery, treq_poster
+from relay.wire2.operations import ModeACL
 
 log = Logger(namespace="relay.service")
 
@@ -180,7 +181,8 @@ def make_api(config: Config, store, clock: IReactorTime,
         auth.nonces.share(store)
     limiter = RateLimiter(clock, config.rate_limit_loopback, config.rate_limit_remote,
                           on_refusal=_log_rate_refusal)
-    return RelayAPI(broker, auth, limiter, config.allowed_hosts)
+    return RelayAPI(broker, auth, limiter, config.allowed_hosts, ModeACL.from_config(config),
+                    config.agents)
 
 
 @dataclass
@@ -205,7 +207,7 @@ class Assembly:
     def reconfigure(self, config: Config) -> None:
         """Put the settings of ``config`` that need no restart in force."""
         self.api.configure(make_authenticator(config, self.clock, self.counters, self.api.auth),
-                           config.allowed_hosts)
+                           config.allowed_hosts, ModeACL.from_config(config), config.agents)
         self.api.rate_limiter.configure(config.rate_limit_loopback, config.rate_limit_remote)
         self.broker.configure(Policy.from_config(config))
         self.broker.streams.configure(config.max_streams_per_agent, config.max_streams)

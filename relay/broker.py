@@ -240,6 +240,8 @@ class Broker:
                 **({"webhooks": {"maxAttempts": self.webhooks.settings.max_attempts}}
                    if self.webhooks is not None else {}),
                 "groups": True,
+                # WIRE-V2 §5: the reference's v2/v3 wire on the same listener and store.
+                "wireV2": {"schemes": ["v2", "v3"]},
             },
             "storage": self.storage(),
         }

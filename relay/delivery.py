@@ -45,6 +45,7 @@ from relay.protocol import (
     notice_id,
     parse_json_body,
 )
+from relay.wire2 import views
 
 _UNDECODED = object()  # Message._body before its stored JSON text is read
 _new_message = object.__new__
@@ -71,7 +72,11 @@ class Message:
 
     ``not_before`` (epoch seconds) is when a delayed or retried-after message
     becomes deliverable; ``delay_until`` and ``expires_at`` are the sender's
-    ``delaySeconds`` and ``ttlSeconds`` as times, fixed at send.
+    ``delaySeconds`` and ``ttlSeconds`` as times, fixed at send. ``v2`` is None
+    for a message sent on the seed wire, else the compact JSON text of what a
+    v2/v3 sender set that the seed envelope has no field for
+    (:func:`relay.wire2.views.v2_meta`): its execution mode, session reference
+    and shared-write grant (WIRE-V2 §3).
     """
 
     __slots__ = (
@@ -102,6 +107,7 @@ class Message:
         "expires_at",
         "via",
         "sent_id",
+        "v2",
         "_bytes",
     )
 
@@ -134,6 +140,7 @@ class Message:
         expires_at: Optional[float] = None,
         via: Optional[str] = None,
         sent_id: Optional[str] = None,
+        v2: Optional[str] = None,
     ) -> None:
         self.seq = seq
         self.id = id
@@ -169,6 +176,7 @@ class Message:
         # and the id its sender sent under.
         self.via = via
         self.sent_id = sent_id
+        self.v2 = v2
         self._bytes: Optional[int] = None
 
     @property
@@ -239,6 +247,7 @@ class Message:
         other.expires_at = self.expires_at
         other.via = self.via
         other.sent_id = self.sent_id
+        other.v2 = self.v2
         other._bytes = self._bytes
         return other
 
@@ -620,8 +629,15 @@ def deliverable(message: Message, now: float) -> bool:
     return message.status == QUEUED and due(message, now) and not expired(message, now)
 
 
-def failure_notice(request: Message, event: str, now: float) -> Message:
-    """The notice of §4: from the request's recipient to its sender, a reply to it."""
+def failure_notice(request: Message, event: str, now: float, max_deliveries: int = 0
+                   ) -> Message:
+    """The notice of §4: from the request's recipient to its sender, a reply to it.
+
+    A request sent on the v2/v3 wire gets the notice that wire knows instead: an
+    ``undelivered`` reply in text, with the request's mode, reference and topic
+    (WIRE-V2 §3; ``max_deliveries`` is the limit it quotes)."""
+    if request.v2 is not None:
+        return _undelivered_v2(request, event, now, max_deliveries)
     body = {"relayNotice": {"event": event, "messageId": request.id,
                             "attempts": request.attempts, "deliveries": request.deliveries,
                             "error": request.error}}
@@ -638,11 +654,30 @@ def failure_notice(request: Message, event: str, now: float) -> Message:
     )
 
 
+def _undelivered_v2(request: Message, event: str, now: float, max_deliveries: int
+                    ) -> Message:
+    _, context, topic = views.shown_body(request)
+    mode, session_ref, _ = views.read_meta(request)
+    text = views.undelivered_text(request, max_deliveries, event == "expired")
+    return Message(
+        id=notice_id(request.id),
+        sender=request.to,
+        to=request.sender,
+        created=now,
+        body_json=compact_json(views.stored_body(text, "", topic, mode, session_ref)),
+        kind="reply",
+        root_id=request.root_id or request.id,
+        parent_id=request.id,
+        expires_at=now + views.NOTICE_TTL_SECONDS,
+        v2=views.v2_meta(mode, session_ref, False),
+    )
+
+
 def _notices(message: Message, now: float, rules: Rules, event: str = "failed"
              ) -> Tuple[Message, ...]:
     if (rules.notify_failures and message.kind == "request"
             and message.dead_reason != CANCELLED):
-        return (failure_notice(message, event, now),)
+        return (failure_notice(message, event, now, rules.max_deliveries),)
     return ()
 
 

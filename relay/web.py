@@ -15,7 +15,7 @@ registers, shared with the ops listener.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Collection, Dict, List, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
@@ -39,6 +39,8 @@ from relay.jsonapi import (
     write_error,
     write_json,
 )
+from relay.wire2.api import V2API
+from relay.wire2.operations import ModeACL, Wire2
 
 MAX_HOSTS_REMEMBERED = 256
 
@@ -94,21 +96,29 @@ class RelayAPI:
     add_error_handling(app)
 
     def __init__(self, broker: Broker, auth: Authenticator, rate_limiter: RateLimiter,
-                 allowed_hosts: Collection[str] = ()) -> None:
+                 allowed_hosts: Collection[str] = (), acl: Optional[ModeACL] = None,
+                 configured: Collection[str] = ()) -> None:
         self.broker = broker
         self.auth = auth
         self.rate_limiter = rate_limiter
         self.allowed_hosts = frozenset(allowed_hosts)
         self.info = encode_json(broker.info())
+        # The v2/v3 wire (WIRE-V2), on the same broker, rails and listener.
+        self.v2 = V2API(Wire2(broker, acl if acl is not None else ModeACL({})), auth,
+                        rate_limiter, configured)
 
     def resource(self) -> Resource:
         """The resource serving this API: Klein's, behind :class:`ListenerFront`."""
         return ListenerFront(self.app.resource(), self)
 
-    def configure(self, auth: Authenticator, allowed_hosts: Collection[str]) -> None:
+    def configure(self, auth: Authenticator, allowed_hosts: Collection[str],
+                  acl: Optional[ModeACL] = None, configured: Collection[str] = ()) -> None:
         """Apply the settings a reload may change."""
         self.auth = auth
         self.allowed_hosts = frozenset(allowed_hosts)
+        self.v2.configure(auth, configured)
+        if acl is not None:
+            self.v2.wire.configure(acl)
 
     # -- plumbing ------------------------------------------------------------
 
@@ -361,6 +371,7 @@ class ListenerFront(Resource):
         super().__init__()
         self.klein_resource = klein_resource
         self.api = api
+        self.v2_resource = api.v2.resource()
         # (listener address, Host header) -> True or the refusal: a broker is reached
         # by a handful of names, each judged once.
         self._hosts: Bounded = Bounded(MAX_HOSTS_REMEMBERED)
@@ -382,6 +393,11 @@ class ListenerFront(Resource):
                     "the request URL is not valid UTF-8"))
             # twisted.web decoded each segment; the routes match them as sent.
             request.postpath = path[1:].split(b"/")
+        # WIRE-V2 §1: a request naming a v2 agent speaks v2 (GET /healthz is that
+        # wire's too); every other request is the seed wire's, as before.
+        if (request.requestHeaders.hasHeader(b"x-agent-relay-agent")
+                or path == b"/healthz"):
+            return self.v2_resource.render(request)
         return self.klein_resource.render(request)
 
     def _judge_host(self, request) -> Union[bool, RelayError]:

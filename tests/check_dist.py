@@ -35,7 +35,7 @@ def sdist_problems(sdist: Path) -> List[str]:
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     wanted = {"setup.cfg", "pyproject.toml", "README.md", "CHANGELOG.md", "conf/relay.yaml",
-              "docs/CONFIG.md", "relay/ops/static/index.html", "relay/store/sqlite-v6.sql",
+              "docs/CONFIG.md", "relay/ops/static/index.html", "relay/store/sqlite-v7.sql",
               "twisted/plugins/relay_plugin.py", "twisted/plugins/relay_stores.py",
               "relay/broker.py"}
     return [f"{sdist.name} lacks {name}" for name in sorted(wanted - names)]

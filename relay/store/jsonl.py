@@ -125,7 +125,8 @@ def snapshot_line(message: Message) -> bytes:
                        ("notBeforeTime", message.not_before),
                        ("delayUntilTime", message.delay_until),
                        ("expiresAtTime", message.expires_at),
-                       ("sentId", message.sent_id)):
+                       ("sentId", message.sent_id),
+                       ("wireV2", message.v2)):
         if value is not None:
             extra[key] = value
     # The envelope without its view-only fields (the times are kept as epoch seconds).
@@ -278,6 +279,7 @@ def message_from_snapshot(seq: Any, envelope: Any, now: float) -> Message:
         expires_at=_time(envelope.get("expiresAtTime")),
         via=_text(envelope.get("via")),
         sent_id=_text(envelope.get("sentId")),
+        v2=_text(envelope.get("wireV2")),
     )
 
 

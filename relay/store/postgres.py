@@ -96,7 +96,7 @@ from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 CHANNEL = "relay_changes"
 # The package is not on the index: name the driver itself (the postgres extra).
 INSTALL_HINT = "pip install 'psycopg[binary]>=3.2' in the broker's environment"
@@ -154,6 +154,7 @@ ENVELOPE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("expires_at", "expires_at", "double precision"),
     ("via", "via", "text"),
     ("sent_id", "sent_id", "text"),
+    ("v2", "v2", "text"),
 )
 STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("status", "status", "text"),

@@ -69,7 +69,7 @@ from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
@@ -86,7 +86,7 @@ EVENT_TRIM_BATCH = 20_000
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
     "status, attempts, lease_until, lease_id, error, created, recovery, deliveries, "
-    "not_before, dead_reason, delay_until, expires_at, via, sent_id"
+    "not_before, dead_reason, delay_until, expires_at, via, sent_id, v2"
 )
 _SELECT = f"SELECT {COLUMNS} FROM messages"
 # What a row counts toward its recipient's inbox quota (delivery.Message.stored_bytes):
@@ -338,6 +338,7 @@ def _row(message: Message) -> Tuple[Any, ...]:
         message.expires_at,
         message.via,
         message.sent_id,
+        message.v2,
     )
 
 
@@ -369,6 +370,7 @@ def _message(row: Sequence[Any]) -> Message:
         expires_at=row[23],
         via=row[24],
         sent_id=row[25],
+        v2=row[26],
     )
 
 
