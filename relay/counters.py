@@ -29,6 +29,9 @@ FLOW_SAMPLES = 30
 MAX_FLOW_PAIRS = 500
 OTHER = "_other"
 REFUSALS = ("disk_full", "inbox_full")
+# The route names of the v2/v3 wire's requests start so (relay.wire2.api).
+WIRE2_ROUTE_PREFIX = "v2_"
+WIRES = ("seed", "v2")
 
 # Seconds; the long polls of /v1/pull and GET /messages wait up to 20.
 HTTP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -203,6 +206,15 @@ class Counters:
             self.http_seconds[route] = Histogram(HTTP_BUCKETS)
         codes[code] = codes.get(code, 0) + 1
         self.http_seconds[route].observe(seconds)
+
+    def requests_by_wire(self) -> Dict[str, int]:
+        """Requests answered per wire (WIRE-V2): ``v2`` for the v2/v3 routes (named
+        ``v2_*``), ``seed`` for every other; read from the per-route counts, so
+        counting costs a request nothing more."""
+        out = {"seed": 0, "v2": 0}
+        for route, codes in self.http.items():
+            out["v2" if route.startswith(WIRE2_ROUTE_PREFIX) else "seed"] += sum(codes.values())
+        return out
 
     # -- history -------------------------------------------------------------------------
 

@@ -393,10 +393,11 @@ class ListenerFront(Resource):
                     "the request URL is not valid UTF-8"))
             # twisted.web decoded each segment; the routes match them as sent.
             request.postpath = path[1:].split(b"/")
-        # WIRE-V2 §1: a request naming a v2 agent speaks v2 (GET /healthz is that
-        # wire's too); every other request is the seed wire's, as before.
-        if (request.requestHeaders.hasHeader(b"x-agent-relay-agent")
-                or path == b"/healthz"):
+        # WIRE-V2 §1: a request naming a v2 agent speaks v2, and so does an unsigned
+        # GET /healthz (§2); every other request is the seed wire's, as before.
+        headers = request.requestHeaders
+        if headers.hasHeader(b"x-agent-relay-agent") or (
+                path == b"/healthz" and not headers.hasHeader(b"x-relay-agent")):
             return self.v2_resource.render(request)
         return self.klein_resource.render(request)
 

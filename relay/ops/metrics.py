@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 
 from relay.auth import FAILURE_REASONS
-from relay.counters import OTHER, REFUSALS, Counters
+from relay.counters import OTHER, REFUSALS, WIRES, Counters
 from relay.delivery import DEAD_REASONS
 from relay.protocol import OUTCOMES
 from relay.store.interface import QueueDepth
@@ -143,6 +143,9 @@ class Report:
             durations.add_metric([route], histogram.cumulative(), histogram.total)
         yield requests
         yield durations
+        yield _labelled("relay_wire_requests", "HTTP requests answered by the main listener, "
+                        "by wire: seed, or v2 (the reference's v2/v3 wire).", "wire",
+                        c.requests_by_wire(), WIRES)
         yield _labelled("relay_auth_failures", "Requests refused by authentication, by reason.",
                         "reason", c.auth_failures, FAILURE_REASONS)
         yield _counter("relay_lockouts", "Agents locked after repeated authentication failures.",

@@ -378,6 +378,7 @@ class OpsAPI:
                 "lockouts": counters.lockouts,
                 "sendsRefused": dict(counters.refused),
                 "rateLimited": answered_with(counters, 429),
+                "requestsByWire": counters.requests_by_wire(),
                 "pullWaiting": broker.waiting(),
                 "agentsOnline": sum(1 for peer in peers if peer["online"]),
                 "queued": sum(d.queued for d in depths),

@@ -182,6 +182,9 @@ def print_overview(ctx: Context, overview: Dict[str, Any]) -> None:
     console.line(f"refused: rate-limited (429) {t.get('rateLimited', 0)}  sends refused "
                  f"{_pairs(t['sendsRefused'])}  auth failures {_pairs(t['authFailures'])}"
                  f"  lockouts {t['lockouts']}")
+    wires = t.get("requestsByWire")
+    if wires:
+        console.line(f"requests by wire: seed {wires.get('seed', 0)}  v2/v3 {wires.get('v2', 0)}")
     console.line(f"event streams {t.get('eventStreams', 0)}  events streamed "
                  f"{t.get('eventsStreamed', 0)}  webhook attempts {t.get('webhookAttempts', 0)}"
                  f"  failures {t.get('webhookFailures', 0)}  skips {t.get('webhookSkips', 0)}"
