@@ -65,7 +65,8 @@ class Policy:
             rules=Rules(max_attempts=config.max_attempts, max_deliveries=config.max_deliveries,
                         notify_failures=config.notify_failures,
                         inbox_max_messages=config.inbox_max_messages,
-                        inbox_max_bytes=config.inbox_max_bytes),
+                        inbox_max_bytes=config.inbox_max_bytes,
+                        notify_v2=config.notify_failed_to_sender),
             message_ttl_seconds=config.message_ttl_seconds,
             allowed_targets={
                 name: frozenset(agent.allowed_targets)

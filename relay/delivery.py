@@ -426,6 +426,8 @@ class Rules:
     # leased — before a send to it is refused (429 inbox_full); 0: no limit.
     inbox_max_messages: int
     inbox_max_bytes: int
+    # broker.notifyFailedToSender: notices to the senders of v2/v3 requests (WIRE-V2 §3)
+    notify_v2: bool = True
 
 
 @dataclass(frozen=True)
@@ -675,8 +677,8 @@ def _undelivered_v2(request: Message, event: str, now: float, max_deliveries: in
 
 def _notices(message: Message, now: float, rules: Rules, event: str = "failed"
              ) -> Tuple[Message, ...]:
-    if (rules.notify_failures and message.kind == "request"
-            and message.dead_reason != CANCELLED):
+    notify = rules.notify_failures if message.v2 is None else rules.notify_v2
+    if notify and message.kind == "request" and message.dead_reason != CANCELLED:
         return (failure_notice(message, event, now, rules.max_deliveries),)
     return ()
 

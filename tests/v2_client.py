@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any, Callable, Dict, List, Optional
 
 import treq
@@ -51,7 +52,6 @@ class V2Client:
         self.key_id = key_id
         self.http = http if http is not None else treq
         self.now = now
-        self.sequence = 0
 
     # -- raw -------------------------------------------------------------------------
 
@@ -85,8 +85,7 @@ class V2Client:
         return reply.json
 
     def _key(self) -> str:
-        self.sequence += 1
-        return f"{self.agent}:{int(self.now() * 1000)}:{self.sequence}"
+        return f"{self.agent}:{uuid.uuid4().hex}"
 
     # -- the surface of the reference's RelayClientV2 ------------------------------
 

@@ -25,6 +25,7 @@ from relay.auth import RateLimiter
 from relay.jsonapi import add_error_handling, read_body, write_error, write_json
 from relay.wire2 import views
 from relay.wire2.operations import Query, Send, Wire2
+from relay.wire2.signing import SignedHeaders
 
 MAX_PULL_LIMIT = 8
 MIN_LEASE_SECONDS, MAX_LEASE_SECONDS = 15, 3600
@@ -80,9 +81,11 @@ class V2API:
         source = _peer_host(request)
         self.rate_limiter.hit(source)
         body = read_body(request)
-        agent = self.auth.verify_v2(request.method, request.uri,
-                                    request.requestHeaders.getRawHeaders, body, source)
-        return agent, body
+        headers = request.requestHeaders
+        signed = self.auth.verify_v2(request.method, request.uri,
+                                     SignedHeaders.read(lambda name: _header(headers, name)),
+                                     body, source)
+        return signed.agent, body
 
     def _run(self, route: Callable, request, agent: str, body: bytes) -> Any:
         registering = self.wire.seen(agent)
@@ -393,6 +396,11 @@ def parse_send(body: Dict[str, Any]) -> Send:
         context=_truncate(body.get("context"), "context", views.MAX_BODY_CHARS),
         topic=_truncate(body.get("topic"), "topic", views.MAX_TOPIC_CHARS),
     )
+
+
+def _header(headers, name: bytes) -> Optional[bytes]:
+    values = headers.getRawHeaders(name)
+    return values[0].strip() if values else None
 
 
 def _peer_host(request) -> str:

@@ -18,6 +18,7 @@ from twisted.logger import Logger
 
 from relay import __version__, delivery, errors, protocol
 from relay.broker import Broker
+from relay.config import AgentConfig, Config, may_send
 from relay.delivery import Message
 from relay.protocol import FAILED, HEARTBEAT_TTL_SECONDS, LEASED, QUEUED
 from relay.wire2 import transitions, views
@@ -35,35 +36,19 @@ _ALL = {"box": "all", "kind": None, "status": None, "from": None, "to": None,
 
 @dataclass(frozen=True)
 class ModeACL:
-    """The per-mode routing ACL of PROTOCOL-V2 §5.1: for each configured agent, the
-    agents it may send to in each mode (None: anyone). An agent without an entry
-    may send ``read`` and ``continue`` to anyone; ``write`` is closed unless
-    granted."""
+    """Who may send what on the v2/v3 wire: the per-mode routing ACL of PROTOCOL-V2
+    §5.1 over ``agents.*`` (:func:`relay.config.may_send`), and the
+    ``security.admin_agents`` who may requeue or cancel any message."""
 
-    targets: Mapping[str, Mapping[str, Optional[FrozenSet[str]]]]
+    agents: Mapping[str, AgentConfig]
+    admins: FrozenSet[str] = frozenset()
 
     @classmethod
-    def from_config(cls, config) -> ModeACL:
-        """The per-mode lists of ``agents.*`` (``allowed_read_targets``,
-        ``allowed_continue_targets`` defaulting to ``allowed_targets``,
-        ``allowed_write_targets`` defaulting to none)."""
-        out = {}
-        for name, agent in config.agents.items():
-            legacy = agent.allowed_targets
-            modes = {}
-            for mode, fallback in (("read", legacy), ("continue", legacy), ("write", ())):
-                listed = getattr(agent, f"allowed_{mode}_targets", None)
-                chosen = listed if listed is not None else fallback
-                modes[mode] = None if chosen is None else frozenset(chosen)
-            out[name] = modes
-        return cls(out)
+    def from_config(cls, config: Config) -> ModeACL:
+        return cls(dict(config.agents), frozenset(config.admin_agents))
 
     def allows(self, sender: str, recipient: str, mode: str) -> bool:
-        entry = self.targets.get(sender)
-        if entry is None:
-            return mode != "write"
-        listed = entry[mode]
-        return listed is None or recipient in listed
+        return may_send(self.agents, sender, recipient, mode)
 
 
 @dataclass(frozen=True)
@@ -248,12 +233,14 @@ class Wire2:
 
     def requeue(self, agent: str, message_id: str) -> Deferred:
         log.info("admin requeue {message_id} by {agent}", message_id=message_id, agent=agent)
-        return self._settle(message_id, transitions.requeue(agent),
+        return self._settle(message_id,
+                            transitions.requeue(agent, agent in self.acl.admins),
                             errors.no_such_message("message was not found"))
 
     def cancel(self, agent: str, message_id: str) -> Deferred:
         log.info("admin cancel {message_id} by {agent}", message_id=message_id, agent=agent)
-        return self._settle(message_id, transitions.cancel(agent),
+        return self._settle(message_id,
+                            transitions.cancel(agent, agent in self.acl.admins),
                             errors.no_such_message("message was not found"))
 
     # -- reads ------------------------------------------------------------------------

@@ -60,16 +60,18 @@ def renew(agent: str, lease_token: str, lease_seconds: float) -> Transition:
     return transition
 
 
-def requeue(agent: str) -> Transition:
+def requeue(agent: str, admin: bool = False) -> Transition:
     """``POST /v1/admin/requeue``: the recipient of an unfinished request puts it back
     in its queue (leased or failed -> queued, its attempts reset); 404 in any other
-    state."""
+    state. An ``admin`` (``security.admin_agents``) may requeue any message, a
+    completed one too."""
+    states = (LEASED, FAILED, DONE) if admin else (LEASED, FAILED)
 
     def transition(message: Message, now: float) -> Outcome:
-        if (message.to != agent or views.kind_of(message) != "request"
-                or message.status == DONE):
+        if not admin and (message.to != agent or views.kind_of(message) != "request"
+                          or message.status == DONE):
             raise errors.forbidden("only the receiving agent may requeue an unfinished request")
-        if message.status not in (LEASED, FAILED):
+        if message.status not in states:
             raise errors.no_such_message("message is not in a requeue-able state")
         message.status = QUEUED
         message.lease_id = message.lease_until = None
@@ -81,12 +83,13 @@ def requeue(agent: str) -> Transition:
     return transition
 
 
-def cancel(agent: str) -> Transition:
+def cancel(agent: str, admin: bool = False) -> Transition:
     """``POST /v1/admin/cancel``: the sender of a request marks it ``completed`` so it
-    is never delivered (a held lease dies); 404 once it is completed."""
+    is never delivered (a held lease dies); 404 once it is completed. An ``admin``
+    may cancel any message."""
 
     def transition(message: Message, now: float) -> Outcome:
-        if message.sender != agent or views.kind_of(message) != "request":
+        if not admin and (message.sender != agent or views.kind_of(message) != "request"):
             raise errors.forbidden("only the requesting agent may cancel its request")
         if message.status == DONE:
             raise errors.no_such_message("message is not in a cancellable state")
