@@ -16,10 +16,19 @@ from typing import Any, Callable, Dict, List, Optional
 
 import treq
 from treq.client import HTTPClient
+from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 
 from relay.wire2.canonical import canonical_body
 from relay.wire2.signing import signed_headers
+
+
+def _fresh_connections() -> HTTPClient:
+    """A client that opens a connection per request, as the reference's clients do (and
+    so none is left pointing at a broker process that was restarted)."""
+    from twisted.internet import reactor
+
+    return HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
 
 
 class V2Reply:
@@ -50,7 +59,7 @@ class V2Client:
         self.agent = agent
         self.secret = secret
         self.key_id = key_id
-        self.http = http if http is not None else treq
+        self.http = http if http is not None else _fresh_connections()
         self.now = now
 
     # -- raw -------------------------------------------------------------------------

@@ -25,8 +25,6 @@ class V2Broker(Broker):
         self._pump = LoopingCall(self.flush)
         self._pump.clock = reactor
         self._pump.start(0.002, now=False)
-        if not hasattr(self.api.auth, "verify_v2"):
-            self.api.v2.auth = pending_verify_v2(self.config, self.clock)
 
     def stop(self) -> None:
         if self._pump.running:
@@ -37,27 +35,3 @@ class V2Broker(Broker):
         return V2Client(BASE.decode(), agent, secret, key_id, http=self.http,
                         now=self.clock.seconds)
 
-
-def pending_verify_v2(config, clock):
-    """Until relay.auth.Authenticator.verify_v2 lands: the keyring check of
-    relay.wire2.signing, without the lockout."""
-    from relay import errors
-    from relay.auth import Signed
-    from relay.wire2.signing import Refusal, SigningKey, check_request, read_agent
-
-    class Verifier:
-        def verify_v2(self, method, path, headers, body, source=""):
-            try:
-                agent = read_agent(headers)
-                entry = config.agents.get(agent)
-                if entry is None and any(a.secret for a in config.agents.values()):
-                    raise errors.unknown_agent()
-                ring = entry.keys if entry is not None and entry.keys else {
-                    "legacy": SigningKey(tuple(config.secrets))}
-                verified = check_request(ring, agent, headers, method, path, body,
-                                         clock.seconds())
-            except Refusal as refusal:
-                raise refusal.error from None
-            return Signed(agent, None, verified.timestamp, source)
-
-    return Verifier()
