@@ -10,8 +10,13 @@ its own commit (the suite's concurrent clients share commits).
 Scenarios: ``send`` (``POST /messages``, ~200-byte bodies) and ``pull-ack``
 (``POST /v1/pull`` of 10, then ``POST /v1/ack`` of each; the figure is per
 request, eleven requests per batch, and the ceiling serves the same count).
+``v2-send`` and ``v2-pull-ack`` are the same on the reference's v2/v3 wire
+(WIRE-V2): a ``POST /v1/messages`` of the same text, signed v2 over its
+canonical JSON; a pull of 8 (the most that wire leases at once) and an ack of
+each with its ``lease_token``, nine requests per batch.
 
-    .venv/bin/python bench/inproc.py [--requests 20000] [--scenario send|pull-ack]
+    .venv/bin/python bench/inproc.py [--requests 20000]
+        [--scenario send|pull-ack|v2-send|v2-pull-ack]
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ from relay.assembly import assemble  # noqa: E402
 from relay.signing import sign  # noqa: E402
 from relay.store.plugins import open_configured_store  # noqa: E402
 from relay.testing import SECRET, START, make_config  # noqa: E402
+from relay.wire2.canonical import canonical_body  # noqa: E402
+from relay.wire2.signing import sign as sign_v2  # noqa: E402
+
+# Requests per batch of each pull-and-ack scenario: one pull, then an ack per message.
+BATCH = {"pull-ack": 11, "v2-pull-ack": 9}
 
 PEER = IPv4Address("TCP", "127.0.0.1", 40000)
 HOST = IPv4Address("TCP", "127.0.0.1", 19121)
@@ -70,6 +80,27 @@ def signed(path: str, value: Any, timestamp: int, agent: str = "alpha") -> bytes
         b"Content-Length: %d\r\n\r\n%s"
         % (path.encode(), agent.encode(), timestamp, signature, len(body), body)
     )
+
+
+def signed_v2(path: str, value: Any, timestamp: int, agent: str = "alpha") -> bytes:
+    """One raw ``POST`` of ``value`` as canonical JSON to ``path``, signed v2."""
+    body = canonical_body(value)
+    signature = sign_v2(SECRET, agent, "POST", path, timestamp, body).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nX-Agent-Relay-Agent: %s\r\n"
+        b"X-Agent-Relay-Timestamp: %d\r\nX-Agent-Relay-Signature: %s\r\n"
+        b"Content-Length: %d\r\n\r\n%s"
+        % (path.encode(), agent.encode(), timestamp, signature, len(body), body)
+    )
+
+
+def v2_sends(count: int, timestamp: int) -> List[bytes]:
+    """``count`` v2 requests from alpha to beta with the text of :func:`signed_sends`."""
+    return [signed_v2("/v1/messages", {
+        "origin": "alpha", "target": "beta", "kind": "request", "body": "x" * 150,
+        "idempotency_key": uuid.uuid4().hex, "execution_mode": "read", "session_ref": "alpha",
+        "ttl_seconds": 3600}, timestamp) for _ in range(count)]
 
 
 def connect(site: Any) -> Any:
@@ -124,6 +155,45 @@ def pull_ack_us(site: Any, clock: Clock, batches: int, timestamp: int) -> float:
     return elapsed / requests * 1e6
 
 
+def v2_pull_ack_us(site: Any, clock: Clock, batches: int, timestamp: int) -> float:
+    """:func:`pull_ack_us` on the v2 wire: pulls of 8, acks with the lease token."""
+    channel, transport = connect(site)
+    elapsed = 0.0
+    requests = 0
+    pull = signed_v2("/v1/pull", {"agent": "beta", "limit": 8}, timestamp, "beta")
+    for _ in range(batches):
+        started = time.perf_counter()
+        channel.dataReceived(pull)
+        clock.advance(0)
+        elapsed += time.perf_counter() - started
+        answer = json.loads(transport.value().split(b"\r\n\r\n", 1)[1])
+        transport.clear()
+        acks = [
+            signed_v2("/v1/ack", {"agent": "beta", "message_id": m["message_id"],
+                                  "lease_token": m["lease_token"], "outcome": "completed"},
+                      timestamp, "beta")
+            for m in answer["messages"]
+        ]
+        started = time.perf_counter()
+        for raw in acks:
+            channel.dataReceived(raw)
+            clock.advance(0)
+            if not transport.value().startswith(b"HTTP/1.1 200 "):
+                raise SystemExit(f"ack refused: {transport.value()[:200]!r}")
+            transport.clear()
+        elapsed += time.perf_counter() - started
+        requests += 1 + len(acks)
+    return elapsed / requests * 1e6
+
+
+def baseline_v2_pull_ack(batches: int, timestamp: int) -> None:
+    """What :func:`v2_pull_ack_us` does besides serving, for ``bench/instructions.py``."""
+    for _ in range(batches * 8):
+        signed_v2("/v1/ack", {"agent": "beta", "message_id": uuid.uuid4().hex,
+                              "lease_token": uuid.uuid4().hex, "outcome": "completed"},
+                  timestamp, "beta")
+
+
 def baseline_pull_ack(batches: int, timestamp: int) -> None:
     """What :func:`pull_ack_us` does besides serving: sign as many acks (ids of the
     same length), for ``bench/instructions.py`` to subtract."""
@@ -150,7 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--backends", default="memory,sqlite,jsonl")
-    parser.add_argument("--scenario", choices=["send", "pull-ack"], default="send")
+    parser.add_argument("--scenario", choices=["send", "pull-ack", "v2-send", "v2-pull-ack"],
+                        default="send")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the Klein ceiling")
     parser.add_argument("--baseline", action="store_true",
                         help="prepare everything but serve none of the measured requests "
@@ -169,10 +240,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         clock.advance(START)
         with tempfile.TemporaryDirectory() as data_dir:
             site = relay_site(backend, clock, data_dir)
-            sends = signed_sends(args.requests, int(START))
-            batches = args.requests // 11
-            if args.scenario == "send":
+            v2 = args.scenario.startswith("v2-")
+            sends = (v2_sends if v2 else signed_sends)(args.requests, int(START))
+            batches = args.requests // BATCH.get(args.scenario, 11)
+            if args.scenario in ("send", "v2-send"):
                 cost = 0.0 if args.baseline else per_request_us(site, clock, sends)
+            elif v2:
+                per_request_us(site, clock, sends[: batches * 8])
+                if args.baseline:
+                    baseline_v2_pull_ack(batches, int(START))
+                    cost = 0.0
+                else:
+                    cost = v2_pull_ack_us(site, clock, batches, int(START))
             else:
                 per_request_us(site, clock, sends[: batches * 10])
                 if args.baseline:

@@ -310,7 +310,7 @@ class Broker:
         """Store a normalised envelope from ``agent``; fires with True when stored,
         False for a duplicate id. Errbacks 400 (a TTL over the broker's), 403 (ACL),
         404 (unregistered recipient), 429 ``inbox_full`` or 503 (disk nearly full)."""
-        self._check_disk()
+        self.check_disk()
         if ttl_seconds is not None and ttl_seconds > self.policy.max_ttl_seconds:
             raise errors.bad_request(
                 f"ttlSeconds must be an integer from 1 to {self.policy.max_ttl_seconds}")
@@ -321,7 +321,7 @@ class Broker:
         # The store checks that the recipient registered (spec §2) in the operation
         # that adds: one store call per send, and no window between the two.
         return self.store.add(message, self.policy.rules,
-                              registered_recipient=True).addErrback(self._count_refusal)
+                              registered_recipient=True).addErrback(self.count_refusal)
 
     def send_group(self, agent: str, envelope: Dict[str, Any],
                    ttl_seconds: Optional[int] = None, delay_seconds: int = 0) -> Deferred:
@@ -364,13 +364,15 @@ class Broker:
                 f"broker.minFreeDiskMB is {floor // 2**20}): new messages are refused "
                 "until space is freed")
 
-    def _check_disk(self) -> None:
+    def check_disk(self) -> None:
+        """503 ``busy`` (counted as a ``disk_full`` refusal) while :meth:`disk_low`."""
         reason = self.disk_low()
         if reason is not None:
             self.counters.send_refused("disk_full")
             raise errors.busy(reason)
 
-    def _count_refusal(self, failure):
+    def count_refusal(self, failure):
+        """Count an ``inbox_full`` refusal of a send; returns ``failure``."""
         if isinstance(failure.value, errors.RelayError) and failure.value.code == "inbox_full":
             self.counters.send_refused("inbox_full")
         return failure

@@ -470,3 +470,28 @@ def test_requests_are_counted_per_wire():
 
 def test_the_secret_of_the_tests_is_the_shared_one():
     assert make_config().secrets == (SECRET,)
+
+
+@pytest_twisted.ensureDeferred
+async def test_paths_werkzeug_would_bend_are_no_route(memory_broker):
+    broker = memory_broker()
+    alpha = broker.client("alpha")
+    assert_error(await alpha.request("POST", "//v1/pull", {}), 404, "not_found")
+    assert_error(await alpha.request("POST", "/v1/pull", {}, signed=False, headers={
+        "X-Agent-Relay-Agent": "alpha"}), 401, "unauthenticated")
+
+
+@pytest_twisted.ensureDeferred
+async def test_v2_messages_are_events_of_their_recipient(memory_broker):
+    broker = memory_broker()
+    alpha = broker.client("alpha")
+    sent = (await alpha.send_request("beta", "evented")).json["message_id"]
+    page = await broker.store.events("beta", 0, 10)
+    assert [json_data(e)["id"] for e in page.events] == [sent]
+    assert "evented" not in repr([e.data for e in page.events])  # ids, never bodies
+
+
+def json_data(event):
+    import json
+
+    return json.loads(event.data)

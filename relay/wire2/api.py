@@ -43,6 +43,8 @@ def signed(route: Callable) -> Callable:
     @functools.wraps(route)
     def wrapper(self: V2API, request, *args: Any) -> Any:
         request.route = "v2_" + endpoint
+        if not _routable(request):
+            return self.unrouted(request)
         agent, body = self.authenticate(request)
         if agent.__class__ is str:
             return self._run(route, request, agent, body)
@@ -95,6 +97,7 @@ class V2API:
 
     def unrouted(self, request) -> Union[bytes, Deferred]:
         """401 for a request whose signature fails, else 404 ``not_found``."""
+        request.route = "v2_unrouted"
         agent, _ = self.authenticate(request)
         method = request.method.decode("latin-1")
         path = request.path.decode("utf-8", "replace")
@@ -112,6 +115,8 @@ class V2API:
     @app.route("/healthz", methods=["GET"])
     def healthz(self, request) -> Any:
         request.route = "v2_healthz"
+        if not _routable(request, head=True):
+            return self.unrouted(request)
         if request.requestHeaders.getRawHeaders(b"x-agent-relay-agent") is None:
             self.rate_limiter.hit(_peer_host(request))
             read_body(request)
@@ -129,7 +134,7 @@ class V2API:
     @app.route("/v1/messages", methods=["POST"])
     @signed
     def send(self, request, agent: str, raw: bytes) -> Deferred:
-        d = self.wire.send(agent, parse_send(_object(raw)))
+        d = self.wire.send(agent, parse_send(_object(raw), agent))
         d.addCallback(lambda result: write_json(request, 200, {
             "message_id": result[0], "created": result[1],
             "protocol_version": views.PROTOCOL_VERSION}))
@@ -355,9 +360,11 @@ def _admin_id(raw: bytes) -> str:
     return message_id
 
 
-def parse_send(body: Dict[str, Any]) -> Send:
-    """The values of a ``POST /v1/messages`` body, read and clamped as the reference
-    does; 400 for a missing body or idempotency key, a bad kind or target."""
+def parse_send(body: Dict[str, Any], agent: str) -> Send:
+    """The values of a ``POST /v1/messages`` body of ``agent``, read, checked and
+    clamped in the reference's order: 400 for a bad ``allow_shared_write``, 403 for an
+    ``origin`` that is not ``agent``, 400 for a bad kind, a missing or too long body,
+    a missing idempotency key, or a target that is no agent name."""
     origin = _text(body.get("origin"), "origin").strip().lower()
     target = _text(body.get("target"), "target").strip().lower()
     kind = _text(body.get("kind"), "kind").strip().lower()
@@ -365,6 +372,8 @@ def parse_send(body: Dict[str, Any]) -> Send:
     shared = body.get("allow_shared_write", False)
     if not isinstance(shared, bool):
         raise errors.bad_request("allow_shared_write must be a boolean")
+    if origin != agent:
+        raise errors.forbidden("origin does not match authenticated agent")
     if kind not in ("request", "reply"):
         raise errors.bad_request("invalid message kind")
     key = _text(body.get("idempotency_key"), "idempotency_key").strip()
@@ -396,6 +405,15 @@ def parse_send(body: Dict[str, Any]) -> Send:
         context=_truncate(body.get("context"), "context", views.MAX_BODY_CHARS),
         topic=_truncate(body.get("topic"), "topic", views.MAX_TOPIC_CHARS),
     )
+
+
+def _routable(request, head: bool = False) -> bool:
+    """False for what werkzeug would match but no route is (as for the seed wire,
+    :func:`relay.web._routable`): a HEAD unless ``head``, a method not in upper case,
+    a path starting with ``//``."""
+    method = request.method
+    return ((head or method != b"HEAD") and method.isupper()
+            and not request.path.startswith(b"//"))
 
 
 def _header(headers, name: bytes) -> Optional[bytes]:

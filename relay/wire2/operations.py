@@ -126,10 +126,9 @@ class Wire2:
     # -- messages --------------------------------------------------------------------
 
     def send(self, agent: str, send: Send) -> Deferred:
-        """Store a v2 request or reply; fires with ``(message_id, created)``."""
-        if send.origin != agent:
-            raise errors.forbidden("origin does not match authenticated agent")
-        self.broker._check_disk()
+        """Store a v2 request or reply of ``agent`` (its ``origin``); fires with
+        ``(message_id, created)``."""
+        self.broker.check_disk()
         if send.kind == "request":
             if send.execution_mode not in views.EXECUTION_MODES:
                 raise errors.bad_request("execution_mode must be read, continue, or write")
@@ -173,7 +172,7 @@ class Wire2:
             v2=views.v2_meta(mode, session_ref, shared),
         )
         d = self.store.add(message, self.broker.policy.rules)
-        d.addErrback(self.broker._count_refusal)
+        d.addErrback(self.broker.count_refusal)
         d.addCallback(self._added, message_id)
         return d
 
