@@ -427,7 +427,7 @@ class Rules:
     inbox_max_messages: int
     inbox_max_bytes: int
     # broker.notifyFailedToSender: notices to the senders of v2/v3 requests (WIRE-V2 §3)
-    notify_v2: bool = True
+    notify_v2: bool
 
 
 @dataclass(frozen=True)

@@ -553,14 +553,14 @@ def test_policy_and_rules_take_every_value_from_the_config():
         "secret": S, "leaseSeconds": 31, "maxAttempts": 4, "maxDeliveries": 5,
         "notifyFailures": False, "messageTtlDays": 2, "inboxMaxMessages": 6,
         "inboxMaxBytes": 7, "minFreeDiskMB": 8, "maxAgents": 9,
-        "eventRetentionSeconds": 10},
+        "eventRetentionSeconds": 10, "notifyFailedToSender": False},
         "security": {"requireNonce": True}, "agents": {"alpha": {"allowed_targets": ["beta"]}},
         "groups": {"g": {"members": ["alpha"]}},
         "roles": {"r": {"members": ["alpha"], "selfJoin": True}}}))
     assert Policy.from_config(config) == Policy(
         lease_seconds=31, message_ttl_seconds=2 * 86400.0,
         rules=Rules(max_attempts=4, max_deliveries=5, notify_failures=False,
-                    inbox_max_messages=6, inbox_max_bytes=7),
+                    inbox_max_messages=6, inbox_max_bytes=7, notify_v2=False),
         allowed_targets={"alpha": frozenset({"beta"})}, require_nonce=True, max_agents=9,
         min_free_disk_bytes=8 * 1024 * 1024, event_retention_seconds=10,
         groups={"g": GroupConfig(members=("alpha",))},
