@@ -495,3 +495,19 @@ def json_data(event):
     import json
 
     return json.loads(event.data)
+
+
+@pytest_twisted.ensureDeferred
+async def test_notify_failed_to_sender_false_sends_v2_senders_no_notice(memory_broker):
+    broker = memory_broker(maxDeliveries=1, notifyFailedToSender=False)
+    alpha = broker.client("alpha")
+    await alpha.send_request("beta", "from v2")
+    await broker.register("gamma", "beta")
+    seed_request = await broker.message("gamma", "beta", kind="request",
+                                        body={"text": "from seed"})
+    beta = broker.client("beta")
+    for message in await beta.pull():
+        assert (await beta.ack(message["message_id"], outcome="retry")).code == 200
+    assert await alpha.pull() == []
+    (seed_notice,) = await broker.pull("gamma")  # broker.notifyFailures still holds
+    assert seed_notice["body"]["relayNotice"]["messageId"] == seed_request
