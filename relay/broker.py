@@ -329,7 +329,7 @@ class Broker:
         ``agent`` (REACH §13), all or none; fires with ``(stored, [(member, copy id)])``,
         ``stored`` False for a repeated send (the copies of the first). Errbacks as
         :meth:`send`; 404 ``no_such_agent`` for a group that is not configured."""
-        self._check_disk()
+        self.check_disk()
         if ttl_seconds is not None and ttl_seconds > self.policy.max_ttl_seconds:
             raise errors.bad_request(
                 f"ttlSeconds must be an integer from 1 to {self.policy.max_ttl_seconds}")
@@ -342,7 +342,7 @@ class Broker:
         sent = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds, delay_seconds)
         copies = delivery.group_copies(sent, address, group.members)
         d = self.store.add_group(copies, agent, sent.id, self.policy.rules)
-        d.addErrback(self._count_refusal)
+        d.addErrback(self.count_refusal)
         d.addCallback(self._group_sent, address)
         return d
 
