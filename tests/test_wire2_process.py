@@ -14,6 +14,8 @@ import pytest_twisted
 from tests.broker_proc import BrokerProcess
 from tests.v2_client import V2Client
 
+pytestmark = pytest.mark.process
+
 PERSISTENT = ("sqlite", "jsonl")
 
 
@@ -135,6 +137,7 @@ def test_the_main_listener_answers_healthz_unsigned_only_with_the_basics(tmp_pat
     assert os.path.exists(broker.config_path)
 
 
+@pytest.mark.postgres
 @pytest_twisted.ensureDeferred
 async def test_two_brokers_on_one_postgresql_serve_both_wires(tmp_path):
     from tests.test_postgres_scaleout import start_pair
