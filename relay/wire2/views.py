@@ -7,11 +7,13 @@ Pure: no reactor, no I/O; times are epoch seconds handed in.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any, Dict, Optional, Tuple
 
 from relay.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.wire2.canonical import canonical_text
 
 # A relay.delivery.Message; not imported, since relay.delivery imports this module.
 Message = Any
@@ -41,7 +43,7 @@ EXPIRED_ERROR = "expired unprocessed"
 
 def canonical_json(value: Any) -> str:
     """PROTOCOL-V2 §4's canonical text: sorted keys, no spaces, non-ASCII kept."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return canonical_text(value)
 
 
 def message_id_for(origin: str, idempotency_key: str) -> str:
@@ -52,8 +54,10 @@ def message_id_for(origin: str, idempotency_key: str) -> str:
     return digest.hexdigest()[:32]
 
 
+@functools.lru_cache(maxsize=1024)
 def v2_meta(mode: str, session_ref: str, allow_shared_write: bool) -> str:
-    """The text kept in :attr:`relay.delivery.Message.v2` for a v2/v3 message."""
+    """The text kept in :attr:`relay.delivery.Message.v2` for a v2/v3 message (an agent
+    sends under few references: the texts are kept)."""
     meta: Dict[str, Any] = {"mode": mode, "ref": session_ref}
     if allow_shared_write:
         meta["shared"] = True
@@ -65,7 +69,12 @@ def read_meta(message: Message) -> Tuple[str, str, bool]:
     seed-wire message reads ``("read", "", False)``."""
     if message.v2 is None:
         return "read", "", False
-    meta = json.loads(message.v2)
+    return _read_meta(message.v2)
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_meta(text: str) -> Tuple[str, str, bool]:
+    meta = json.loads(text)
     return meta.get("mode", "read"), meta.get("ref", ""), bool(meta.get("shared"))
 
 
