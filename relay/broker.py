@@ -28,7 +28,7 @@ from relay.counters import Counters
 from relay.delivery import Changes, Message, Rules
 from relay.events import KEEPALIVE_SECONDS
 from relay.hooks import check_url
-from relay.protocol import HEARTBEAT_TTL_SECONDS, KEEP_CARD, MAX_WAIT_SECONDS
+from relay.protocol import HEARTBEAT_TTL_SECONDS, INBOX_PATH, KEEP_CARD, MAX_WAIT_SECONDS
 from relay.waiters import Waiters
 
 log = Logger(namespace="relay.broker")
@@ -56,6 +56,8 @@ class Policy:
     # relay.config.RoleConfig)
     groups: Mapping[str, Any]
     roles: Mapping[str, Any]
+    # REACH §15: the agents that are people (``"human": true`` in /peers)
+    humans: FrozenSet[str]
 
     @classmethod
     def from_config(cls, config) -> Policy:
@@ -79,6 +81,7 @@ class Policy:
             event_retention_seconds=config.event_retention_seconds,
             groups=config.groups,
             roles=config.roles,
+            humans=frozenset(name for name, agent in config.agents.items() if agent.human),
         )
 
     @property
@@ -243,6 +246,7 @@ class Broker:
                 "groups": True,
                 # WIRE-V2 §5: the reference's v2/v3 wire on the same listener and store.
                 "wireV2": {"schemes": ["v2", "v3"]},
+                "humans": {"inbox": INBOX_PATH},
             },
             "storage": self.storage(),
         }
@@ -273,10 +277,13 @@ class Broker:
 
     def _peer_entries(self, peers, cards: bool = True) -> List[Dict[str, Any]]:
         now = self.clock.seconds()
+        humans = self.policy.humans
         out = []
         for name, seen, card in peers:
             entry: Dict[str, Any] = {"agent": name, "online": now - seen < HEARTBEAT_TTL_SECONDS,
                                      "lastSeen": seen}
+            if name in humans:
+                entry["human"] = True
             if card is not None and cards:
                 entry["card"] = card
             out.append(entry)

@@ -86,6 +86,8 @@ class AgentConfig:
     allowed_read_targets: Optional[Tuple[str, ...]] = None
     allowed_continue_targets: Optional[Tuple[str, ...]] = None
     allowed_write_targets: Tuple[str, ...] = ()
+    # REACH §15: a person, who reads and answers through the /inbox/ page
+    human: bool = False
 
     def __post_init__(self) -> None:
         if self.secret is not None and not self.secrets:
@@ -471,7 +473,8 @@ _TARGET_KEYS = (("allowed_targets", "allowedTargets"),
                 ("allowed_read_targets", "allowedReadTargets"),
                 ("allowed_continue_targets", "allowedContinueTargets"),
                 ("allowed_write_targets", "allowedWriteTargets"))
-_AGENT_KEYS = frozenset({"secret", "webhook", "keys"} | {k for pair in _TARGET_KEYS for k in pair})
+_AGENT_KEYS = frozenset({"secret", "webhook", "keys", "human"}
+                        | {k for pair in _TARGET_KEYS for k in pair})
 # The keys of one key of a keyring; notAfter is also spelled not_after (the reference's).
 _KEY_KEYS = frozenset({"secret", "secretFile", "notAfter", "not_after"})
 
@@ -797,12 +800,16 @@ def _agents(data: Mapping[str, Any], base_dir: str = ".",
         for secret in agent_secrets:
             check_secret_strength(f"{prefix}.secret", secret)
         targets, read, cont, write = (_targets(entry, prefix, pair) for pair in _TARGET_KEYS)
+        keys = _keyring(entry, prefix, agent_secrets, base_dir, key_files or {})
+        human = read_bool(entry, "human", prefix, False)
+        if human and not agent_secrets and not keys:
+            raise ConfigError(f"{prefix}.secret",
+                              "a human agent signs in with its own secret: set one")
         agents[name] = AgentConfig(
             secret=agent_secrets[0] if agent_secrets else None, allowed_targets=targets,
-            secrets=agent_secrets, webhook=_agent_webhook(entry, prefix),
-            keys=_keyring(entry, prefix, agent_secrets, base_dir, key_files or {}),
+            secrets=agent_secrets, webhook=_agent_webhook(entry, prefix), keys=keys,
             allowed_read_targets=_lower(read), allowed_continue_targets=_lower(cont),
-            allowed_write_targets=_lower(write) or ())
+            allowed_write_targets=_lower(write) or (), human=human)
     with_keys = [n for n, a in agents.items() if a.keys]
     if with_keys and len(with_keys) != len(agents):
         missing = sorted(n for n, a in agents.items() if not a.keys)

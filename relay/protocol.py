@@ -21,6 +21,8 @@ BROKER_NAME = "dsh-agent-relay"
 
 MAX_BODY_BYTES = 1024 * 1024
 HEARTBEAT_TTL_SECONDS = 90
+# REACH §15: where the main listener serves the human inbox page
+INBOX_PATH = "/inbox/"
 MAX_CLOCK_SKEW_SECONDS = 300
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200

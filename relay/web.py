@@ -22,7 +22,7 @@ from klein import Klein
 from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
 
-from relay import errors, events, protocol
+from relay import errors, events, inbox, protocol
 from relay.auth import Authenticator, Bounded, RateLimiter
 from relay.broker import Broker
 from relay.errors import RelayError
@@ -106,6 +106,7 @@ class RelayAPI:
         # The v2/v3 wire (WIRE-V2), on the same broker, rails and listener.
         self.v2 = V2API(Wire2(broker, acl if acl is not None else ModeACL({})), auth,
                         rate_limiter, configured)
+        self.inbox_files = inbox.load()
 
     def resource(self) -> Resource:
         """The resource serving this API: Klein's, behind :class:`ListenerFront`."""
@@ -165,9 +166,7 @@ class RelayAPI:
     def root(self, request) -> bytes:
         if request.path != b"/" or not _routable(request, head=True):
             return self.unrouted(request)
-        request.route = "info"
-        self.rate_limiter.hit(_peer_host(request))
-        read_body(request)
+        self._public(request, "info")
         return write_body(request, 200, self.info)
 
     @app.route("/register", methods=["POST"])
@@ -356,6 +355,37 @@ class RelayAPI:
             header = _header(request.requestHeaders, b"last-event-id")
             since = header.decode("latin-1") if header is not None else None
         return self.broker.streams.open(agent, request, events.parse_event_id(since))
+
+
+    # -- the human inbox page (REACH §15): static, public, under the Host rule ---
+
+    @app.route("/inbox", methods=["GET"])
+    def inbox_bare(self, request) -> bytes:
+        if not _routable(request, head=True):
+            return self.unrouted(request)
+        self._public(request, "inbox")
+        request.setResponseCode(301)
+        request.setHeader(b"location", protocol.INBOX_PATH.encode("ascii"))
+        request.setHeader(b"content-length", b"0")
+        return b""
+
+    @app.route("/inbox/", methods=["GET"])
+    def inbox_page(self, request) -> bytes:
+        return self.inbox_file(request, "")
+
+    @app.route("/inbox/<path:name>", methods=["GET"])
+    def inbox_file(self, request, name: str) -> bytes:
+        if not _routable(request, head=True):
+            return self.unrouted(request)
+        self._public(request, "inbox")
+        return inbox.serve(request, self.inbox_files, name)
+
+    def _public(self, request, route: str) -> None:
+        """What an unsigned route does first: its metrics label, the rate limit of
+        its address, and the body check (over 1 MiB is 400)."""
+        request.route = route
+        self.rate_limiter.hit(_peer_host(request))
+        read_body(request)
 
 
 class ListenerFront(Resource):

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 def wheel_problems(wheel: Path) -> List[str]:
     """What the wheel lacks or holds that it should not; empty when it is right."""
     names = set(zipfile.ZipFile(wheel).namelist())
-    wanted = {f"relay/ops/static/{p.name}" for p in (REPO / "relay" / "ops" / "static").iterdir()
+    wanted = {f"relay/{page}/static/{p.name}" for page in ("ops", "inbox")
+              for p in (REPO / "relay" / page / "static").iterdir()
               if p.is_file() and not p.name.endswith(".py")}
     wanted |= {f"relay/store/{p.name}" for p in (REPO / "relay" / "store").glob("*.sql")}
     wanted |= {"twisted/plugins/relay_plugin.py", "twisted/plugins/relay_stores.py"}
@@ -36,6 +37,7 @@ def sdist_problems(sdist: Path) -> List[str]:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     wanted = {"setup.cfg", "pyproject.toml", "README.md", "CHANGELOG.md", "conf/relay.yaml",
               "docs/CONFIG.md", "relay/ops/static/index.html", "relay/store/sqlite-v7.sql",
+              "relay/inbox/static/index.html", "relay/inbox/static/inbox.js",
               "twisted/plugins/relay_plugin.py", "twisted/plugins/relay_stores.py",
               "relay/broker.py"}
     return [f"{sdist.name} lacks {name}" for name in sorted(wanted - names)]

@@ -33,8 +33,9 @@ class Reply:
         self.code = code
         self.headers = headers
         self.raw = raw
-        streamed = self.header("content-type") == "text/event-stream"  # GET /v1/events
-        self.json: Any = json.loads(raw) if raw and not streamed else None
+        # GET /v1/events streams; the inbox page's files are no JSON either
+        is_json = (self.header("content-type") or "").startswith("application/json")
+        self.json: Any = json.loads(raw) if raw and is_json else None
 
     def header(self, name: str) -> Optional[str]:
         values = self.headers.getRawHeaders(name)

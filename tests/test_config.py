@@ -564,7 +564,8 @@ def test_policy_and_rules_take_every_value_from_the_config():
         allowed_targets={"alpha": frozenset({"beta"})}, require_nonce=True, max_agents=9,
         min_free_disk_bytes=8 * 1024 * 1024, event_retention_seconds=10,
         groups={"g": GroupConfig(members=("alpha",))},
-        roles={"r": RoleConfig(members=("alpha",), self_join=True)})
+        roles={"r": RoleConfig(members=("alpha",), self_join=True)},
+        humans=frozenset())
 
 
 def test_the_restart_list_comes_from_the_table():
