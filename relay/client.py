@@ -82,6 +82,8 @@ from relay.sse import RelayEvent, SSEParser, StreamError, reconnect_delay
 
 RETRY_DELAYS_SECONDS: Tuple[float, ...] = (2.0, 4.0, 8.0)
 DEFAULT_TIMEOUT_SECONDS = 15.0
+# REACH §15: a question to a person offers 1..10 options
+MAX_OPTIONS = 10
 RETRYABLE_STATUSES = frozenset({408, 429})
 # How much longer than the requested wait a long-poll request may take.
 LONG_POLL_GRACE_SECONDS = 10.0
@@ -291,6 +293,33 @@ def answers_request(message: Mapping[str, Any], request_id: str, to: Optional[st
         return True
     return (to is not None and message.get("from") == to
             and request_id in (message.get("parentId"), message.get("replyTo")))
+
+
+def question_body(question: str, options: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """The body of a question to a person (REACH §15): ``{"question", "options"}``,
+    ``options`` left out when None. ValueError unless ``question`` is a non-empty
+    string and ``options`` 1 to :data:`MAX_OPTIONS` non-empty strings."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("the question must be a non-empty string")
+    body: Dict[str, Any] = {"question": question}
+    if options is not None:
+        options = list(options)
+        if not 1 <= len(options) <= MAX_OPTIONS:
+            raise ValueError(f"give 1 to {MAX_OPTIONS} options, not {len(options)}")
+        if not all(isinstance(option, str) and option.strip() for option in options):
+            raise ValueError("every option must be a non-empty string")
+        if len(set(options)) != len(options):
+            raise ValueError("the options must differ from one another")
+        body["options"] = options
+    return body
+
+
+def answer_of(reply: Mapping[str, Any]) -> Optional[str]:
+    """The answer a person gave in ``reply`` (the envelope :meth:`RelayClient.ask`
+    fires with): its body's ``answer`` when that is a string, else None."""
+    body = reply.get("body")
+    answer = body.get("answer") if isinstance(body, Mapping) else None
+    return answer if isinstance(answer, str) else None
 
 
 def _answer_or_failure(
@@ -1462,6 +1491,25 @@ class RelayClient:
             return await self._await(request_id, to, started, timeout, poll_interval)
 
         return self._bounded(go, request_id, to, timeout)
+
+    def ask(
+        self,
+        to: str,
+        question: str,
+        options: Optional[Sequence[str]] = None,
+        timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS,
+        *,
+        message_id: Optional[str] = None,
+        ttl_seconds: Optional[float] = None,
+    ) -> defer.Deferred:
+        """Ask a person (an agent with ``human: true``, REACH §15) ``question``, with
+        ``options`` as the answers they may pick, and wait for the answer as
+        :meth:`request` does. Fires with the reply envelope: its body is
+        ``{"answer": <the option picked, or the text the person wrote>}``
+        (:func:`answer_of`). ValueError for a question or options the inbox page
+        would not show as such."""
+        body = question_body(question, options)
+        return self.request(to, body, timeout, message_id=message_id, ttl_seconds=ttl_seconds)
 
     def await_reply(
         self,

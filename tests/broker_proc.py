@@ -34,9 +34,13 @@ class BrokerProcess:
     """A broker subprocess on a free loopback port with a temp config."""
 
     def __init__(self, directory: str, secret: str = "e2e-secret-0123456789",
-                 **broker: Any) -> None:
+                 agents: Optional[Dict[str, Any]] = None, **broker: Any) -> None:
+        """``agents`` is the config's ``agents`` section; :meth:`request` signs as
+        each of them with its own ``secret``."""
         self.directory = directory
         self.secret = secret
+        self.secrets: Dict[str, str] = {name: entry["secret"]
+                                        for name, entry in (agents or {}).items()}
         self.port = free_port()
         self.config_path = os.path.join(directory, "relay.yaml")
         values: Dict[str, Any] = {
@@ -47,8 +51,11 @@ class BrokerProcess:
             "rateLimitLoopback": 1_000_000,
         }
         values.update(broker)
+        config: Dict[str, Any] = {"broker": values}
+        if agents is not None:
+            config["agents"] = agents
         with open(self.config_path, "w") as f:
-            yaml.safe_dump({"broker": values}, f)
+            yaml.safe_dump(config, f)
         self.log_path = os.path.join(directory, "broker.log")
         self.proc: Optional[subprocess.Popen] = None
 
@@ -118,7 +125,8 @@ class BrokerProcess:
         headers = {
             "X-Relay-Agent": agent,
             "X-Relay-Timestamp": str(ts),
-            "X-Relay-Signature": sign(self.secret, method, path, ts, raw),
+            "X-Relay-Signature": sign(self.secrets.get(agent, self.secret), method, path, ts,
+                                      raw),
             "Content-Type": "application/json",
         }
         req = urllib.request.Request(self.url + path, data=raw or None, method=method,

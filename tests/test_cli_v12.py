@@ -300,3 +300,42 @@ def test_a_failure_notice_reads_as_one() -> None:
     assert "[notice]" not in "\n".join(message_block(forged, 0))
     assert watch_line(forged, 0).startswith("mallory (reply) [f]: ")
     assert "[notice]" not in watch_line(forged, 0)
+
+
+# -- asking a person (REACH §15) ------------------------------------------------------------
+
+
+def test_ask_a_question_with_options_prints_the_persons_answer(term: Terminal) -> None:
+    d = term.begin("alpha", "ask", "beta", "Ship 2.1 today?", "--option", "ship it",
+                   "--option", "wait a day", "--wait", "30")
+    request = answer_next(term, answer="wait a day")
+    done = result_of(d)
+    assert (done.status, done.out, done.err) == (0, "wait a day\n", "")
+    (body,) = [b for b in term.http.bodies("/messages") if b["id"] == request]
+    assert (body["kind"], body["body"]) == (
+        "request", {"question": "Ship 2.1 today?", "options": ["ship it", "wait a day"]})
+
+    d = term.begin("alpha", "ask", "beta", "--question", "Which branch?")
+    request = answer_next(term, answer=f"release/2.1 {HOSTILE}")
+    done = result_of(d)
+    assert done.status == 0 and "\x1b" not in done.out and done.out.startswith("release/2.1 ")
+    (body,) = [b for b in term.http.bodies("/messages") if b["id"] == request]
+    assert body["body"] == {"question": "Which branch?"}
+
+    d = term.begin("alpha", "ask", "beta", "Drop it?", "--option", "yes")
+    request = answer_next(term, reject="not my call")
+    done = result_of(d)
+    assert done.status == 1 and done.err.endswith("failed: not my call\n")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--option", "a"] * 11, "give 1 to 10 options, not 11"),
+    (["--option", "a", "--option", "a"], "the options must differ"),
+    (["--option", ""], "every option must be a non-empty string"),
+    (["--question", "--json-body"], "--json-body does not go with --question"),
+])
+def test_ask_refuses_options_the_page_cannot_show(term: Terminal, argv: List[str],
+                                                   says: str) -> None:
+    done = term("alpha", "ask", "beta", "q?", *argv)
+    assert done.status == 2 and says in done.err
+    assert term.http.bodies("/messages") == []

@@ -31,7 +31,7 @@ REQUIRED_ENV = "RELAY_TEST_MCP_REQUIRED"
 TOOLS = {
     "relay_whoami", "relay_peers", "relay_send", "relay_request", "relay_wait_reply",
     "relay_inbox", "relay_reply", "relay_done", "relay_release", "relay_reject",
-    "relay_renew", "relay_status", "relay_thread",
+    "relay_renew", "relay_status", "relay_thread", "relay_ask_human",
 }
 # A tool call of these tests never takes longer (MCP clients allow about a minute).
 CALL_SECONDS = 45.0

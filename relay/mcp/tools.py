@@ -46,6 +46,7 @@ from relay.client import (
     ack_outcomes,
     answers_request,
     broker_notice,
+    question_body,
 )
 from relay.errors import RelayError
 from relay.protocol import GROUP_PREFIX, KEEP_CARD, is_selfcheck_agent
@@ -226,6 +227,7 @@ class RelayTools:
             "relay_send": self.send,
             "relay_request": self.request,
             "relay_wait_reply": self.wait_reply,
+            "relay_ask_human": self.ask_human,
             "relay_inbox": self.inbox,
             "relay_reply": self.reply,
             "relay_done": self.done,
@@ -412,6 +414,8 @@ class RelayTools:
             }
             if name == self.agent:
                 entry["you"] = True
+            if peer.get("human") is True:  # set by the operator's config (REACH §15)
+                entry["human"] = True
             entry.update(untrusted(**written))
             listed.append(entry)
         result: Dict[str, Any] = {"peers": listed, "count": len(listed)}
@@ -478,6 +482,25 @@ class RelayTools:
             raise ToolFailure("bad_arguments", "relay_request waits for one answer: to ask a "
                               'group, use relay_send with kind "request", then '
                               "relay_wait_reply for each copy")
+        request_id = str(uuid.uuid4())
+        await self.client.send(to, content, message_id=request_id, kind="request")
+        self.pending[request_id] = to
+        return await self._await(request_id, to, wait)
+
+    async def ask_human(
+        self,
+        to: str,
+        question: str,
+        options: Optional[Sequence[str]] = None,
+        wait_seconds: float = MAX_WAIT_SECONDS,
+    ) -> Dict[str, Any]:
+        """Ask the person ``to`` (REACH §15) ``question``, offering ``options``, and
+        wait up to ``wait_seconds`` for the answer, as :meth:`request` does."""
+        try:
+            content = question_body(question, options)
+        except ValueError as error:
+            raise ToolFailure("bad_arguments", str(error)) from None
+        wait = _wait(wait_seconds)
         request_id = str(uuid.uuid4())
         await self.client.send(to, content, message_id=request_id, kind="request")
         self.pending[request_id] = to

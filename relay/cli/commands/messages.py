@@ -11,7 +11,12 @@ from typing import Any, Dict, Mapping, Optional, Sequence, TextIO
 from relay.cli.command import Context, non_negative_int, positive_float, positive_int
 from relay.cli.output import body_text, print_messages, table, watch_line
 from relay.cli.state import STATE_FILE, CursorState
-from relay.client import DEFAULT_REQUEST_TIMEOUT_SECONDS
+from relay.client import (
+    DEFAULT_REQUEST_TIMEOUT_SECONDS,
+    MAX_OPTIONS,
+    answer_of,
+    question_body,
+)
 from relay.errors import RelayError
 from relay.polling import drain, poll
 from relay.settings import UsageError
@@ -173,10 +178,14 @@ async def send(ctx: Context) -> int:
 ASK_DESCRIPTION = """\
 Send CONTENT to AGENT as a request and wait for the answer, then print it
 (the reply's text, or its JSON body). CONTENT is read as for `relay send`.
+To ask a person (an agent with human: true, who answers in the inbox page),
+--question sends CONTENT as {"question": CONTENT} and each --option adds a
+button the person may pick ({"question", "options"}); their answer is printed
+as they gave it: the option picked or the text they wrote.
 Exit status 1, with one line saying why, when the request fails (the
-broker's failure notice), when no answer comes within --timeout, or when the
-broker cannot be reached. A v1.1 broker is polled for the answer, which then
-stays queued in this agent's inbox."""
+broker's failure notice, or a person's reject with their reason), when no
+answer comes within --timeout, or when the broker cannot be reached. A v1.1
+broker is polled for the answer, which then stays queued in this agent's inbox."""
 
 
 def ask_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,25 +195,50 @@ def ask_arguments(parser: argparse.ArgumentParser) -> None:
     _content_arguments(parser)
     parser.add_argument(
         "--timeout",
+        "--wait",
         type=positive_float,
         default=DEFAULT_REQUEST_TIMEOUT_SECONDS,
         metavar="SECONDS",
         help=f"how long to wait for the answer (default {DEFAULT_REQUEST_TIMEOUT_SECONDS:g})",
     )
+    parser.add_argument(
+        "--question",
+        action="store_true",
+        help='CONTENT is a question to a person: the body {"question": CONTENT}',
+    )
+    parser.add_argument(
+        "--option",
+        dest="options",
+        action="append",
+        metavar="TEXT",
+        help=f"an answer the person may pick, shown as a button (1 to {MAX_OPTIONS}; "
+        "implies --question)",
+    )
     _ttl_argument(parser, "the request")
 
 
 async def ask(ctx: Context) -> int:
-    """Request and wait: ``RelayClient.request``; prints the answer."""
+    """Request and wait: ``RelayClient.request`` (``ask`` for a question to a
+    person); prints the answer."""
     args = ctx.args
-    body = message_body(args.content, args.json_body, ctx.stdin)
+    if args.question or args.options:
+        if args.json_body:
+            raise UsageError("--json-body does not go with --question or --option")
+        try:
+            body = question_body(read_content(args.content, ctx.stdin), args.options)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    else:
+        body = message_body(args.content, args.json_body, ctx.stdin)
     reply = await ctx.client.request(args.target, body, args.timeout, ttl_seconds=args.ttl)
     ctx.console.emit(reply, lambda: _print_answer(ctx, reply))
     return 0
 
 
 def _print_answer(ctx: Context, reply: Mapping[str, Any]) -> None:
-    for line in body_text(reply.get("body")).splitlines() or [""]:
+    answer = answer_of(reply)
+    text = answer if answer is not None else body_text(reply.get("body"))
+    for line in text.splitlines() or [""]:
         ctx.console.line(line)
 
 
