@@ -55,10 +55,10 @@ $(CI_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[test,ci]'
 	touch $(CI_STAMP)
 
-## test-ops: fuzz a running broker from docs/openapi.yaml, drive the dashboard in
+## test-ops: fuzz a running broker from docs/openapi.yaml, drive the dashboard and the inbox in
 ## headless chromium (needs /usr/bin/chromium: apt-get install chromium)
 test-ops: $(CI_STAMP)
-	$(BIN)/python -m pytest -q tests/fuzz_openapi.py tests/browser_dashboard.py
+	$(BIN)/python -m pytest -q tests/fuzz_openapi.py tests/browser_dashboard.py tests/browser_inbox.py
 
 $(PYPY_STAMP): setup.cfg pyproject.toml
 	$(PYPY) -m venv $(PYPY_VENV)
