@@ -510,6 +510,9 @@ def test_the_http_transport_serves_every_tool_to_the_bearer_of_the_token(
                 waited = await call("relay_wait_reply", request_id=asked["request_id"],
                                     wait_seconds=0)
                 assert waited["answered"] is False
+                asked = await call("relay_ask_human", to="alice", question="q?",
+                                   options=["a", "b"], wait_seconds=0)
+                assert asked["answered"] is False
                 # messages to frank, taken and settled every way
                 ids = []
                 for i in range(4):
