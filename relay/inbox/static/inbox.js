@@ -161,6 +161,10 @@
   async function signIn(agent, secret) {
     if (!AGENT_NAME.test(agent)) throw new Error("An agent name is 1 to 64 of A-Z a-z 0-9 _ . -");
     if (!secret) throw new Error("Type the secret of this agent.");
+    if (!window.isSecureContext || !crypto.subtle) {
+      throw new Error("This page can sign only over https:// or on this machine " +
+        "(http://127.0.0.1 or http://localhost): the browser offers WebCrypto nowhere else.");
+    }
     session = { agent, key: await importKey(secret), skew: 0 };
     session.skew = await clockSkew();
     try {
