@@ -147,13 +147,23 @@ def test_a_person_answers_a_question_live_with_an_option(broker, browser, tmp_pa
     expect(question.locator(".state")).to_have_text("answered", timeout=WAIT_MS)
     expect(question.get_by_role("button", name="ship it")).to_have_count(0)
 
-    # A typed answer instead of an option, to a question with none.
+    # A typed answer instead of an option, to a question with none; what the
+    # person is typing stays as it is while another message arrives live.
     asker = ask(broker, "Which branch do we cut from?")
     open_question = item(page, "Which branch do we cut from?")
     expect(open_question).to_have_count(1, timeout=WAIT_MS)
-    open_question.get_by_label("Your answer").fill("release/2.1, not main")
+    typed = open_question.get_by_label("Your answer")
+    typed.type("release/2.1")
+    assert broker.request("bob", "POST", "/messages", {
+        "to": "dana", "body": {"text": "FYI: CI is green."}})[0] == 201
+    expect(item(page, "FYI: CI is green.")).to_have_count(1, timeout=WAIT_MS)
+    expect(typed).to_be_focused()
+    typed.type(", not main")
+    expect(typed).to_have_value("release/2.1, not main")
     open_question.get_by_role("button", name="Send answer").click()
     assert answer_of(asker)["body"] == {"answer": "release/2.1, not main"}
+    # The newest first.
+    expect(page.locator("#messages > li").first).to_contain_text("FYI: CI is green.")
 
     # The thread of the first question shows it and the answer.
     question.locator("summary", has_text="Thread").click()
@@ -194,8 +204,20 @@ def test_reject_with_a_reason_and_write_to_a_peer(broker, browser):
     page.get_by_role("button", name="Sent").click()
     expect(item(page, "The backup runs at six.")).to_have_count(1, timeout=WAIT_MS)
 
-    # A wrong secret is refused with a clear message.
+    # Signing out gives back what the page held: it waits in the queue again.
+    page.get_by_role("button", name="Received").click()
+    code, waiting = broker.request("alice", "POST", "/messages", {
+        "to": "dana", "kind": "request", "body": {"question": "Later?"}})
+    expect(item(page, "Later?").locator(".state")).to_have_text("waiting for you",
+                                                               timeout=WAIT_MS)
+    assert broker.request("alice", "POST", "/v1/status", {"messageIds": [waiting["id"]]})[1][
+        "messages"][0]["status"] == "leased"
     page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_label("Secret")).to_be_visible(timeout=WAIT_MS)
+    assert broker.request("alice", "POST", "/v1/status", {"messageIds": [waiting["id"]]})[1][
+        "messages"][0]["status"] == "queued"
+
+    # A wrong secret is refused with a clear message.
     page.get_by_label("Agent name").fill("dana")
     page.get_by_label("Secret").fill("not-the-secret-at-all")
     page.get_by_role("button", name="Sign in").click()

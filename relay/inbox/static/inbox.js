@@ -27,8 +27,10 @@
   let timers = [];
   let refreshing = null;
   let refreshAgain = false;
-  let openThreads = new Set();
-  let drafts = new Map();  // message id -> typed answer, kept across redraws
+  // message id -> {node, key}: an item is rebuilt only when its state changes, so
+  // what the person is typing or has opened stays as it is while others arrive
+  let shown = new Map();
+  let serial = 0;
 
   // -- building the page (text only) -------------------------------------------------
 
@@ -83,14 +85,16 @@
     }
   }
 
-  async function signedFetch(method, path, body, options) {
+  async function signedFetch(method, path, body, options, as) {
+    const signer = as || session;
+    if (!signer) throw new RelayError(0, "signed_out", "signed out");
     const raw = body === undefined ? "" : JSON.stringify(body);
-    const timestamp = String(Math.floor(Date.now() / 1000) + session.skew);
+    const timestamp = String(Math.floor(Date.now() / 1000) + signer.skew);
     const nonce = newNonce();
-    const signed = [method, path, timestamp, raw, session.agent, nonce].join("\n");
-    const signature = hex(await crypto.subtle.sign("HMAC", session.key, encoder.encode(signed)));
+    const signed = [method, path, timestamp, raw, signer.agent, nonce].join("\n");
+    const signature = hex(await crypto.subtle.sign("HMAC", signer.key, encoder.encode(signed)));
     const headers = {
-      "X-Relay-Agent": session.agent,
+      "X-Relay-Agent": signer.agent,
       "X-Relay-Timestamp": timestamp,
       "X-Relay-Signature": signature,
       "X-Relay-Nonce": nonce,
@@ -115,11 +119,13 @@
     return new RelayError(response.status, code, message);
   }
 
-  async function api(method, path, body) {
+  // ``as``: the session to sign with (the current one by default).
+  async function api(method, path, body, as) {
     let response;
     try {
-      response = await signedFetch(method, path, body);
+      response = await signedFetch(method, path, body, undefined, as);
     } catch (e) {
+      if (e instanceof RelayError) throw e;
       throw new RelayError(0, "unreachable", "the broker cannot be reached");
     }
     if (!response.ok) throw await failure(response);
@@ -191,21 +197,31 @@
     }
   }
 
-  function signOut() {
-    sessionStorage.removeItem(STORE_AGENT);
-    sessionStorage.removeItem(STORE_SECRET);
+  async function signOut() {
+    const ending = session;
+    if (!ending) return;
+    // Nothing runs for this session any more: no stream, no timer, no refresh.
     if (stream) stream.abort();
     stream = null;
     timers.forEach(clearInterval);
     timers = [];
     session = null;
+    sessionStorage.removeItem(STORE_AGENT);
+    sessionStorage.removeItem(STORE_SECRET);
+    $("sign-out").disabled = true;
+    // Give back what this page holds (once a pull under way has ended), so it
+    // waits in the queue again at once rather than when its lease lapses.
+    if (refreshing) await refreshing;
+    const held = Array.from(leases.entries());
+    await Promise.all(held.map(([id, lease]) => api("POST", "/v1/ack",
+      { messageId: id, leaseId: lease.leaseId, outcome: "release" }, ending).catch(() => null)));
     leases = new Map();
-    drafts = new Map();
-    openThreads = new Set();
+    shown = new Map();
     lastEventId = null;
     $("messages").replaceChildren();
     $("to").replaceChildren();
     showError("");
+    $("sign-out").disabled = false;
     $("app").hidden = true;
     $("account").hidden = true;
     $("sign-in").hidden = false;
@@ -220,7 +236,7 @@
       await renewLeases();
       await loadPeers();
     } catch (e) {
-      showError(explain(e));
+      if (session) showError(explain(e));
     }
   }
 
@@ -322,7 +338,7 @@
           await load();
           showError("");
         } catch (e) {
-          showError(explain(e));
+          if (session) showError(explain(e));
         }
       } while (refreshAgain && session);
     })();
@@ -353,17 +369,27 @@
 
   function draw(messages) {
     const list = $("messages");
-    // Keep what the person is typing, and where, across the redraw.
-    for (const area of list.querySelectorAll("textarea[data-id]")) drafts.set(area.dataset.id, area.value);
-    const focused = document.activeElement && document.activeElement.id;
-    list.replaceChildren(...messages.map(item));
+    const next = new Map();
+    let cursor = list.firstChild;
+    for (const message of messages) {
+      if (next.has(message.id)) continue;
+      const key = [view, message.status, leases.has(message.id)].join("|");
+      let entry = shown.get(message.id);
+      if (!entry || entry.key !== key) {
+        if (entry) {
+          if (entry.node === cursor) cursor = cursor.nextSibling;
+          entry.node.remove();
+        }
+        entry = { node: item(message), key };
+      }
+      next.set(message.id, entry);
+      if (entry.node === cursor) cursor = cursor.nextSibling;
+      else list.insertBefore(entry.node, cursor);
+    }
+    for (const [id, entry] of shown) if (!next.has(id)) entry.node.remove();
+    shown = next;
     $("empty").hidden = messages.length > 0;
     $("empty").textContent = view === "inbox" ? "Nothing addressed to you yet." : "You have sent nothing yet.";
-    if (focused && $(focused)) $(focused).focus();
-    for (const id of openThreads) {
-      const details = list.querySelector('details[data-root="' + CSS.escape(id) + '"]');
-      if (details) details.open = true;
-    }
   }
 
   function question(body) {
@@ -407,7 +433,7 @@
     const asked = question(message.body);
     const li = el("li", { class: "message" + (message.kind === "request" ? " request" : "") +
       (state ? " " + state[1] : "") });
-    const idPart = message.id.replace(/[^A-Za-z0-9_-]/g, "_");
+    const idPart = "m" + (++serial);  // names the item's fields for their labels
     li.append(el("div", { class: "meta" },
       el("span", { class: "party", text: incoming ? "from " + message.from : "to " + message.to }),
       el("span", { class: "badge", text: message.kind }),
@@ -436,7 +462,6 @@
       status.textContent = doing;
       try {
         await acknowledge(message.id, ack);
-        drafts.delete(message.id);
         status.textContent = "Sent.";
         scheduleRefresh();
       } catch (e) {
@@ -453,8 +478,7 @@
       }
       form.append(choices);
     }
-    const typed = el("textarea", { id: "answer-" + idPart, rows: "2", "data-id": message.id });
-    typed.value = drafts.get(message.id) || "";
+    const typed = el("textarea", { id: "answer-" + idPart, rows: "2" });
     const reason = el("input", { id: "reason-" + idPart, type: "text", maxlength: "1000" });
     form.append(
       el("label", { for: "answer-" + idPart,
@@ -502,15 +526,11 @@
 
   function thread(message) {
     const root = message.rootId || message.id;
-    const details = el("details", { class: "thread", "data-root": root });
+    const details = el("details", { class: "thread" });
     const list = el("ol", { class: "thread-list" });
     details.append(el("summary", { text: "Thread" }), list);
     details.addEventListener("toggle", async () => {
-      if (!details.open) {
-        openThreads.delete(root);
-        return;
-      }
-      openThreads.add(root);
+      if (!details.open) return;
       list.replaceChildren(el("li", { class: "hint", text: "Loading…" }));
       try {
         const document = await api("POST", "/v1/thread", { agent: session.agent, rootId: root, limit: 200 });
@@ -577,6 +597,12 @@
           await readEvents(response.body);
         } catch (e) {
           if (controller.signal.aborted) return;
+          if (e instanceof RelayError && (e.status === 401 || e.status === 403)) {
+            // Retrying a refused signature would only count failures toward a lock.
+            setLive("stopped", false);
+            showError(explain(e) + " Sign out and sign in again.");
+            return;
+          }
           if (e instanceof RelayError && e.status !== 503 && e.status !== 0) showError(explain(e));
         }
         if (!session || stream !== controller) return;
@@ -617,7 +643,7 @@
     $("show-inbox").setAttribute("aria-pressed", String(next === "inbox"));
     $("show-sent").setAttribute("aria-pressed", String(next === "sent"));
     $("inbox-title").textContent = next === "inbox" ? "Inbox" : "Sent";
-    openThreads = new Set();
+    shown = new Map();
     $("messages").replaceChildren();
     scheduleRefresh();
   }
