@@ -9,7 +9,8 @@ Headless Chromium, driven by Playwright with ``executable_path``, opens
 reload) and her click on an option is the answer the agent's ``await_reply``
 gets. Bodies holding HTML and script are shown as text. Every request the page
 made is inspected: the secret is in none, and in no storage but the tab's
-``sessionStorage``.
+``sessionStorage``. A model's ``relay_ask_human`` (``relay mcp``) is answered with
+a click in the page.
 """
 
 from __future__ import annotations
@@ -308,3 +309,46 @@ def test_the_page_fits_a_phone(broker, browser, tmp_path):
     assert box["x"] >= 0 and box["x"] + box["width"] <= 360 and box["height"] >= 36
     question.get_by_role("button", name="approve").click()
     assert answer_of(asker)["body"] == {"answer": "approve"}
+
+
+def test_a_model_asks_through_mcp_and_the_person_answers_in_the_page(broker, browser,
+                                                                     tmp_path):
+    """``relay_ask_human`` of ``relay mcp`` (the SDK's own client), answered with a
+    click in the page."""
+    import asyncio
+    import threading
+    from contextlib import AsyncExitStack
+
+    from relay.mcp import unavailable
+    from tests.test_mcp import open_session
+
+    problem = unavailable()
+    if problem is not None:
+        pytest.skip(problem)
+    secret = tmp_path / "alice.secret"
+    secret.write_text(ALICE + "\n")
+    secret.chmod(0o600)
+    broker.secret_file = str(secret)  # what open_session passes to relay mcp
+
+    watched = Watched(browser)
+    page = watched.page
+    watched.sign_in(broker, "dana", DANA)
+    results: List[Any] = []
+
+    async def model() -> None:
+        async with AsyncExitStack() as stack:
+            alice = await open_session(stack, broker, "alice")
+            results.append(await alice.call(
+                "relay_ask_human", to="dana", question="Rotate the staging keys now?",
+                options=["rotate now", "after the demo"], wait_seconds=20))
+
+    thread = threading.Thread(target=lambda: asyncio.run(model()))
+    thread.start()
+    question = item(page, "Rotate the staging keys now?")
+    expect(question).to_have_count(1, timeout=30_000)
+    question.get_by_role("button", name="after the demo").click()
+    thread.join(60)
+    assert not thread.is_alive()
+    (asked,) = results
+    assert asked["answered"] is True
+    assert asked["untrusted"] == {"from": "dana", "body": {"answer": "after the demo"}}

@@ -14,6 +14,7 @@ import pytest
 import pytest_twisted
 import yaml
 
+from relay.broker import Policy
 from relay.config import ConfigError, parse_config
 from relay.inbox import CONTENT_SECURITY_POLICY
 from relay.testing import SECRET, make_config
@@ -188,3 +189,14 @@ def test_the_page_obeys_the_host_rule(tmp_path):
             assert code == 403 and body["error"]["code"] == "forbidden", path
     finally:
         broker.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reload_makes_and_unmakes_people():
+    broker = human_broker()
+    await broker.register("alpha", "dana")
+    broker.broker.configure(Policy.from_config(make_config(agents={
+        "alpha": {"secret": ALICE, "human": True}, "dana": {"secret": HUMAN}})))
+    reply = await broker.get("alpha", "/peers")
+    assert [(p["agent"], p.get("human")) for p in reply.json["peers"]] == [
+        ("alpha", True), ("dana", None)]
