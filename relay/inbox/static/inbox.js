@@ -151,15 +151,19 @@
     }
   }
 
-  // The broker's clock decides whether a timestamp is fresh: follow it when this
-  // device's clock is off (a phone, a laptop woken from sleep).
-  async function clockSkew() {
+  // The broker's GET / (unsigned): its capabilities, and how far this device's clock
+  // is from the broker's (whose clock decides whether a signed timestamp is fresh: a
+  // phone's or a laptop woken from sleep may be off).
+  async function brokerInfo() {
     try {
       const response = await fetch("/", { cache: "no-store", credentials: "omit" });
       const date = Date.parse(response.headers.get("date") || "");
-      if (!Number.isNaN(date)) return Math.round((date - Date.now()) / 1000);
-    } catch (_) { /* the register below reports it */ }
-    return 0;
+      const document = await response.json();
+      return { skew: Number.isNaN(date) ? 0 : Math.round((date - Date.now()) / 1000),
+        capabilities: (document && document.capabilities) || {} };
+    } catch (_) {
+      return { skew: 0, capabilities: {} };  // the register below says what is wrong
+    }
   }
 
   // -- signing in and out --------------------------------------------------------------
@@ -171,8 +175,8 @@
       throw new Error("This page can sign only over https:// or on this machine " +
         "(http://127.0.0.1 or http://localhost): the browser offers WebCrypto nowhere else.");
     }
-    session = { agent, key: await importKey(secret), skew: 0 };
-    session.skew = await clockSkew();
+    const info = await brokerInfo();
+    session = { agent, key: await importKey(secret), skew: info.skew };
     try {
       await api("POST", "/register", { agent });
     } catch (e) {
@@ -185,12 +189,10 @@
     $("sign-in").hidden = true;
     $("account").hidden = false;
     $("app").hidden = false;
-    const capabilities = await fetch("/", { cache: "no-store", credentials: "omit" })
-      .then((r) => r.json()).then((d) => d.capabilities || {}).catch(() => ({}));
     timers.push(setInterval(tick, TICK_MS));
-    loadPeers();
+    loadPeers().catch((e) => showError(explain(e)));
     await refresh();
-    if (capabilities.events) openEvents();
+    if (info.capabilities.events) openEvents();
     else {
       setLive("updates every 15 s", true);
       timers.push(setInterval(scheduleRefresh, POLL_MS));
@@ -284,7 +286,7 @@
 
   function remember(message) {
     if (message.leaseId) {
-      leases.set(message.id, { leaseId: message.leaseId,
+      leases.set(message.id, { leaseId: message.leaseId, message,
         until: message.leaseUntil || Date.now() + LEASE_SECONDS * 1000 });
     }
   }
@@ -316,7 +318,8 @@
           { messageId: id, leaseId: lease.leaseId, leaseSeconds: LEASE_SECONDS });
         lease.until = answer.leaseUntil || now + LEASE_SECONDS * 1000;
       } catch (e) {
-        leases.delete(id);
+        if (!(e instanceof RelayError) || ![403, 404, 409].includes(e.status)) continue;
+        leases.delete(id);  // gone, or no longer this page's: the list says what became of it
         scheduleRefresh();
       }
     }
@@ -354,15 +357,22 @@
       { agent: session.agent, box: view, limit: LIST_LIMIT });
     const messages = (document.messages || []).slice();
     if (view === "inbox") {
-      const shown = new Set(messages.map((m) => m.id));
+      const listed = new Set(messages.map((m) => m.id));
       const leased = await api("POST", "/v1/messages/query",
         { agent: session.agent, box: "inbox", status: "leased", kind: "request", limit: LIST_LIMIT });
-      const older = (leased.messages || []).filter((m) => !shown.has(m.id));
-      messages.push(...older);
-      const held = new Map();
-      for (const message of messages) if (message.leaseId) held.set(message.id, message);
-      for (const id of Array.from(leases.keys())) if (!held.has(id)) leases.delete(id);
-      held.forEach(remember);
+      for (const message of leased.messages || []) {
+        if (!listed.has(message.id)) {
+          listed.add(message.id);
+          messages.push(message);
+        }
+      }
+      for (const message of messages) {
+        if (message.leaseId) remember(message);
+        else leases.delete(message.id);  // answered, or taken back: no longer this page's
+      }
+      // What the page holds but no query lists (a message to a role the person
+      // holds is in no one's inbox) is shown as it was pulled.
+      for (const [id, lease] of leases) if (!listed.has(id)) messages.push(lease.message);
     }
     draw(messages);
   }
@@ -674,7 +684,9 @@
     if (agent && secret) {
       $("agent").value = agent;
       signIn(agent, secret).catch((e) => {
-        sessionStorage.removeItem(STORE_SECRET);
+        if (e instanceof RelayError && (e.status === 401 || e.status === 403)) {
+          sessionStorage.removeItem(STORE_SECRET);
+        }
         $("sign-in-error").textContent = e instanceof RelayError ? explain(e) : e.message;
       });
     } else {
