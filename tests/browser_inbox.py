@@ -194,6 +194,7 @@ def test_reject_with_a_reason_and_write_to_a_peer(broker, browser):
     # A new message to a peer chosen from /peers; people are marked as such.
     expect(page.locator("#to option[value='bob']")).to_have_count(1, timeout=WAIT_MS)
     assert page.locator("#to option[value='dana']").count() == 0  # not to herself
+    page.get_by_text("Write a message").click()
     page.get_by_label("To").select_option("bob")
     page.get_by_label("Text").fill("The backup runs at six.")
     page.get_by_role("button", name="Send", exact=True).click()
@@ -256,6 +257,7 @@ def test_the_secret_stays_in_the_tab(broker, browser):
     expect(question).to_have_count(1, timeout=WAIT_MS)
     question.get_by_role("button", name="merge").click()
     assert answer_of(asker)["body"] == {"answer": "merge"}
+    page.get_by_text("Write a message").click()
     page.get_by_label("To").select_option("alice")
     page.get_by_label("Text").fill("done")
     page.get_by_role("button", name="Send", exact=True).click()
