@@ -18,8 +18,10 @@ from relay.client import (
     RequestFailed,
     RequestTimeout,
     advertises,
+    answer_of,
     failure_notices,
     notice_of,
+    question_body,
 )
 from relay.delivery import notice_id
 from relay.signing import NONCE, sign
@@ -462,3 +464,36 @@ def test_a_broker_without_any_way_to_wait_is_refused_clearly() -> None:
     alpha = net.client("alpha", info={"protocol": "1.0"})
     error = failure_of(net.start(alpha.await_reply("q", 5)))
     assert error.code == "unsupported" and "pullFilter" in error.message
+
+
+# -- asking a person (REACH §15) ------------------------------------------------------------
+
+
+def test_ask_sends_the_question_and_fires_with_the_persons_answer() -> None:
+    net = Net()
+    alpha, person = pair(net)
+    d = net.start(alpha.ask("beta", "Ship 2.1 today?", ("ship it", "wait a day"), timeout=30))
+    message = leased(net, person)
+    assert (message["kind"], message["body"]) == (
+        "request", {"question": "Ship 2.1 today?", "options": ["ship it", "wait a day"]})
+    net.run(person.complete(message["id"], message["leaseId"],
+                          reply={"body": {"answer": "wait a day"}}))
+    net.settle()
+    reply = result_of(d)
+    assert answer_of(reply) == "wait a day" and reply["from"] == "beta"
+    assert answer_of({"body": {"answer": 4}}) is None
+    assert answer_of({"body": {"text": "x"}}) is None
+
+
+@pytest.mark.parametrize("question, options, says", [
+    ("", None, "non-empty string"),
+    ("  ", ["a"], "non-empty string"),
+    ("q?", [], "give 1 to 10 options, not 0"),
+    ("q?", [str(i) for i in range(11)], "give 1 to 10 options, not 11"),
+    ("q?", ["a", 2], "every option must be a non-empty string"),
+    ("q?", ["a", "a"], "must differ"),
+])
+def test_question_body_refuses_what_the_page_cannot_show(question, options, says) -> None:
+    with pytest.raises(ValueError, match=says):
+        question_body(question, options)
+    assert question_body("q?") == {"question": "q?"}
