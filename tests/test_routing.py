@@ -35,6 +35,9 @@ def test_the_app_declares_every_route_and_no_other() -> None:
         (b"POST", b"/v1/cancel"): "cancel",
         (b"POST", b"/v1/thread"): "thread",
         (b"GET", b"/v1/events"): "events",
+        (b"GET", b"/inbox"): "inbox_bare",
+        (b"GET", b"/inbox/"): "inbox_page",
+        (b"GET", b"/inbox/<path:name>"): "inbox_file",
     }
 
 
