@@ -28,6 +28,8 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.broker_proc import BrokerProcess
 
+pytestmark = [pytest.mark.process, pytest.mark.browser]
+
 CHROMIUM = os.environ.get("RELAY_CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]

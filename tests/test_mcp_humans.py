@@ -22,6 +22,8 @@ from tests.test_mcp import open_session, run, sdk, stderr_of  # noqa: F401 (sdk:
 ALICE = "alice-secret-0123456789"
 DANA = "dana-secret-0123456789"
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory) -> Iterator[BrokerProcess]:
