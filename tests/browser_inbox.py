@@ -24,6 +24,7 @@ import textwrap
 from typing import Any, Dict, Iterator, List
 
 import pytest
+import yaml
 from playwright.sync_api import expect, sync_playwright
 
 from tests.broker_proc import BrokerProcess
@@ -67,7 +68,13 @@ ASKER = textwrap.dedent("""
 def broker(tmp_path) -> Iterator[BrokerProcess]:
     b = BrokerProcess(str(tmp_path), agents={
         "alice": {"secret": ALICE}, "bob": {"secret": BOB},
-        "dana": {"secret": DANA, "human": True}}).start()
+        "dana": {"secret": DANA, "human": True}})
+    with open(b.config_path) as f:
+        config = yaml.safe_load(f)
+    config["groups"] = {"team": {"members": ["alice", "bob", "dana"]}}
+    with open(b.config_path, "w") as f:
+        yaml.safe_dump(config, f)
+    b.start()
     for agent in ("alice", "bob"):
         assert b.request(agent, "POST", "/register", {})[0] == 200
     yield b
@@ -207,6 +214,20 @@ def test_reject_with_a_reason_and_write_to_a_peer(broker, browser):
         "dana", "message", {"text": "The backup runs at six."})
     page.get_by_role("button", name="Sent").click()
     expect(item(page, "The backup runs at six.")).to_have_count(1, timeout=WAIT_MS)
+
+    # ...and to a group /peers lists: one copy for each member but her.
+    expect(page.locator("#to option[value='group:team']")).to_have_text(
+        "group:team (alice, bob, dana)")
+    page.get_by_label("To").select_option("group:team")
+    page.get_by_label("Text").fill("Standup moves to ten.")
+    page.get_by_role("button", name="Send", exact=True).click()
+    expect(page.locator("#compose-status")).to_have_text("Sent to group:team.",
+                                                         timeout=WAIT_MS)
+    for member in ("alice", "bob"):
+        code, pulled = broker.request(member, "POST", "/v1/pull", {})
+        (copy,) = [m for m in pulled["messages"] if m["from"] == "dana" and "via" in m]
+        assert (copy["from"], copy["via"], copy["body"]) == (
+            "dana", "group:team", {"text": "Standup moves to ten."})
 
     # Signing out gives back what the page held: it waits in the queue again.
     page.get_by_role("button", name="Received").click()

@@ -447,6 +447,7 @@
     li.append(el("div", { class: "meta" },
       el("span", { class: "party", text: incoming ? "from " + message.from : "to " + message.to }),
       el("span", { class: "badge", text: message.kind }),
+      typeof message.via === "string" ? el("span", { class: "badge", text: "via " + message.via }) : null,
       state ? el("span", { class: "state " + state[1], text: state[0] }) : null,
       el("time", { datetime: message.ts, text: when(message.ts) })));
     if (asked) {
