@@ -228,9 +228,13 @@ def test_reject_with_a_reason_and_write_to_a_peer(broker, browser):
         (copy,) = [m for m in pulled["messages"] if m["from"] == "dana" and "via" in m]
         assert (copy["from"], copy["via"], copy["body"]) == (
             "dana", "group:team", {"text": "Standup moves to ten."})
+    page.get_by_role("button", name="Received").click()
+    assert broker.request("alice", "POST", "/messages", {
+        "to": "group:team", "body": {"text": "Room 4 for the standup."}})[0] == 201
+    expect(item(page, "Room 4 for the standup.").locator(".meta")).to_contain_text(
+        "via group:team", timeout=WAIT_MS)
 
     # Signing out gives back what the page held: it waits in the queue again.
-    page.get_by_role("button", name="Received").click()
     code, waiting = broker.request("alice", "POST", "/messages", {
         "to": "dana", "kind": "request", "body": {"question": "Later?"}})
     expect(item(page, "Later?").locator(".state")).to_have_text("waiting for you",
