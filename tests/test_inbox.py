@@ -56,6 +56,12 @@ def test_a_bad_human_entry_stops_the_start_with_its_key(entry, key, reason):
     assert caught.value.key == key and reason in str(caught.value)
 
 
+def test_a_human_may_sign_with_a_keyring_instead_of_a_secret():
+    config = make_config(agents={"alpha": {"secret": ALICE},
+                                 "dana": {"human": True, "keys": {"k1": {"secret": HUMAN}}}})
+    assert config.agents["dana"].human and config.agents["dana"].keys
+
+
 def test_a_human_with_the_shared_secret_only_is_refused():
     """A person signs in with a secret of their own: the shared ``broker.secret``
     (which every agent holds) would let any agent read and answer as them."""
