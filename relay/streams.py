@@ -6,7 +6,10 @@ only in memory — so a stream and a resumed stream see the same events in the s
 order, whichever broker recorded them: the store's change report
 (:attr:`relay.delivery.Changes.events`, also heard from other brokers on a shared
 store) says which agents' streams have something new. One periodic call writes
-the ``: keepalive`` comment to every open stream.
+the ``: keepalive`` comment: every second to one of fifteen slices of the open
+streams, so each stream has one every 15 s and ten thousand streams cost the
+reactor a few milliseconds a second instead of one long pause every 15 s (which
+would hold up the events of that instant).
 
 Limits: at most ``max_per_agent`` streams per agent (a new one closes that agent's
 oldest) and ``max_total`` in all (a new one beyond it is ``503 busy``).
@@ -42,7 +45,7 @@ class Stream:
     from its position when resumed."""
 
     __slots__ = ("agent", "request", "position", "reading", "again", "closed", "done",
-                 "paused", "streams")
+                 "paused", "streams", "slot")
 
     def __init__(self, agent: str, request: Any, position: Optional[int],
                  streams: EventStreams) -> None:
@@ -55,6 +58,7 @@ class Stream:
         self.paused = False
         self.done: Optional[Deferred] = None
         self.streams = streams
+        self.slot = 0  # which second of the keepalive period is this stream's
 
     def pauseProducing(self) -> None:
         self.paused = True
@@ -81,7 +85,10 @@ class EventStreams:
         # agent -> its open streams, oldest first
         self.by_agent: Dict[str, List[Stream]] = {}
         self.total = 0
-        self._keepalive = LoopingCall(self.keepalive)
+        # the open streams by keepalive slot (a dict keeps their order)
+        self._slots: List[Dict[Stream, None]] = [{} for _ in range(events.KEEPALIVE_SECONDS)]
+        self._slot = 0  # the slot written last
+        self._keepalive = LoopingCall.withCount(self.keepalive)
         self._keepalive.clock = clock
         self._stopped = False
         store.subscribe(self.changed)
@@ -114,6 +121,10 @@ class EventStreams:
         stream.done = Deferred(lambda _: self.forget(stream))
         self.by_agent.setdefault(agent, []).append(stream)
         self.total += 1
+        # the slot with the fewest streams: its turn comes within 15 s, and the
+        # slots stay even however streams come and go
+        stream.slot = min(range(len(self._slots)), key=lambda i: len(self._slots[i]))
+        self._slots[stream.slot][stream] = None
         if self.counters is not None:
             self.counters.stream_opened()
         request.setResponseCode(200)
@@ -124,7 +135,7 @@ class EventStreams:
         request.registerProducer(stream, True)
         request.write(events.KEEPALIVE)  # the headers go out now
         if not self._keepalive.running:
-            self._keepalive.start(events.KEEPALIVE_SECONDS, now=False)
+            self._keepalive.start(1, now=False)
         self.read(stream)
         return stream.done
 
@@ -141,6 +152,7 @@ class EventStreams:
             if not mine:
                 del self.by_agent[stream.agent]
             self.total -= 1
+            self._slots[stream.slot].pop(stream, None)
         if not self.total and self._keepalive.running:
             self._keepalive.stop()
 
@@ -169,10 +181,12 @@ class EventStreams:
             for stream in list(self.by_agent.get(agent, ())):
                 self.read(stream)
 
-    def keepalive(self) -> None:
-        """Write the keepalive comment to every open stream."""
-        for streams in list(self.by_agent.values()):
-            for stream in list(streams):
+    def keepalive(self, seconds: int = 1) -> None:
+        """Write the keepalive comment to the streams whose turn came in the last
+        ``seconds`` seconds (one slot a second; all of them after 15 s or more)."""
+        for _ in range(min(seconds, events.KEEPALIVE_SECONDS)):
+            self._slot = (self._slot + 1) % events.KEEPALIVE_SECONDS
+            for stream in list(self._slots[self._slot]):
                 if not stream.paused:  # a paused stream's client has bytes to read
                     stream.request.write(events.KEEPALIVE)
 

@@ -332,3 +332,24 @@ async def test_the_capability():
     reply = await b.get(None, "/")
     assert reply.json["capabilities"]["events"] == {"retentionSeconds": 120,
                                                     "keepaliveSeconds": 15}
+
+
+@pytest_twisted.ensureDeferred
+async def test_keepalives_are_spread_over_the_seconds_of_their_period():
+    # Ten thousand streams written in one turn of the reactor every 15 s would hold
+    # up every event of that instant: each second takes a fifteenth of them.
+    b = Broker(maxStreamsPerAgent=100)
+    await b.register("beta")
+    requests = [FakeRequest() for _ in range(45)]
+    for request in requests:
+        b.broker.streams.open("beta", request, None)
+    per_second = []
+    for _ in range(events.KEEPALIVE_SECONDS):
+        before = sum(len(r.written) for r in requests)
+        b.clock.advance(1)
+        per_second.append(sum(len(r.written) for r in requests) - before)
+    assert per_second == [3] * events.KEEPALIVE_SECONDS
+    assert all(r.written == [events.KEEPALIVE] * 2 for r in requests), "one each per 15 s"
+    b.clock.advance(events.KEEPALIVE_SECONDS * 2)  # a reactor late by 30 s: each gets one
+    assert all(len(r.written) == 3 for r in requests)
+    b.broker.stop()
