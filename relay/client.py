@@ -28,6 +28,7 @@ import functools
 import json
 import math
 import os
+import re
 import uuid
 from typing import (
     Any,
@@ -1364,6 +1365,7 @@ class RelayClient:
         since: Optional[str] = None,
         *,
         on_state: Optional[Callable[[bool], None]] = None,
+        on_wait: Optional[Callable[[RelayError, float], None]] = None,
     ) -> EventStream:
         """This agent's events (``GET /v1/events``), as an :class:`EventStream`: an
         async iterator of :class:`relay.sse.RelayEvent` that reconnects with backoff
@@ -1373,6 +1375,10 @@ class RelayClient:
             :attr:`EventStream.last_id`); None starts at the present.
         :param on_state: called with True each time the stream is open, with False
             each time it was lost (it reconnects by itself); not when it is closed.
+        :param on_wait: called with the refusal and the seconds it waits when the
+            broker refused the stream for a while (``403 locked`` after
+            authentication failures: as long as the answer says, then it tries
+            again).
 
         The first read makes the handshake when none was made and fails with code
         ``unsupported`` unless the broker advertises ``events``. A ``reset`` event
@@ -1383,7 +1389,7 @@ class RelayClient:
         The stream starts opening at once: events that happen after this call are
         read even before the first ``async for`` step.
         """
-        stream = EventStream(self, since, on_state=on_state)
+        stream = EventStream(self, since, on_state=on_state, on_wait=on_wait)
         stream.open()
         return stream
 
@@ -1702,6 +1708,23 @@ class RelayClient:
 # -- the event stream (REACH §11) ---------------------------------------------------
 
 
+# A ``403 locked`` whose message names no wait is tried again after this long.
+LOCKED_RETRY_SECONDS = 60.0
+_LOCK_LEFT = re.compile(r"try again in (\d{1,6}) (min|s)\b")
+
+
+def locked_seconds(error: RelayError) -> Optional[float]:
+    """How long a ``403 locked`` answer says the lock holds, in seconds (None for
+    any other error). The lock runs out by itself (``security.lockMinutes``); the
+    answer names the time left in whole minutes or seconds, rounded up."""
+    if error.status != 403 or error.code != "locked":
+        return None
+    found = _LOCK_LEFT.search(error.message)
+    if found is None:
+        return LOCKED_RETRY_SECONDS
+    return float(int(found.group(1)) * (60 if found.group(2) == "min" else 1))
+
+
 def _retryable_stream_error(error: RelayError) -> bool:
     """Whether a failed ``GET /v1/events`` may succeed later: the broker was not
     reached, or it was busy, overloaded or restarting."""
@@ -1744,8 +1767,10 @@ class EventStream:
     than twice the broker's keepalive interval is opened again after a delay (1,
     2, 4 ... at most 30 s while tries fail), resuming after the last event read
     (``since``), so nothing is lost or repeated while the broker keeps the
-    events. :attr:`last_id` is the id of the last event given to the caller: keep
-    it to resume in a later run. :meth:`close` ends the iteration.
+    events. An agent locked after authentication failures (``403 locked``) is
+    tried again once the lock the answer names has run out (``on_wait`` is told).
+    :attr:`last_id` is the id of the last event given to the caller: keep it to
+    resume in a later run. :meth:`close` ends the iteration.
     """
 
     log = Logger()
@@ -1756,11 +1781,13 @@ class EventStream:
         since: Optional[str] = None,
         *,
         on_state: Optional[Callable[[bool], None]] = None,
+        on_wait: Optional[Callable[[RelayError, float], None]] = None,
     ) -> None:
         self._client = client
         self._clock = client._clock
         self.last_id = since
         self.on_state = on_state
+        self.on_wait = on_wait
         #: whether a stream is open now
         self.connected = False
         #: how many times a stream was opened
@@ -1841,6 +1868,7 @@ class EventStream:
         failures = 0
         handshaken_again = False
         while not self._closed:
+            locked = None
             try:
                 response = await self._client._open_events(self._read_id)
             except RelayError as error:
@@ -1848,9 +1876,12 @@ class EventStream:
                     handshaken_again = True
                     if await self._client._nonce_changed():
                         continue
-                if not _retryable_stream_error(error):
+                locked = locked_seconds(error)
+                if locked is None and not _retryable_stream_error(error):
                     raise
                 self.log.info("relay event stream: {code}; reconnecting", code=error.code)
+                if locked is not None and self.on_wait is not None and not self._closed:
+                    self.on_wait(error, max(locked, reconnect_delay(failures)))
             else:
                 failures = 0
                 handshaken_again = False
@@ -1864,6 +1895,8 @@ class EventStream:
                 finally:
                     self._state(False)
             delay = reconnect_delay(failures)
+            if locked is not None:
+                delay = max(delay, locked)
             failures += 1
             await deferLater(self._clock, delay)
 

@@ -15,7 +15,7 @@ from relay.errors import RelayError
 from relay.events import Event
 from relay.sse import RelayEvent, SSEParser
 from relay.webhook_receiver import WebhookRejected, verify
-from tests.client_support import Net
+from tests.client_support import Net, failure_of
 
 # -- reading the stream -----------------------------------------------------------------
 
@@ -211,6 +211,46 @@ def test_a_refused_signature_ends_the_stream_with_the_error():
     reader.done.addErrback(lambda _: None)
     assert isinstance(error, RelayError) and error.status == 401
     assert len(event_paths(net)) == 1  # one try, and no retries of a refusal
+
+
+def test_a_locked_agent_waits_out_the_lock_it_was_told_then_reads_on():
+    net, alpha, beta = two_agents(security={"lockAfterFailures": 2, "lockMinutes": 2})
+    impostor = net.client("beta")
+    impostor._secret = "not the secret"
+    for _ in range(2):
+        failure_of(net.start(impostor.register()))
+    waits: List[Any] = []
+    stream = beta.events(on_wait=lambda error, seconds: waits.append((error.code, seconds)))
+    done = defer.ensureDeferred(_read_all(stream, got := []))
+    net.settle()
+    assert waits == [("locked", 120.0)] and not done.called, "waiting, not ended"
+    tries = len(event_paths(net))
+    net.settle(119)
+    assert len(event_paths(net)) == tries, "nothing asked before the lock runs out"
+    net.settle(1)
+    assert stream.connected
+    sent = send(net, alpha)
+    net.settle()
+    assert [e.data["id"] for e in got] == [sent]
+    stream.close()
+    net.settle()
+
+
+def test_the_wait_a_locked_answer_names():
+    from relay.client import LOCKED_RETRY_SECONDS, locked_seconds
+
+    def locked(text: str) -> RelayError:
+        return RelayError(403, "locked", text)
+
+    assert locked_seconds(locked("agent a is locked ...; try again in 5 min, or ...")) == 300
+    assert locked_seconds(locked("agent a is locked ...; try again in 7 s, or ...")) == 7
+    assert locked_seconds(locked("locked")) == LOCKED_RETRY_SECONDS
+    assert locked_seconds(RelayError(403, "forbidden", "try again in 5 min")) is None
+
+
+async def _read_all(stream: Any, into: List[RelayEvent]) -> None:
+    async for event in stream:
+        into.append(event)
 
 
 # -- verifying a webhook ------------------------------------------------------------------

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, Mapping
 
 from relay.cli.command import Context, positive_int
 from relay.cli.output import one_line
+from relay.errors import RelayError
 from relay.sse import MESSAGE, RESET, STATUS, RelayEvent
 
 EVENTS_DESCRIPTION = """\
@@ -15,7 +17,8 @@ addressed to it became deliverable ("message": its id, sender and kind), a
 message it sent changed state ("status"), or the stream started over from the
 present ("reset": pull to re-sync). Events never carry a message body; take the
 messages with `relay pull` or `relay recv`. The stream reconnects by itself
-after the last event shown; --since ID resumes after an event id an earlier run
+after the last event shown (an agent locked after authentication failures waits
+out the lock, saying so); --since ID resumes after an event id an earlier run
 printed. Needs a broker that advertises events (`relay handshake`)."""
 
 
@@ -25,6 +28,13 @@ def events_arguments(parser: argparse.ArgumentParser) -> None:
         "--since", metavar="ID",
         help="resume after this event id (default: from now on)")
     parser.add_argument("--count", type=positive_int, metavar="N", help="stop after N events")
+
+
+def waiting_time(seconds: float) -> str:
+    """``seconds`` as a person reads a wait: "45 s", "5 min"."""
+    if seconds >= 60:
+        return f"{math.ceil(seconds / 60)} min"
+    return f"{math.ceil(seconds)} s"
 
 
 def event_line(event: RelayEvent) -> str:
@@ -51,7 +61,11 @@ async def events(ctx: Context) -> int:
         if not connected:
             console.warn("event stream lost; reconnecting")
 
-    stream = client.events(since=args.since, on_state=state)
+    def wait(refusal: RelayError, seconds: float) -> None:
+        console.warn(f"{one_line(refusal.message)}; the stream tries again in "
+                     f"{waiting_time(seconds)}")
+
+    stream = client.events(since=args.since, on_state=state, on_wait=wait)
     if not console.as_json:
         console.warn(f"events of {client.agent} at {client.broker_url}; Ctrl+C to stop")
     shown = 0
