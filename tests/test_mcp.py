@@ -387,6 +387,7 @@ def test_a_message_to_its_identity_is_told_to_the_host_on_its_channel(broker) ->
         async with AsyncExitStack() as stack:
             dave, initialized = await open_channel_session(stack, broker, "dave", notices)
             assert initialized.capabilities.experimental == {"claude/channel": {}}
+            assert "channel event" in initialized.instructions, "the model learns what they mean"
             await asyncio.sleep(1)  # the stream opens (it starts at the present)
             status, sent = broker.request("alice", "POST", "/messages", {
                 "to": "dave", "kind": "request",
@@ -416,6 +417,7 @@ def test_without_a_channel_no_capability_is_declared(broker) -> None:
             _, initialized = await open_channel_session(stack, broker, "erin", notices,
                                                         "--no-channel")
             assert not initialized.capabilities.experimental
+            assert "channel event" not in initialized.instructions
             await asyncio.sleep(1)
             assert broker.request("alice", "POST", "/messages",
                                   {"to": "erin", "body": {"text": "x"}})[0] == 201
