@@ -29,8 +29,9 @@ from zope.interface import implementer
 
 from relay import hooks
 from relay.delivery import Changes
-from relay.events import ALL_AGENTS, Event, EventPage
+from relay.events import ALL_AGENTS, RESET, Event, EventPage
 from relay.hooks import HookState
+from relay.protocol import compact_json
 
 log = Logger(namespace="relay.webhooks")
 
@@ -358,13 +359,18 @@ class WebhookDelivery(Service):
         if state is None:
             self.busy.discard(agent)
             return
-        if page.reset is not None:  # past retention: go on from the present
+        if page.reset is not None:
+            # Past retention (the webhook failed or the broker was down that long):
+            # the receiver is told with a reset, as a stream would be, and delivery
+            # goes on from the present once it took it.
             log.warn("webhook of {agent}: events after {acked} are past retention and "
-                     "skipped", agent=agent, acked=state.acked)
+                     "skipped; a reset is sent", agent=agent, acked=state.acked)
             if self.counters is not None:
                 self.counters.webhook_skipped()
-            state.acked = page.last
-            self._save(agent).addBoth(lambda _: self._next(agent))
+            reset = Event(page.last, agent, RESET, compact_json({"reason": page.reset}),
+                          self.clock.seconds())
+            d = self.limit.run(self._send, agent, reset)
+            d.addBoth(self._answered, agent, reset)
             return
         if not page.events:
             self.busy.discard(agent)

@@ -280,7 +280,7 @@ async def test_register_sets_shows_and_refuses_webhooks():
 
 
 @pytest_twisted.ensureDeferred
-async def test_events_past_retention_are_skipped_and_said():
+async def test_events_past_retention_are_skipped_and_the_receiver_gets_a_reset():
     from twisted.logger import capturedLogs
 
     receiver = Receiver(codes=(500,))
@@ -293,6 +293,13 @@ async def test_events_past_retention_are_skipped_and_said():
     with capturedLogs() as logs:
         clock.advance(0.5)
     assert [e["log_format"] for e in logs if "retention" in e["log_format"]]
-    assert receiver.ids() == [old]
+    assert [body["event"] for _, _, body in receiver.got] == ["message", "reset"]
+    _, headers, reset = receiver.got[1]
+    assert "eventRetentionSeconds" in reset["data"]["reason"], "it re-syncs by pulling"
+    assert headers[b"X-Relay-Event-Id"] == reset["id"].encode()
+    assert verify(AGENT_SECRET, "POST", "/", int(headers[b"X-Relay-Timestamp"]),
+                  json.dumps(reset, separators=(",", ":")).encode(),
+                  headers[b"X-Relay-Signature"].decode())
     (new,) = await send(store, clock, 1)
-    assert receiver.ids() == [old, new]
+    assert [body["data"].get("id") for _, _, body in receiver.got] == [old, None, new]
+    assert int(receiver.got[2][2]["id"]) > int(reset["id"])
