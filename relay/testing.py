@@ -1365,6 +1365,31 @@ class EventContract(_Contract):
         assert [json.loads(e.data)["id"] for e in kept.events] == ["new"]
 
     @pytest_twisted.ensureDeferred
+    async def test_retention_resets_only_a_stream_that_lost_events_of_its_own(self, store):
+        # beta's last event is old; other agents' events, older than retention,
+        # raise the floor past it: beta lost nothing, and resumes.
+        await self.send(store, id="b1", now=START)
+        await self.send(store, id="b2", now=START)
+        b1, b2 = [e.id for e in (await self.read(store, "beta", 0)).events]
+        for i in range(3):
+            await self.send(store, to="gamma", id=f"g{i}", now=START + 1)
+        assert await store.trim_events(START + 50) == 5  # the floor is past b2 now
+        await self.send(store, id="b3", now=START + 100)
+        resumed = await self.read(store, "beta", b2)
+        assert resumed.reset is None, "nothing of beta's was removed after b2"
+        assert [json.loads(e.data)["id"] for e in resumed.events] == ["b3"]
+        lost = await self.read(store, "beta", b1)
+        assert lost.reset is not None and lost.events == [], "b2 was removed after b1"
+        assert (await self.read(store, "gamma", 0)).reset is not None
+        # later trims move each agent's newest removed event along
+        await self.send(store, to="gamma", id="g3", now=START + 101)
+        assert await store.trim_events(START + 200) == 2
+        b3 = resumed.events[0].id
+        again = await self.read(store, "beta", b3)
+        assert again.reset is None and again.events == []
+        assert (await self.read(store, "beta", b2)).reset is not None
+
+    @pytest_twisted.ensureDeferred
     async def test_a_delay_records_its_message_event_when_it_ends(self, store):
         await self.send(store, id="later", now=START, delay_seconds=60)
         await self.send(store, id="now", now=START)

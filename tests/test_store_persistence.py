@@ -309,3 +309,25 @@ async def test_a_delay_that_ended_while_down_is_released_once_after_restarts(per
         assert len((await store.events("beta", 0, 10)).events) == 1
     finally:
         await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_what_retention_kept_to_resume_an_agent_survives_restarts(persistent,
+                                                                       tmp_path):
+    store = open_backend(persistent, tmp_path)
+    await store.add(new_message("alpha", "beta", START, id="b1"), RULES)
+    (b1,) = (await store.events("beta", 0, 10)).events
+    for i in range(3):
+        await store.add(new_message("alpha", "gamma", START + 1, id=f"g{i}"), RULES)
+    assert await store.trim_events(START + 40) == 4
+    await store.close()
+    for _ in range(2):  # a restart, then (jsonl) one after a compaction
+        store = open_backend(persistent, tmp_path)
+        try:
+            page = await store.events("beta", b1.id, 10)
+            assert page.reset is None, "beta lost nothing after b1"
+            assert (await store.events("beta", b1.id - 1, 10)).reset is not None
+            if persistent == "jsonl":
+                await store.compact()
+        finally:
+            await store.close()

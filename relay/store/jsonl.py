@@ -33,9 +33,13 @@ JSON object per line:
     An event of REACH §11 (``data`` never holds a body).
 ``{"op": "webhook", "agent": NAME, "state": {...} or null}``
     The agent's webhook (REACH §12) and its progress; null: none.
-``{"op": "events", "floor": N, "last": N}``
+``{"op": "events", "floor": N, "last": N, "anchors": {NAME: N, ...}, "anchored": N}``
     Retention removed every event up to id ``floor``; ``last`` is the highest
-    id given so far (also the head of a compacted file), so ids never repeat.
+    id given so far (also the head of a compacted file), so ids never repeat;
+    ``anchors`` the newest event removed of each agent concerned (all of them at
+    the head of a compacted file) and ``anchored`` the floor from which on they
+    were kept (both absent in logs of earlier brokers: such a log's floor is then
+    where a resumed stream of any agent may have lost events).
 
 A line that is not one of these — a corrupt one, or a torn last line after a
 crash — is skipped, counted and logged by its line number only; a torn last
@@ -319,6 +323,8 @@ class LoadedLog:
         self.whole_bytes = 0  # the length of the file up to its last whole line
         self.events: List[Event] = []
         self.event_floor = 0
+        self.event_anchors: Dict[str, int] = {}
+        self.events_anchored_from: Optional[int] = None
         self.hooks: Dict[str, str] = {}
         self.last_event = 0
 
@@ -391,6 +397,14 @@ def read_log(path: str, now: float) -> LoadedLog:
                 elif op == "events":
                     loaded.event_floor = max(loaded.event_floor, _int(record["floor"]))
                     loaded.last_event = max(loaded.last_event, _int(record["last"]))
+                    anchors = record.get("anchors", {})
+                    if not isinstance(anchors, dict):
+                        raise ValueError("not anchors")
+                    for agent, anchor in anchors.items():
+                        loaded.event_anchors[agent] = max(loaded.event_anchors.get(agent, 0),
+                                                          _int(anchor))
+                    if "anchored" in record and loaded.events_anchored_from is None:
+                        loaded.events_anchored_from = _int(record["anchored"])
                 else:
                     raise ValueError("unknown op")
             except (ValueError, KeyError, TypeError, RecursionError):
@@ -449,8 +463,9 @@ class LoggedRecords(MemoryRecords):
     def evented(self, event: Event) -> None:
         self.append(event_record(event))
 
-    def trimmed(self, floor: int) -> None:
-        self.append({"op": "events", "floor": floor, "last": self.last_event})
+    def trimmed(self, floor: int, anchors: Dict[str, int]) -> None:
+        self.append({"op": "events", "floor": floor, "last": self.last_event,
+                     "anchors": anchors, "anchored": self.events_anchored_from})
 
     def hooked(self, agent: str) -> None:
         self.append(webhook_record(agent, self.hooks.get(agent)))
@@ -482,8 +497,11 @@ class Compaction:
         self.tail_records = 0
         self.records = 1 + len(state.peer_seen)
         self.file.write(_encode({"op": "next", "seq": state.next_seq}))
-        self.file.write(_encode({"op": "events", "floor": state.event_floor,
-                                 "last": state.last_event}))
+        head: Dict[str, Any] = {"op": "events", "floor": state.event_floor,
+                                "last": state.last_event, "anchors": state.event_anchors}
+        if state.events_anchored_from is not None:
+            head["anchored"] = state.events_anchored_from
+        self.file.write(_encode(head))
         for agent, seen in sorted(state.peer_seen.items()):
             card = state.cards.get(agent, KEEP_CARD)
             self.file.write(_encode(peer_record(agent, seen, card)))
@@ -791,6 +809,9 @@ def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
     for event in loaded.events:
         state.load_event(event)
     state.event_floor = loaded.event_floor
+    state.event_anchors.update(loaded.event_anchors)
+    # None for a log whose events were trimmed without anchors: its floor holds
+    state.events_anchored_from = loaded.events_anchored_from
     state.hooks.update(loaded.hooks)
     state.last_event = max(state.last_event, loaded.last_event, loaded.event_floor)
 

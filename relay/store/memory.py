@@ -72,6 +72,10 @@ class MemoryRecords(Records):
         self.agent_event_ids: Dict[str, List[int]] = {}
         self.last_event = 0
         self.event_floor = 0
+        # agent -> the id of its newest event retention removed; the floor before
+        # the first trim that kept them (None: none yet)
+        self.event_anchors: Dict[str, int] = {}
+        self.events_anchored_from: Optional[int] = None
         # REACH §12: agent -> its webhook state (JSON text)
         self.hooks: Dict[str, str] = {}
 
@@ -191,8 +195,9 @@ class MemoryRecords(Records):
     def evented(self, event: Event) -> None:
         """``event`` was recorded."""
 
-    def trimmed(self, floor: int) -> None:
-        """Retention removed every event up to id ``floor``."""
+    def trimmed(self, floor: int, anchors: Dict[str, int]) -> None:
+        """Retention removed every event up to id ``floor``; ``anchors`` are the
+        newest removed of each agent concerned."""
 
     def hooked(self, agent: str) -> None:
         """The webhook state of ``agent`` changed."""
@@ -234,24 +239,27 @@ class MemoryRecords(Records):
     def event_marks(self, agent: str = "") -> Tuple[int, int]:
         return self.event_floor, self.last_event
 
-    def drop_events(self, floor: int) -> int:
-        """Forget the events up to id ``floor``; returns how many."""
+    def drop_events(self, floor: int) -> Dict[str, int]:
+        """Forget the events up to id ``floor``; returns the newest removed of each
+        agent concerned (its anchor now)."""
         log = self.event_log
-        count = 0
         gone: Dict[str, int] = {}
+        anchors: Dict[str, int] = {}
         while log and log[0].id <= floor:
             event = log.popleft()
-            gone.setdefault(event.agent, 0)
-            gone[event.agent] += 1
-            count += 1
+            gone[event.agent] = gone.get(event.agent, 0) + 1
+            anchors[event.agent] = event.id
         for agent, how_many in gone.items():
             kept = self.agent_events[agent]
-            if how_many == len(kept):
+            if how_many >= len(kept):
                 del self.agent_events[agent], self.agent_event_ids[agent]
             else:
                 del kept[:how_many], self.agent_event_ids[agent][:how_many]
+        self.event_anchors.update(anchors)
+        if self.events_anchored_from is None:
+            self.events_anchored_from = self.event_floor
         self.event_floor = max(self.event_floor, floor)
-        return count
+        return anchors
 
     def trim_events(self, cutoff: float) -> int:
         floor = 0
@@ -261,9 +269,15 @@ class MemoryRecords(Records):
             floor = event.id
         if not floor:
             return 0
-        count = self.drop_events(floor)
-        self.trimmed(floor)
-        return count
+        before = len(self.event_log)
+        anchors = self.drop_events(floor)
+        self.trimmed(floor, anchors)
+        return before - len(self.event_log)
+
+    def kept_after(self, agent: str, floor: int) -> int:
+        if self.events_anchored_from is None:
+            return floor
+        return min(floor, max(self.events_anchored_from, self.event_anchors.get(agent, 0)))
 
     # -- Records ---------------------------------------------------------------------
 

@@ -319,13 +319,30 @@ STATEMENTS = {
         "SELECT coalesce((SELECT value FROM relay_event_marks WHERE key = 'floor'), 0), "
         "coalesce((SELECT max(id) FROM relay_events WHERE agent = %s), 0)"
     ),
+    # Retention: a batch of the oldest events above the floor; up to the batch's
+    # newest, all but each agent's newest (its anchor, for kept_after) go, older
+    # anchors of those agents too. The first such trim notes the floor it started
+    # from ('anchored': events below it were removed without anchors).
     "event_trim": (
-        "WITH gone AS (DELETE FROM relay_events WHERE id IN (SELECT id FROM relay_events "
-        "WHERE at < %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) RETURNING id) "
+        "WITH f AS (SELECT coalesce((SELECT value FROM relay_event_marks "
+        "WHERE key = 'floor'), 0) AS floor), "
+        "batch AS (SELECT id, agent FROM relay_events WHERE at < %s "
+        "AND id > (SELECT floor FROM f) ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED), "
+        "newest AS (SELECT agent, max(id) AS id FROM batch GROUP BY agent), "
+        "gone AS (DELETE FROM relay_events e WHERE (e.id IN (SELECT id FROM batch) "
+        "AND e.id NOT IN (SELECT id FROM newest)) OR (e.id <= (SELECT floor FROM f) "
+        "AND e.agent IN (SELECT agent FROM newest))), "
+        "anchored AS (INSERT INTO relay_event_marks (key, value) "
+        "SELECT 'anchored', floor FROM f WHERE EXISTS (SELECT 1 FROM batch) "
+        "ON CONFLICT (key) DO NOTHING) "
         "INSERT INTO relay_event_marks AS m (key, value) "
-        "SELECT 'floor', max(id) FROM gone HAVING count(*) > 0 "
+        "SELECT 'floor', max(id) FROM batch HAVING count(*) > 0 "
         "ON CONFLICT (key) DO UPDATE SET value = greatest(m.value, excluded.value) "
-        "RETURNING (SELECT count(*) FROM gone)"
+        "RETURNING (SELECT count(*) FROM batch)"
+    ),
+    "event_kept_after": (
+        "SELECT (SELECT value FROM relay_event_marks WHERE key = 'anchored'), "
+        "coalesce((SELECT max(id) FROM relay_events WHERE agent = %s AND id <= %s), 0)"
     ),
     "lapsed_agents": (
         "SELECT DISTINCT recipient FROM relay_messages WHERE status = 'leased' "
@@ -676,6 +693,13 @@ class PostgresRecords(Records):
         self.cursor.execute(STATEMENTS["event_trim"], (cutoff, EVENT_TRIM_BATCH))
         row = self.cursor.fetchone()
         return 0 if row is None else row[0]
+
+    def kept_after(self, agent: str, floor: int) -> int:
+        self.cursor.execute(STATEMENTS["event_kept_after"], (agent, floor))
+        anchored, anchor = self.cursor.fetchone()
+        if anchored is None:
+            return floor
+        return min(floor, max(anchored, anchor))
 
     def webhook_states(self) -> Dict[str, str]:
         self.cursor.execute(STATEMENTS["webhooks"])

@@ -183,8 +183,16 @@ class Records:
         raise NotImplementedError
 
     def trim_events(self, cutoff: float) -> int:
-        """Remove the events recorded before ``cutoff`` (raising the floor); returns
+        """Remove the events recorded before ``cutoff`` (raising the floor), except
+        each agent's newest among them, kept to answer :meth:`kept_after`; returns
         how many."""
+        raise NotImplementedError
+
+    def kept_after(self, agent: str, floor: int) -> int:
+        """The lowest position after which every event of ``agent`` up to ``floor``
+        is still kept: the newest of its events retention reached (kept for this),
+        or ``floor`` itself where the store cannot tell (events it removed before it
+        kept those)."""
         raise NotImplementedError
 
     # -- webhooks (REACH §12) -----------------------------------------------------------
@@ -462,6 +470,10 @@ def read_events(records: Records, agent: str, position: Optional[int],
     None: none, the stream starts at the present), or a reset when the store cannot
     resume from there."""
     floor, last = records.event_marks(agent)
+    if position is not None and 0 <= position < floor:
+        # Retention removed events up to the floor, of every agent: this agent's
+        # stream resumes unless some of its own were among them.
+        floor = records.kept_after(agent, floor)
     reason = events.resume(position, floor, last)
     if position is None or reason is not None:
         return EventPage([], reason, last)

@@ -206,12 +206,19 @@ STATEMENTS = {
         "INSERT INTO events (id, agent, at, type, data) VALUES (?, ?, ?, ?, ?)",
         "SELECT id, agent, type, data, at FROM events WHERE agent = ? AND id > ? "
         "ORDER BY id LIMIT ?",
-        "SELECT key, value FROM meta WHERE key IN ('event_floor', 'last_event')",
-        "SELECT id, at FROM events WHERE id > 0 ORDER BY id LIMIT ?",
+        "SELECT key, value FROM meta WHERE key IN ('event_floor', 'last_event', "
+        "'event_anchored_from')",
+        "SELECT id, at FROM events WHERE id > ? ORDER BY id LIMIT ?",
         "INSERT INTO meta (key, value) VALUES (?, ?) "
         "ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)",
-        "DELETE FROM events WHERE id <= ?",
+        # from the old floor to the new one, all but each agent's newest (its
+        # anchor), and the older anchors of the agents concerned
+        "DELETE FROM events WHERE id > ? AND id <= ? AND EXISTS (SELECT 1 FROM events "
+        "AS n WHERE n.agent = events.agent AND n.id > events.id AND n.id <= ?)",
         "SELECT max(id) FROM events",
+        "SELECT max(id) FROM events WHERE agent = ? AND id <= ?",
+        "DELETE FROM events WHERE id <= ? AND agent IN "
+        "(SELECT agent FROM events WHERE id > ? AND id <= ?)",
     ],
     # REACH §12: one row per agent with a webhook
     "webhooks": [
@@ -488,6 +495,8 @@ class SQLiteRecords(Records):
         (newest,) = self.db.execute(STATEMENTS["events"][6]).fetchone()
         self.event_floor = marks.get("event_floor", 0)
         self.last_event = max(newest or 0, marks.get("last_event", 0))
+        # the floor of the first trim that kept anchors (None: none yet)
+        self.events_anchored_from: Optional[int] = marks.get("event_anchored_from")
 
     def _begin(self) -> None:
         """Open the turn's transaction (if needed) before a write."""
@@ -721,24 +730,38 @@ class SQLiteRecords(Records):
         return self.event_floor, self.last_event
 
     def trim_events(self, cutoff: float) -> int:
-        """Removes at most EVENT_TRIM_BATCH events a run, the oldest first."""
+        """Takes at most EVENT_TRIM_BATCH events a run, the oldest first."""
         floor = 0
+        taken = 0
         scan = self.db.cursor()  # stops early: closed at once, as in expire
         try:
-            for event_id, at in scan.execute(STATEMENTS["events"][3], (EVENT_TRIM_BATCH,)):
+            for event_id, at in scan.execute(STATEMENTS["events"][3],
+                                             (self.event_floor, EVENT_TRIM_BATCH)):
                 if at >= cutoff:
                     break
                 floor = event_id
+                taken += 1
         finally:
             scan.close()
         if not floor:
             return 0
         self._begin()
-        self.cursor.executemany(STATEMENTS["events"][4], [("event_floor", floor),
-                                                          ("last_event", self.last_event)])
-        removed = self.cursor.execute(STATEMENTS["events"][5], (floor,)).rowcount
+        marks = [("event_floor", floor), ("last_event", self.last_event)]
+        if self.events_anchored_from is None:
+            self.events_anchored_from = self.event_floor
+            marks.append(("event_anchored_from", self.event_floor))
+        self.cursor.executemany(STATEMENTS["events"][4], marks)
+        old = self.event_floor
+        self.cursor.execute(STATEMENTS["events"][8], (old, old, floor))
+        self.cursor.execute(STATEMENTS["events"][5], (old, floor, floor))
         self.event_floor = max(self.event_floor, floor)
-        return removed
+        return taken
+
+    def kept_after(self, agent: str, floor: int) -> int:
+        if self.events_anchored_from is None:
+            return floor
+        (anchor,) = self.cursor.execute(STATEMENTS["events"][7], (agent, floor)).fetchone()
+        return min(floor, max(self.events_anchored_from, anchor or 0))
 
     def webhook_states(self) -> Dict[str, str]:
         return dict(self.cursor.execute(LISTINGS[3]).fetchall())
