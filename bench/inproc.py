@@ -7,9 +7,11 @@ numbers move far less from run to run than the load-generator figures on a
 shared machine; they do not include socket I/O. On sqlite every request gets
 its own commit (the suite's concurrent clients share commits).
 
-Scenarios: ``send`` (``POST /messages``, ~200-byte bodies) and ``pull-ack``
-(``POST /v1/pull`` of 10, then ``POST /v1/ack`` of each; the figure is per
-request, eleven requests per batch, and the ceiling serves the same count).
+Scenarios: ``send`` (``POST /messages``, ~200-byte bodies), ``send-stream``
+(the same while the recipient holds its event stream open, ``GET /v1/events``:
+the difference is what writing each ``message`` event to a stream costs) and
+``pull-ack`` (``POST /v1/pull`` of 10, then ``POST /v1/ack`` of each; the figure
+is per request, eleven requests per batch, and the ceiling serves the same count).
 ``v2-send`` and ``v2-pull-ack`` are the same on the reference's v2/v3 wire
 (WIRE-V2): a ``POST /v1/messages`` of the same text, signed v2 over its
 canonical JSON; a pull of 8 (the most that wire leases at once) and an ack of
@@ -194,6 +196,19 @@ def baseline_v2_pull_ack(batches: int, timestamp: int) -> None:
                   timestamp, "beta")
 
 
+def open_stream(site: Any, clock: Clock, timestamp: int) -> Any:
+    """beta's event stream, held open on its own channel; returns its transport."""
+    signature = sign(SECRET, "GET", "/v1/events", timestamp, b"").encode()
+    channel, transport = connect(site)
+    channel.dataReceived(
+        b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: beta\r\n"
+        b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\n\r\n" % (timestamp, signature))
+    clock.advance(0)
+    if not transport.value().startswith(b"HTTP/1.1 200 "):
+        raise SystemExit(f"GET /v1/events refused: {transport.value()[:200]!r}")
+    return transport
+
+
 def baseline_pull_ack(batches: int, timestamp: int) -> None:
     """What :func:`pull_ack_us` does besides serving: sign as many acks (ids of the
     same length), for ``bench/instructions.py`` to subtract."""
@@ -220,7 +235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--backends", default="memory,sqlite,jsonl")
-    parser.add_argument("--scenario", choices=["send", "pull-ack", "v2-send", "v2-pull-ack"],
+    parser.add_argument("--scenario", choices=["send", "send-stream", "pull-ack", "v2-send",
+                                               "v2-pull-ack"],
                         default="send")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the Klein ceiling")
     parser.add_argument("--baseline", action="store_true",
@@ -243,8 +259,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             v2 = args.scenario.startswith("v2-")
             sends = (v2_sends if v2 else signed_sends)(args.requests, int(START))
             batches = args.requests // BATCH.get(args.scenario, 11)
-            if args.scenario in ("send", "v2-send"):
+            if args.scenario in ("send", "send-stream", "v2-send"):
+                if args.scenario == "send-stream":
+                    stream = open_stream(site, clock, int(START))
                 cost = 0.0 if args.baseline else per_request_us(site, clock, sends)
+                if args.scenario == "send-stream" and not args.baseline:
+                    received = stream.value().count(b"event: message")
+                    if received != len(sends):
+                        raise SystemExit(f"{received} events for {len(sends)} sends")
             elif v2:
                 per_request_us(site, clock, sends[: batches * 8])
                 if args.baseline:

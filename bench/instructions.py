@@ -11,12 +11,15 @@ versions of the code, and the suite for the figures themselves. Each pair of run
 takes about a minute (valgrind runs Python some fifty times slower).
 
     .venv/bin/python bench/instructions.py [--scenarios send,pull-ack]
-        [--backends memory,sqlite] [--requests 1100]
+        [--backends memory,sqlite] [--requests 1100]   (scenarios: send, send-stream,
+        pull-ack, v2-send, v2-pull-ack)
 
 ``pull-ack`` counts per request (a pull of 10 and its 10 acks are 11 requests),
 as ``bench/inproc.py`` does; on sqlite every request has its own commit.
 ``v2-send`` and ``v2-pull-ack`` are the same on the v2/v3 wire (a pull of 8 and
-its 8 acks are 9 requests).
+its 8 acks are 9 requests). ``send-stream`` is ``send`` while the recipient holds
+its event stream open: the difference to ``send`` is what a ``message`` event
+costs to read and write to its stream.
 """
 
 from __future__ import annotations
