@@ -175,6 +175,8 @@ class EventStreams:
     def changed(self, changes: Changes) -> None:
         """The store recorded events for ``changes.events``: their streams read them."""
         agents = changes.events
+        if not agents or not self.total:
+            return
         if events.ALL_AGENTS in agents:
             agents = set(self.by_agent)
         for agent in agents:

@@ -225,8 +225,17 @@ class MemoryRecords(Records):
         self.last_event = max(self.last_event, event.id)
 
     def append_event(self, agent: str, event_type: str, data: str, at: float) -> None:
-        event = Event(self.last_event + 1, agent, event_type, data, at)
-        self.load_event(event)
+        # load_event, for a new id (the hot path of every send and settle)
+        self.last_event = event_id = self.last_event + 1
+        event = Event(event_id, agent, event_type, data, at)
+        self.event_log.append(event)
+        kept = self.agent_events.get(agent)
+        if kept is None:
+            self.agent_events[agent] = [event]
+            self.agent_event_ids[agent] = [event_id]
+        else:
+            kept.append(event)
+            self.agent_event_ids[agent].append(event_id)
         self.evented(event)
 
     def events_after(self, agent: str, after: int, limit: int) -> List[Event]:
