@@ -266,6 +266,13 @@ async def settle(sent: Sent, wait: float) -> None:
         await asyncio.sleep(0.1)
 
 
+def per_message(cpu: Optional[float], messages: int) -> Optional[float]:
+    """The broker's CPU microseconds per message sent (its send and its event)."""
+    if cpu is None or not messages:
+        return None
+    return round(cpu / messages * 1e6, 1)
+
+
 def rss_mb(pid: Optional[int]) -> Optional[float]:
     if pid is None:
         return None
@@ -290,8 +297,10 @@ async def streams_scenario(target: Target, pid: Optional[int], args: argparse.Na
     await asyncio.sleep(args.settle)
     with_streams = rss_mb(pid)
     cpu0 = time.process_time()
+    broker0 = servers.cpu_seconds(pid) if pid else 0.0
     counts = await send_at_rate(target, senders, agents, args.rate, args.duration, sent)
     await settle(sent, args.grace)
+    broker_cpu = servers.cpu_seconds(pid) - broker0 if pid else None
     cpu = time.process_time() - cpu0
     after = rss_mb(pid)
     lost_streams = sum(1 for r in readers if r.lost)
@@ -306,6 +315,7 @@ async def streams_scenario(target: Target, pid: Optional[int], args: argparse.Na
         **percentiles(sent.latencies),
         "rssWithoutStreamsMB": without, "rssWithStreamsMB": with_streams,
         "rssAfterMB": after,
+        "brokerCpuUsPerMessage": per_message(broker_cpu, counts["sent"]),
         "loadgenCpuBusy": round(cpu / (args.duration + 0.5), 3),
     }
     if without is not None and with_streams is not None:
@@ -364,8 +374,10 @@ async def webhooks_scenario(target: Target, pid: Optional[int], args: argparse.N
     await register_all(target, senders)
     await register_all(target, agents, webhook=f"http://127.0.0.1:{port}/hook")
     cpu0 = time.process_time()
+    broker0 = servers.cpu_seconds(pid) if pid else 0.0
     counts = await send_at_rate(target, senders, agents, args.rate, args.duration, sent)
     await settle(sent, args.grace)
+    broker_cpu = servers.cpu_seconds(pid) - broker0 if pid else None
     cpu = time.process_time() - cpu0
     server.close()
     return {
@@ -374,6 +386,7 @@ async def webhooks_scenario(target: Target, pid: Optional[int], args: argparse.N
         "delivered": len(sent.seen), "lost": len(sent.at) - len(sent.seen),
         "duplicates": sent.duplicates, **percentiles(sent.latencies),
         "rssAfterMB": rss_mb(pid),
+        "brokerCpuUsPerMessage": per_message(broker_cpu, counts["sent"]),
         "loadgenCpuBusy": round(cpu / (args.duration + 0.5), 3),
     }
 
@@ -397,6 +410,8 @@ def report(result: JsonDict) -> None:
                      f"< {targets['rssMB']:g} MB"))
         rows.append(("memory per stream KB", result.get("perStreamKB"),
                      f"< {targets['perStreamKB']:g} KB"))
+    rows.append(("broker CPU per message us (send+event)", result["brokerCpuUsPerMessage"],
+                 ""))
     rows.append(("sends late (open loop behind)", result["senderLate"], ""))
     for name, value, goal in rows:
         print(f"{name:38s} {str(value):28s} {goal}")

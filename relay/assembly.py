@@ -169,7 +169,8 @@ def make_api(config: Config, store, clock: IReactorTime,
     counters = counters if counters is not None else Counters()
     streams = EventStreams(store, clock, config.max_streams_per_agent, config.max_streams,
                            counters)
-    webhooks = WebhookDelivery(store, clock, post if post is not None else treq_poster(clock),
+    post = post if post is not None else treq_poster(clock, config.webhook_concurrency)
+    webhooks = WebhookDelivery(store, clock, post,
                                HookSettings.from_config(config), config.secret, counters)
     broker = Broker(store, clock, Policy.from_config(config), counters=counters,
                     streams=streams, webhooks=webhooks)

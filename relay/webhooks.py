@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
@@ -23,7 +23,13 @@ from twisted.internet.protocol import Protocol
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import (
+    Agent,
+    HTTPConnectionPool,
+    RequestNotSent,
+    RequestTransmissionFailed,
+    ResponseNeverReceived,
+)
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
@@ -41,6 +47,8 @@ LEAD_SECONDS = 5.0
 LEAD_HOLD_SECONDS = 15.0
 # What the delivering broker writes of a state (the rest is the agent's register).
 PROGRESS = ("acked", "tries", "failures", "disabled", "failing_since", "last_delivered")
+# The most events of an agent read from the store at once, to be sent one by one.
+READ_AHEAD = 32
 # What a register writes: the URL, and a webhook enabled again.
 REGISTERED = ("url", "disabled", "tries", "failures", "failing_since")
 
@@ -117,15 +125,27 @@ class _QuietEndpoints:
         return _Quiet(endpoint)
 
 
-def treq_poster(reactor: Any) -> Poster:
+# An idle connection to a receiver is kept this long for the next event: below the
+# shortest keep-alive timeout common servers use (5 s), so the receiver does not
+# close it under a request about to go.
+IDLE_CONNECTION_SECONDS = 4.0
+
+
+def treq_poster(reactor: Any, concurrency: int = 64) -> Poster:
     """POST with treq on ``reactor``: 10 s for the answer, redirects not followed, the
-    answer's body read and discarded, nothing of the URL logged."""
+    answer's body read and discarded, nothing of the URL logged. Connections are
+    kept open between the requests of a busy receiver (at most ``concurrency`` per
+    receiver, as many as requests may be in flight; each closed when idle for
+    :data:`IDLE_CONNECTION_SECONDS`): a connection per event cost the broker more
+    than the event itself."""
     from treq.client import HTTPClient
 
-    client = HTTPClient(Agent.usingEndpointFactory(
-        reactor, _QuietEndpoints(reactor), HTTPConnectionPool(reactor, persistent=False)))
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool.maxPersistentPerHost = concurrency
+    pool.cachedConnectionTimeout = IDLE_CONNECTION_SECONDS
+    client = HTTPClient(Agent.usingEndpointFactory(reactor, _QuietEndpoints(reactor), pool))
 
-    def post(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
+    def once(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
         d = client.post(url, data=body, headers=headers, timeout=hooks.TIMEOUT_SECONDS,
                         allow_redirects=False)
 
@@ -138,6 +158,17 @@ def treq_poster(reactor: Any) -> Poster:
             return done
 
         return d.addCallback(answered)
+
+    def post(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
+        # A kept connection the receiver closed as the request went (an HTTP/1.0
+        # server closes after each answer without saying so, another when idle) gets
+        # no answer: the request goes once more, on a new connection, before it
+        # counts as a failed try. (The receiver may see it twice: at least once.)
+        def again(failure: Any) -> Deferred:
+            failure.trap(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
+            return once(url, headers, body)
+
+        return once(url, headers, body).addErrback(again)
 
     return post
 
@@ -156,6 +187,9 @@ class WebhookDelivery(Service):
         self.states: Dict[str, HookState] = {}
         self.busy: Set[str] = set()
         self.timers: Dict[str, Any] = {}
+        # agent -> (the position they follow, events read from the store and not
+        # delivered yet, in order): valid while that position is the agent's acked
+        self.ahead: Dict[str, Tuple[int, List[Event]]] = {}
         self.limit = DeferredSemaphore(settings.concurrency)
         self.loaded = False
         # Brokers sharing a store agree on one of them delivering every webhook (so
@@ -344,9 +378,21 @@ class WebhookDelivery(Service):
     def _next(self, agent: str) -> None:
         if not self.running or not self.leading or self._sendable(agent) is None:
             self.busy.discard(agent)
+            self.ahead.pop(agent, None)
             return
-        d = self.store.events(agent, self.states[agent].acked, 1)
-        d.addCallbacks(self._got, self._unreadable, callbackArgs=(agent,),
+        acked = self.states[agent].acked
+        cached = self.ahead.pop(agent, None)
+        if cached is not None:
+            base, ahead = cached
+            if ahead and ahead[0].id == acked and base < acked:  # the first went
+                ahead.pop(0)
+                base = acked
+            if base == acked and ahead:  # what the store gave after acked, still
+                self.ahead[agent] = (base, ahead)
+                self._got(EventPage(ahead[:1], None, ahead[0].id), agent)
+                return
+        d = self.store.events(agent, acked, READ_AHEAD)
+        d.addCallbacks(self._got, self._unreadable, callbackArgs=(agent, acked),
                        errbackArgs=(agent,))
 
     def _unreadable(self, failure: Any, agent: str) -> None:
@@ -354,11 +400,14 @@ class WebhookDelivery(Service):
                  kind=failure.type.__name__)
         self._later(agent, hooks.backoff(1))
 
-    def _got(self, page: EventPage, agent: str) -> None:
+    def _got(self, page: EventPage, agent: str, read_after: Optional[int] = None) -> None:
         state = self.states.get(agent)
         if state is None:
             self.busy.discard(agent)
             return
+        if read_after is not None and page.events:
+            # the events after read_after, sent one by one without reading again
+            self.ahead[agent] = (read_after, list(page.events))
         if page.reset is not None:
             # Past retention (the webhook failed or the broker was down that long):
             # the receiver is told with a reset, as a stream would be, and delivery
@@ -404,6 +453,7 @@ class WebhookDelivery(Service):
             return
         if self.counters is not None:
             self.counters.webhook_failed()
+        self.ahead.pop(agent, None)  # a retry reads the store again (retention, restarts)
         action, delay = hooks.failed(state, event.id, now, self.settings.max_attempts,
                                      self.settings.disable_after)
         saved = self._save(agent, announce=action == hooks.DISABLE)

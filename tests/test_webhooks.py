@@ -303,3 +303,27 @@ async def test_events_past_retention_are_skipped_and_the_receiver_gets_a_reset()
     (new,) = await send(store, clock, 1)
     assert [body["data"].get("id") for _, _, body in receiver.got] == [old, None, new]
     assert int(receiver.got[2][2]["id"]) > int(reset["id"])
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_busy_agents_events_are_read_from_the_store_a_batch_at_a_time():
+    receiver = Receiver(hold=True)
+    service, store, clock = delivery(receiver)
+    await service.register("beta", "http://127.0.0.1:8/hook", KEEP_CARD)
+    reads = []
+    events = store.events
+
+    def counted(agent, position, limit):
+        reads.append((agent, position, limit))
+        return events(agent, position, limit)
+
+    store.events = counted
+    ids = await send(store, clock, 10)
+    for _ in range(10):
+        receiver.waiting.pop(0).callback(None)
+    assert receiver.ids() == ids, "in order, each once"
+    assert len(reads) <= 3, "not a read per event"
+    more = await send(store, clock, 2)
+    for _ in range(2):
+        receiver.waiting.pop(0).callback(None)
+    assert receiver.ids() == ids + more
