@@ -47,6 +47,11 @@ import servers  # noqa: E402
 from loadgen import AsyncConn, Target, make_body, request_bytes, run_id  # noqa: E402
 
 JsonDict = Dict[str, Any]
+
+
+class BenchError(Exception):
+    """The broker refused what the benchmark needs (the message says what)."""
+
 TARGETS = {"streams": {"p99Ms": 50.0, "rssMB": 500.0, "perStreamKB": 20.0},
            "webhooks": {"p99Ms": 100.0}}
 
@@ -190,7 +195,7 @@ async def register_all(target: Target, agents: Sequence[str], parallel: int = 16
                 status, answer = await conn.request(
                     "POST", "/register", json.dumps(body).encode(), agent)
                 if status != 200:
-                    raise SystemExit(f"POST /register for {agent}: {status} {answer[:200]!r}")
+                    raise BenchError(f"POST /register for {agent}: {status} {answer[:200]!r}")
         finally:
             conn.close()
 
@@ -213,7 +218,7 @@ async def open_streams(target: Target, agents: Sequence[str], sent: Sent,
                                   sent, opened)
             await loop.create_connection(lambda: reader, target.host, target.port)
             if not await asyncio.wait_for(opened, 60):
-                raise SystemExit(f"GET /v1/events for {agent} answered {reader.status}")
+                raise BenchError(f"GET /v1/events for {agent} answered {reader.status}")
             readers.append(reader)
 
     await asyncio.gather(*(one(agent) for agent in agents))
@@ -446,18 +451,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"the open-files hard limit is {limit}: {needed} are needed")
     scenario = streams_scenario if args.scenario == "streams" else webhooks_scenario
     if args.url:
-        result = asyncio.run(scenario(Target(args.url, args.secret or ""), args.pid, args))
+        try:
+            result = asyncio.run(scenario(Target(args.url, args.secret or ""), args.pid, args))
+        except BenchError as error:
+            raise SystemExit(str(error)) from None
         report(result)
         return 0
     workdir = servers.workspace()
-    caps = {"maxConnections": args.streams + args.senders + 500,
-            "maxStreams": args.streams + 100}
+    agents = (args.streams if args.scenario == "streams" else args.agents) + args.senders
+    caps = {"maxConnections": agents + 500, "maxStreams": agents + 100,
+            "maxAgents": agents + 100}
     broker = servers.broker(args.python, args.storage, workdir, caps)
     try:
         with broker.start():
             result = asyncio.run(scenario(broker.target, broker.pid, args))
             result["peakRssMB"] = broker.rss()["peakMB"]
-    except servers.StartError as error:
+    except (servers.StartError, BenchError) as error:
         raise SystemExit(str(error)) from None
     finally:
         servers.cleanup(workdir)
