@@ -165,6 +165,39 @@ def test_ctrl_c_exits_130(broker):
         follower.kill()
 
 
+def test_a_locked_agent_waits_out_the_lock_saying_so_then_follows(tmp_path):
+    import yaml
+
+    b = BrokerProcess(str(tmp_path), storage="sqlite")
+    with open(b.config_path) as f:
+        config = yaml.safe_load(f)
+    config["security"] = {"lockAfterFailures": 2, "lockMinutes": 0.05}  # 3 s
+    with open(b.config_path, "w") as f:
+        yaml.safe_dump(config, f)
+    b.start()
+    follower = None
+    try:
+        register(b, ALPHA, BETA)
+        secret, b.secret = b.secret, "not the secret"
+        for _ in range(2):
+            assert b.request(BETA, "POST", "/register", {})[0] == 401
+        b.secret = secret
+        follower = Events(b, BETA, "--count", "1", "--since", "0")
+        deadline = time.monotonic() + 20
+        while not any("tries again in" in line for line in follower.err):
+            assert time.monotonic() < deadline and follower.proc.poll() is None, follower.err
+            time.sleep(0.1)
+        (said,) = [line for line in follower.err if "tries again in" in line]
+        assert "locked" in said and said.endswith(("in 1 s", "in 2 s", "in 3 s"))
+        (sent,) = send(b, 1)  # its event is read once the lock ran out
+        assert follower.finish() == 0, follower.err
+        assert follower.take(1)[0].endswith(f"[{sent}]")
+    finally:
+        if follower is not None:
+            follower.kill()
+        b.kill()
+
+
 # -- the examples of docs/CLIENT.md and docs/MCP.md -----------------------------------
 
 EXAMPLES = os.path.join(REPO, "docs", "examples")
