@@ -766,6 +766,11 @@ class RelayClient:
         """The ``capabilities`` of the last handshake (empty before one)."""
         return capabilities_of(self.info)
 
+    @property
+    def clock(self) -> IReactorTime:
+        """What this client waits and times out on."""
+        return self._clock
+
     def advertises(self, capability: str) -> bool:
         """Whether the last handshake advertised ``capability`` (e.g. ``"leaseRenew"``)."""
         return advertises(self.info, capability)

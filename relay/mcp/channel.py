@@ -127,7 +127,7 @@ class ChannelFollower:
         self.client = client
         self.notify = notify
         self.note = note or (lambda line: None)
-        self.clock = clock if clock is not None else client._clock
+        self.clock = clock if clock is not None else client.clock
         self.sent = 0
         self._stream: Any = None
         self._running: Optional[defer.Deferred] = None
