@@ -165,6 +165,7 @@ def test_ctrl_c_exits_130(broker):
         follower.kill()
 
 
+@pytest.mark.process
 def test_a_locked_agent_waits_out_the_lock_saying_so_then_follows(tmp_path):
     import yaml
 
