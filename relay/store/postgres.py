@@ -326,12 +326,17 @@ STATEMENTS = {
     "event_trim": (
         "WITH f AS (SELECT coalesce((SELECT value FROM relay_event_marks "
         "WHERE key = 'floor'), 0) AS floor), "
-        "batch AS (SELECT id, agent FROM relay_events WHERE at < %s "
-        "AND id > (SELECT floor FROM f) ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED), "
+        # (the oldest kept event first: when it is not old enough, nothing is read)
+        "batch AS (SELECT id, agent FROM relay_events WHERE at < %(cutoff)s "
+        "AND id > (SELECT floor FROM f) AND (SELECT at FROM relay_events "
+        "WHERE id > (SELECT floor FROM f) ORDER BY id LIMIT 1) < %(cutoff)s "
+        "ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
         "newest AS (SELECT agent, max(id) AS id FROM batch GROUP BY agent), "
-        "gone AS (DELETE FROM relay_events e WHERE (e.id IN (SELECT id FROM batch) "
-        "AND e.id NOT IN (SELECT id FROM newest)) OR (e.id <= (SELECT floor FROM f) "
-        "AND e.agent IN (SELECT agent FROM newest))), "
+        # (arrays, so that each delete searches an index instead of reading the table)
+        "gone AS (DELETE FROM relay_events WHERE id = ANY (ARRAY(SELECT id FROM batch "
+        "EXCEPT SELECT id FROM newest))), "
+        "superseded AS (DELETE FROM relay_events WHERE agent = ANY (ARRAY(SELECT agent "
+        "FROM newest)) AND id <= (SELECT floor FROM f)), "
         "anchored AS (INSERT INTO relay_event_marks (key, value) "
         "SELECT 'anchored', floor FROM f WHERE EXISTS (SELECT 1 FROM batch) "
         "ON CONFLICT (key) DO NOTHING) "
@@ -690,7 +695,8 @@ class PostgresRecords(Records):
         return floor, max(floor, last)
 
     def trim_events(self, cutoff: float) -> int:
-        self.cursor.execute(STATEMENTS["event_trim"], (cutoff, EVENT_TRIM_BATCH))
+        self.cursor.execute(STATEMENTS["event_trim"], {"cutoff": cutoff,
+                                                       "limit": EVENT_TRIM_BATCH})
         row = self.cursor.fetchone()
         return 0 if row is None else row[0]
 
