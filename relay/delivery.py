@@ -29,9 +29,22 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from json.encoder import encode_basestring
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 from relay import errors
 from relay.protocol import (
@@ -39,6 +52,7 @@ from relay.protocol import (
     FAILED,
     LEASED,
     QUEUED,
+    ROLE_PREFIX,
     ack_receipt,
     compact_json,
     iso_timestamp,
@@ -64,6 +78,16 @@ DELIVERIES = "deliveries"
 REJECTED = "rejected"
 CANCELLED = "cancelled"
 DEAD_REASONS = (ATTEMPTS, DELIVERIES, REJECTED, CANCELLED)
+
+def is_role(address: str) -> bool:
+    """Whether ``address`` names a role's queue (REACH §13: ``role:`` and the role's
+    name; no agent name holds a colon)."""
+    return address.startswith(ROLE_PREFIX)
+
+
+def rank(message: Message) -> Tuple[int, int]:
+    """The order a pull leases in (REACH §14): higher priority first, then by sequence."""
+    return -message.priority, message.seq
 
 
 
@@ -108,6 +132,8 @@ class Message:
         "via",
         "sent_id",
         "v2",
+        "priority",
+        "holder",
         "_bytes",
     )
 
@@ -141,6 +167,8 @@ class Message:
         via: Optional[str] = None,
         sent_id: Optional[str] = None,
         v2: Optional[str] = None,
+        priority: int = 0,
+        holder: Optional[str] = None,
     ) -> None:
         self.seq = seq
         self.id = id
@@ -177,6 +205,10 @@ class Message:
         self.via = via
         self.sent_id = sent_id
         self.v2 = v2
+        # REACH §14: 0..9, fixed at send; a pull leases higher first.
+        self.priority = priority
+        # REACH §13: the member that leased a role message last (None otherwise).
+        self.holder = holder
         self._bytes: Optional[int] = None
 
     @property
@@ -248,12 +280,15 @@ class Message:
         other.via = self.via
         other.sent_id = self.sent_id
         other.v2 = self.v2
+        other.priority = self.priority
+        other.holder = self.holder
         other._bytes = self._bytes
         return other
 
     @classmethod
     def from_envelope(cls, envelope: Dict[str, Any], created: float,
-                      ttl_seconds: Optional[int] = None, delay_seconds: int = 0) -> Message:
+                      ttl_seconds: Optional[int] = None, delay_seconds: int = 0,
+                      priority: int = 0) -> Message:
         """A new queued message from a :func:`relay.protocol.normalize_envelope` result.
 
         ``ts`` is the broker's: the time the message is stored (spec §2). A delayed
@@ -279,7 +314,20 @@ class Message:
             delay_until=delayed,
             recovery=delayed is not None,
             expires_at=created + ttl_seconds if ttl_seconds else None,
+            priority=priority,
         )
+
+    @property
+    def for_role(self) -> bool:
+        """Whether this message waits in a role's queue (``to: "role:NAME"``)."""
+        return self.to.startswith(ROLE_PREFIX)
+
+    def lessee(self) -> str:
+        """Who may hold this message's lease: its recipient, or for a role message
+        the member that leased it last."""
+        if self.to.startswith(ROLE_PREFIX):
+            return self.holder or ""
+        return self.to
 
     def envelope(self, viewer: Optional[str] = None, now: Optional[float] = None
                  ) -> Dict[str, Any]:
@@ -289,6 +337,7 @@ class Message:
         leased; ``expiresAt`` only for a message sent with ``ttlSeconds``;
         ``notBefore`` only for one sent with ``delaySeconds``, until it is due;
         ``via`` only for a copy of a group send.
+        ``priority`` only above 0.
         """
         out = {
             "id": self.id,
@@ -306,7 +355,7 @@ class Message:
             "attempts": self.attempts,
             "leaseUntil": self.lease_until,
         }
-        if viewer is not None and viewer == self.to and self.status == LEASED:
+        if viewer is not None and viewer == self.lessee() and self.status == LEASED:
             out["leaseId"] = self.lease_id
         if self.via is not None:
             out["via"] = self.via
@@ -314,6 +363,8 @@ class Message:
             out["expiresAt"] = iso_timestamp(self.expires_at)
         if self._delayed(now):
             out["notBefore"] = iso_timestamp(self.delay_until)
+        if self.priority:
+            out["priority"] = self.priority
         return out
 
     def envelope_json(self, viewer: Optional[str] = None, now: Optional[float] = None) -> str:
@@ -334,7 +385,7 @@ class Message:
             ',"attempts":', str(self.attempts),
             ',"leaseUntil":', _number(self.lease_until),
         ]
-        if viewer is not None and viewer == self.to and self.status == LEASED:
+        if viewer is not None and viewer == self.lessee() and self.status == LEASED:
             parts += ',"leaseId":', _text(self.lease_id)
         if self.via is not None:
             parts += ',"via":', encode_basestring(self.via)
@@ -342,6 +393,8 @@ class Message:
             parts += ',"expiresAt":', encode_basestring(iso_timestamp(self.expires_at))
         if self._delayed(now):
             parts += ',"notBefore":', encode_basestring(iso_timestamp(self.delay_until))
+        if self.priority:
+            parts += ',"priority":', str(self.priority)
         parts.append("}")
         return "".join(parts)
 
@@ -358,7 +411,9 @@ class Message:
 
     def status_entry(self, now: float) -> Dict[str, Any]:
         """The ``/v1/status`` entry of this message at ``now``; ``error``, ``notBefore``
-        (while delayed) and ``expiresAt`` only when set (epoch milliseconds)."""
+        (while delayed) and ``expiresAt`` only when set (epoch milliseconds); for a
+        role message ``leasedBy`` while leased and ``completedBy`` once done (REACH
+        §13)."""
         entry = {
             "id": self.id,
             "status": self.status,
@@ -375,6 +430,11 @@ class Message:
             entry["notBefore"] = now_ms(self.not_before)
         if self.expires_at is not None:
             entry["expiresAt"] = now_ms(self.expires_at)
+        if self.holder is not None:
+            if self.status == LEASED:
+                entry["leasedBy"] = self.holder
+            elif self.status == DONE:
+                entry["completedBy"] = self.holder
         return entry
 
     def state(self) -> Tuple[Any, ...]:
@@ -389,12 +449,14 @@ class Message:
             self.deliveries,
             self.not_before,
             self.dead_reason,
+            self.holder,
         )
 
     def set_state(self, state: Tuple[Any, ...]) -> None:
         """Take the delivery fields of another copy's :meth:`state`."""
         (self.status, self.attempts, self.lease_until, self.lease_id, self.error,
-         self.recovery, self.deliveries, self.not_before, self.dead_reason) = state
+         self.recovery, self.deliveries, self.not_before, self.dead_reason,
+         self.holder) = state
 
     def __repr__(self) -> str:  # ids and state only: never the body
         return f"<Message seq={self.seq} id={self.id!r} {self.status} attempts={self.attempts}>"
@@ -415,6 +477,15 @@ class WithStored:
 
 
 @dataclass(frozen=True)
+class Role:
+    """A role of the config (REACH §13): its members by config, and whether agents may
+    join it through their card (``selfJoin``)."""
+
+    members: FrozenSet[str] = frozenset()
+    self_join: bool = False
+
+
+@dataclass(frozen=True)
 class Rules:
     """The delivery policy the transitions apply: ``broker.*`` keys of the same names,
     read by the broker (their defaults are the config table's)."""
@@ -428,6 +499,8 @@ class Rules:
     inbox_max_bytes: int
     # broker.notifyFailedToSender: notices to the senders of v2/v3 requests (WIRE-V2 §3)
     notify_v2: bool
+    # REACH §13: the roles configured, by name (``roles:``).
+    roles: Mapping[str, Role] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -686,8 +759,12 @@ def _notices(message: Message, now: float, rules: Rules, event: str = "failed"
 # -- transitions -------------------------------------------------------------------
 
 
-def lease(message: Message, lease_seconds: float, now: float) -> None:
-    """queued -> leased under a fresh lease id; one more delivery."""
+def lease(message: Message, lease_seconds: float, now: float,
+          agent: Optional[str] = None) -> None:
+    """queued -> leased under a fresh lease id; one more delivery. A role message
+    remembers ``agent``, the member that leased it."""
+    if message.to.startswith(ROLE_PREFIX):
+        message.holder = agent
     message.status = LEASED
     message.lease_id = new_lease_id()
     message.lease_until = now_ms(now) + int(lease_seconds * 1000)
@@ -749,10 +826,14 @@ def catch_up(message: Message, now: float, rules: Rules) -> Tuple[Message, ...]:
 
 def check_lease(message: Message, agent: str, lease_id: str) -> None:
     """The lease guard of every lease outcome, in the order of the spec: 403 when
-    ``agent`` is not the recipient, 409 ``not_leased`` (a lapsed lease included,
-    since :func:`catch_up` ran first), 409 ``lease_mismatch``. (404 is the store's:
+    ``agent`` is not the recipient (of a role message: the member holding its
+    lease), 409 ``not_leased`` (a lapsed lease included, since :func:`catch_up` ran
+    first), 409 ``lease_mismatch``. (404 is the store's:
     the id is unknown.)"""
-    if message.to != agent:
+    if message.lessee() != agent:
+        if message.to.startswith(ROLE_PREFIX):
+            raise errors.forbidden("only the member holding the lease may renew or "
+                                   "acknowledge this message")
         raise errors.forbidden("only the recipient may acknowledge this message")
     if message.status != LEASED:
         raise errors.not_leased()
@@ -774,6 +855,7 @@ def reply_message(message: Message, agent: str, fields: Dict[str, Any], now: flo
         kind=fields["kind"],
         root_id=message.root_id or message.id,
         parent_id=message.id,
+        priority=fields.get("priority", 0),
     )
 
 
@@ -899,7 +981,7 @@ def requeue(agent: Optional[str]) -> Transition:
 
     def transition(message: Message, now: float) -> Outcome:
         if agent is not None:
-            if agent not in (message.sender, message.to):
+            if agent not in (message.sender, message.lessee()):
                 raise errors.forbidden("only the sender or the recipient may requeue "
                                        "this message")
             if message.dead_reason == CANCELLED and agent != message.sender:

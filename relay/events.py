@@ -58,9 +58,13 @@ class EventPage(NamedTuple):
 
 
 def message_data(message: Any) -> Dict[str, Any]:
-    """The ``data`` of a ``message`` event: the message's ids, names and kind."""
-    return {"id": message.id, "from": message.sender, "to": message.to,
+    """The ``data`` of a ``message`` event: the message's ids, names and kind, and its
+    priority when above 0."""
+    data = {"id": message.id, "from": message.sender, "to": message.to,
             "kind": message.kind, "rootId": message.root_id, "parentId": message.parent_id}
+    if message.priority:
+        data["priority"] = message.priority
+    return data
 
 
 def status_data(message: Any) -> Dict[str, Any]:
@@ -82,7 +86,9 @@ def derive(before: Optional[Tuple[Any, ...]], after: Any,
     the message becomes deliverable: it enters the queue (stored, released,
     requeued, retried) due by ``now``, or a delay that held it back ends (the store
     then clears ``not_before``: :func:`relay.store.records.release_due`); the
-    sender a ``status`` event whenever the status changes.
+    sender a ``status`` event whenever the status changes. The ``message`` event of
+    a role message names the role's address: the store tells each member
+    (:func:`relay.store.records.note`).
     """
     out: List[Tuple[str, str, str]] = []
     was = before[0] if before is not None else None

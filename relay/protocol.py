@@ -47,6 +47,10 @@ MAX_REASON_CHARS = 1000
 MAX_CARD_DESCRIPTION_CHARS = 2000
 MAX_CARD_SKILL_CHARS = 100
 MAX_CARD_SKILLS = 50
+MAX_CARD_ROLES = 64
+# REACH §14: a message's priority is an integer 0..MAX_PRIORITY (0 when absent).
+MAX_PRIORITY = 9
+ROLE_PREFIX = "role:"
 # Every id and reference field (``id``, ``replyTo``, ``rootId``, ``parentId``,
 # ``messageId``, ``leaseId``, ``since``, filters): at most this many characters.
 MAX_ID_CHARS = 256
@@ -450,14 +454,16 @@ def ack_receipt(target: Dict[str, Any], agent: str, body: Any) -> Dict[str, Any]
     }
 
 
-def strict_int(body: Dict[str, Any], field: str, lo: int, hi: int) -> Optional[int]:
+def strict_int(body: Dict[str, Any], field: str, lo: int, hi: int,
+               name: Optional[str] = None) -> Optional[int]:
     """An optional v1.2 integer field: a JSON integer ``lo..hi`` (not a float such as
-    ``30.0`` or ``3e1``, a string or a boolean); None when absent or null; else 400."""
+    ``30.0`` or ``3e1``, a string or a boolean); None when absent or null; else 400
+    naming it ``name`` (``field`` by default)."""
     value = body.get(field)
     if value is None:
         return None
     if not _is_int(value) or not lo <= value <= hi:
-        raise bad_request(f"{field} must be an integer from {lo} to {hi}")
+        raise bad_request(f"{name or field} must be an integer from {lo} to {hi}")
     return value
 
 
@@ -509,7 +515,8 @@ def parse_reply(value: Any) -> Dict[str, Any]:
         ack = False
     elif not isinstance(ack, bool):
         raise bad_request("reply.ack must be a boolean")
-    return {"id": reply_id, "body": body, "kind": kind, "ack": ack}
+    return {"id": reply_id, "body": body, "kind": kind, "ack": ack,
+            "priority": parse_priority(value, "reply.priority")}
 
 
 class AckRequest:
@@ -576,6 +583,22 @@ def parse_send_options(body: Dict[str, Any]) -> Tuple[Optional[int], int]:
     return ttl, delay or 0
 
 
+def parse_priority(body: Dict[str, Any], field: str = "priority") -> int:
+    """The ``priority`` of a sent envelope or of a reply (REACH §14): a JSON integer
+    0..9, 0 when absent or null; else 400."""
+    return strict_int(body, "priority", 0, MAX_PRIORITY, field) or 0
+
+
+def parse_role(body: Dict[str, Any]) -> Optional[str]:
+    """The ``role`` of a pull (REACH §13): a role name, None when absent or null."""
+    value = body.get("role")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not AGENT_NAME.match(value):
+        raise bad_request("role must be a role name ([A-Za-z0-9_.-]{1,64})")
+    return value
+
+
 KEEP_CARD = object()  # a register without ``card`` keeps the stored one
 
 
@@ -590,8 +613,8 @@ def parse_card(body: Dict[str, Any]) -> Any:
     if not isinstance(card, dict):
         raise bad_request("card must be an object or null")
     for key in card:
-        if key not in ("description", "skills"):
-            raise bad_request(f"card.{key} is not a card field (description, skills)")
+        if key not in ("description", "skills", "roles"):
+            raise bad_request(f"card.{key} is not a card field (description, skills, roles)")
     out: Dict[str, Any] = {}
     description = card.get("description")
     if description is not None:
@@ -607,6 +630,13 @@ def parse_card(body: Dict[str, Any]) -> Any:
             raise bad_request(f"card.skills must be a list of at most {MAX_CARD_SKILLS} "
                               f"strings of at most {MAX_CARD_SKILL_CHARS} characters")
         out["skills"] = list(skills)
+    roles = card.get("roles")
+    if roles is not None:
+        if (not isinstance(roles, list) or len(roles) > MAX_CARD_ROLES
+                or not all(isinstance(r, str) and AGENT_NAME.match(r) for r in roles)):
+            raise bad_request(f"card.roles must be a list of at most {MAX_CARD_ROLES} role "
+                              "names ([A-Za-z0-9_.-]{1,64})")
+        out["roles"] = sorted(set(roles))
     return out
 
 

@@ -341,7 +341,7 @@ def test_a_lease_or_a_settle_leaves_the_id_and_sent_box_indexes_alone():
     db.executescript(backend.schema_script(backend.SCHEMA_VERSION))
     assert written_btrees(db, backend.STATEMENTS["save"][0]) == [
         "messages", "messages_held", "messages_inbox", "messages_leases",
-        "messages_recovery", "messages_sent_failed"]
+        "messages_recovery", "messages_sent_failed", "messages_urgent"]
     assert {"messages_outbox", "sqlite_autoindex_messages_1"} <= set(
         written_btrees(db, backend.STATEMENTS["insert"][0]))
 
@@ -543,13 +543,13 @@ async def test_an_expiry_sweep_leaves_no_read_open(tmp_path):
 def test_nulls_are_written_into_the_statement_not_bound():
     """A row's None values become NULL literals; the WHERE values stay bound."""
     save = backend.NullsWritten(backend._save_sql)
-    sql, params = save(("done", 2, None, None, "boom", 0, 3, None, None, 41), 1)
+    sql, params = save(("done", 2, None, None, "boom", 0, 3, None, None, None, 41), 1)
     assert params == ["done", 2, "boom", 0, 3, 41]
     assert "lease_until = NULL, lease_id = NULL" in sql and "error = ?" in sql
     assert sql.endswith("WHERE seq = ?")
     assert sql.count("?") == len(params)
-    assert save(("done", 2, None, None, "boom", 0, 3, None, None, 42), 1)[0] is sql  # kept
-    nothing_null = save(("queued", 0, 1, "l", "e", 1, 0, 1.0, "r", 7), 1)[0]
+    assert save(("done", 2, None, None, "boom", 0, 3, None, None, None, 42), 1)[0] is sql
+    nothing_null = save(("queued", 0, 1, "l", "e", 1, 0, 1.0, "r", "m", 7), 1)[0]
     assert nothing_null == backend._SAVE_STATE
 
 

@@ -82,6 +82,7 @@ from relay.events import MESSAGE, STATUS, Event
 from relay.files import FreeSpace, private_file
 from relay.protocol import (
     KEEP_CARD,
+    MAX_PRIORITY,
     MESSAGE_KINDS,
     MESSAGE_TYPES,
     STATUSES,
@@ -130,7 +131,8 @@ def snapshot_line(message: Message) -> bytes:
                        ("delayUntilTime", message.delay_until),
                        ("expiresAtTime", message.expires_at),
                        ("sentId", message.sent_id),
-                       ("wireV2", message.v2)):
+                       ("wireV2", message.v2),
+                       ("holder", message.holder)):
         if value is not None:
             extra[key] = value
     # The envelope without its view-only fields (the times are kept as epoch seconds).
@@ -149,11 +151,14 @@ def _plain(message: Message) -> Message:
 def state_record(message: Message) -> Dict[str, Any]:
     """The record of a change of ``message``'s delivery state."""
     (status, attempts, lease_until, lease_id, error, recovery, deliveries, not_before,
-     dead_reason) = message.state()
-    return {"op": "state", "id": message.id, "status": status, "attempts": attempts,
-            "leaseUntil": lease_until, "leaseId": lease_id, "error": error,
-            "recovery": recovery, "deliveries": deliveries, "notBeforeTime": not_before,
-            "deadReason": dead_reason}
+     dead_reason, holder) = message.state()
+    record = {"op": "state", "id": message.id, "status": status, "attempts": attempts,
+              "leaseUntil": lease_until, "leaseId": lease_id, "error": error,
+              "recovery": recovery, "deliveries": deliveries, "notBeforeTime": not_before,
+              "deadReason": dead_reason}
+    if holder is not None:
+        record["holder"] = holder
+    return record
 
 
 def peer_record(agent: str, last_seen: int, card: Any = KEEP_CARD) -> Dict[str, Any]:
@@ -284,7 +289,16 @@ def message_from_snapshot(seq: Any, envelope: Any, now: float) -> Message:
         via=_text(envelope.get("via")),
         sent_id=_text(envelope.get("sentId")),
         v2=_text(envelope.get("wireV2")),
+        priority=_priority(envelope.get("priority")),
+        holder=_text(envelope.get("holder")),
     )
+
+
+def _priority(value: Any) -> int:
+    priority = _int(value or 0)
+    if not 0 <= priority <= MAX_PRIORITY:
+        raise ValueError("bad priority")
+    return priority
 
 
 def _apply_state(message: Message, record: Dict[str, Any]) -> None:
@@ -307,6 +321,7 @@ def _apply_state(message: Message, record: Dict[str, Any]) -> None:
     message.deliveries = deliveries
     message.not_before = not_before
     message.dead_reason = dead_reason
+    message.holder = _text(record.get("holder"))
 
 
 class LoadedLog:
@@ -805,6 +820,8 @@ def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
         state.load(message)
     state.peer_seen.update(loaded.peers)
     state.cards.update(loaded.cards)
+    for agent, card in loaded.cards.items():
+        state.join(agent, card, 1)
     state.next_seq = max(state.next_seq, loaded.next_seq)
     for event in loaded.events:
         state.load_event(event)

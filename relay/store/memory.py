@@ -48,6 +48,9 @@ class MemoryRecords(Records):
         self.inbox_seqs: Dict[str, Deque[int]] = {}
         self.outbox_seqs: Dict[str, Deque[int]] = {}
         self.queued_seqs: Dict[str, List[int]] = {}
+        # REACH §14: per recipient, (-priority, seq) of its queued messages above
+        # priority 0 that no delay holds back, in the order a pull leases them
+        self.urgent: Dict[str, List[Tuple[int, int]]] = {}
         self.recovery_seqs: Dict[str, Set[int]] = {}
         self.parents: Dict[str, Set[int]] = {}  # parent_id and reply_to values
         self.roots: Dict[str, Set[int]] = {}
@@ -59,6 +62,8 @@ class MemoryRecords(Records):
         self.expiries: List[Tuple[float, int]] = []
         self.peer_seen: Dict[str, int] = {}
         self.cards: Dict[str, Dict[str, Any]] = {}
+        # REACH §13: role -> the agents whose card lists it
+        self.joins: Dict[str, Set[str]] = {}
         # agent -> status -> how many of its messages are in that (counted) state, and
         # agent -> how many of its queued messages wait in the delayed heap
         self.depth: Dict[str, Dict[str, int]] = {}
@@ -90,6 +95,9 @@ class MemoryRecords(Records):
                 self._tally(self.held, message.to, 1)
             else:
                 insort(self.queued_seqs.setdefault(message.to, []), message.seq)
+                if message.priority:
+                    insort(self.urgent.setdefault(message.to, []),
+                           (-message.priority, message.seq))
             if message.recovery:
                 self.recovery_seqs.setdefault(message.to, set()).add(message.seq)
         elif message.status == LEASED and lease_moved:
@@ -108,6 +116,11 @@ class MemoryRecords(Records):
                 promoted = True
             if not queue:
                 del self.queued_seqs[message.to]
+        if promoted and message.priority:
+            ranks = self.urgent[message.to]
+            del ranks[bisect_left(ranks, (-message.priority, message.seq))]
+            if not ranks:
+                del self.urgent[message.to]
         if message.not_before is not None and not promoted:
             self._tally(self.held, message.to, -1)
         marks = self.recovery_seqs.get(message.to)
@@ -165,6 +178,8 @@ class MemoryRecords(Records):
             if not _has(queue, seq):
                 insort(queue, seq)
                 self._tally(self.held, message.to, -1)
+                if message.priority:
+                    insort(self.urgent.setdefault(message.to, []), (-message.priority, seq))
 
     def _live(self, seqs: Iterable[int], now: float) -> Iterable[Message]:
         """The stored messages of ``seqs`` that still exist and have not expired."""
@@ -346,6 +361,55 @@ class MemoryRecords(Records):
                     break
         return out
 
+    def ranked(self, queues: Sequence[str], limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        self._promote(now)
+        found: List[Message] = []
+        if parent_id is not None:
+            wanted = set(queues)
+            found = [m for m in self._live(self.parents.get(parent_id, ()), now)
+                     if m.to in wanted and delivery.deliverable(m, now)]
+        else:
+            for queue in queues:
+                found += self._ranked_queue(queue, limit, now)
+        found.sort(key=delivery.rank)
+        return [m.copy() for m in found[:limit]]
+
+    def _ranked_queue(self, agent: str, limit: int, now: float) -> List[Message]:
+        """The first ``limit`` deliverable messages of one queue by rank: those above
+        priority 0 from their index, then the others in sequence order (skipping at
+        most the few above 0 already taken)."""
+        out: List[Message] = []
+        urgent = (seq for _, seq in self.urgent.get(agent, ()))
+        for message in self._live(urgent, now):
+            if delivery.deliverable(message, now):
+                out.append(message)
+                if len(out) >= limit:
+                    return out
+        for message in self._live(self.queued_seqs.get(agent, ()), now):
+            if not message.priority and delivery.deliverable(message, now):
+                out.append(message)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def card(self, agent: str) -> Optional[Dict[str, Any]]:
+        return _copy_card(self.cards.get(agent))
+
+    def joiners(self, role: str) -> List[str]:
+        return sorted(self.joins.get(role, ()))
+
+    def join(self, agent: str, card: Optional[Dict[str, Any]], delta: int) -> None:
+        """Enter (``delta`` 1) or leave (-1) the roles ``card`` lists, for :meth:`joiners`."""
+        for role in (card or {}).get("roles", ()):
+            agents = self.joins.setdefault(role, set())
+            if delta > 0:
+                agents.add(agent)
+            else:
+                agents.discard(agent)
+                if not agents:
+                    del self.joins[role]
+
     def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
         marks = self.recovery_seqs.get(agent)
         if not marks:
@@ -506,10 +570,12 @@ class MemoryRecords(Records):
     def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
         self.peer_seen[agent] = int(now)
         if card is not KEEP_CARD:
+            self.join(agent, self.cards.get(agent), -1)
             if card is None:
                 self.cards.pop(agent, None)
             else:
                 self.cards[agent] = dict(card)
+                self.join(agent, card, 1)
         self.registered(agent, card is not KEEP_CARD)
 
     def is_registered(self, agent: str) -> bool:
@@ -529,7 +595,7 @@ class MemoryRecords(Records):
                                              for s in self.inbox_seqs.get(agent, ()))]
         for agent in gone:
             del self.peer_seen[agent]
-            self.cards.pop(agent, None)
+            self.join(agent, self.cards.pop(agent, None), -1)
         if gone:
             self.forgotten(gone)
         return gone
@@ -543,8 +609,9 @@ def _copy_card(card: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     if card is None:
         return None
     out = dict(card)
-    if "skills" in out:
-        out["skills"] = list(out["skills"])
+    for key in ("skills", "roles"):
+        if key in out:
+            out[key] = list(out[key])
     return out
 
 

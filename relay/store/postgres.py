@@ -96,7 +96,7 @@ from relay.store.records import EXPIRE_BATCH, Records
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 CHANNEL = "relay_changes"
 # The package is not on the index: name the driver itself (the postgres extra).
 INSTALL_HINT = "pip install 'psycopg[binary]>=3.2' in the broker's environment"
@@ -155,6 +155,7 @@ ENVELOPE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("via", "via", "text"),
     ("sent_id", "sent_id", "text"),
     ("v2", "v2", "text"),
+    ("priority", "priority", "integer"),
 )
 STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("status", "status", "text"),
@@ -166,6 +167,7 @@ STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("deliveries", "deliveries", "integer"),
     ("not_before", "not_before", "double precision"),
     ("dead_reason", "dead_reason", "text"),
+    ("holder", "holder", "text"),
 )
 _STORED = ENVELOPE_COLUMNS + STATE_COLUMNS
 COLUMNS = ", ".join(["seq", "version"] + [c for c, _, _ in _STORED])
@@ -219,18 +221,32 @@ _DUE = ("(not_before IS NULL OR not_before <= %(now)s) "
         "AND (expires_at IS NULL OR expires_at > %(now)s)")
 _LIVE = "(expires_at IS NULL OR expires_at > %(now)s)"
 _PARENT = "(parent_id = %(parent)s OR reply_to = %(parent)s)"
+# Each queue of the pull (the agent's, its roles': REACH §13) read in the order a
+# pull leases (relay.delivery.rank: higher priority first, then seq) on
+# relay_messages_ranked, locked, skipping rows another broker holds; the first
+# ``limit`` of them all by rank are leased. A role message records its holder.
 _CLAIM = (
     "WITH candidates AS ("
-    " SELECT seq FROM relay_messages WHERE recipient = %(agent)s AND status = 'queued'"
-    f" AND {_DUE} {{parent}} ORDER BY seq LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+    " SELECT c.seq, c.priority FROM unnest(%(queues)s::text[]) AS q (recipient)"
+    " CROSS JOIN LATERAL (SELECT seq, priority FROM relay_messages AS r"
+    "  WHERE r.recipient = q.recipient AND status = 'queued'"
+    f"  AND {_DUE} {{parent}} ORDER BY {{order}} LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS c"
+    " ORDER BY c.priority DESC, c.seq LIMIT %(limit)s"
     "), numbered AS ("
-    " SELECT seq, row_number() OVER (ORDER BY seq) AS n FROM candidates"
+    " SELECT seq, row_number() OVER (ORDER BY priority DESC, seq) AS n FROM candidates"
     ") UPDATE relay_messages AS m SET status = 'leased',"
     " lease_id = (%(lease_ids)s::text[])[numbered.n], lease_until = %(until)s,"
     " recovery = false, deliveries = m.deliveries + 1, not_before = NULL,"
+    " holder = CASE WHEN left(m.recipient, 5) = 'role:' THEN %(agent)s ELSE m.holder END,"
     " version = m.version + 1"
     f" FROM numbered WHERE m.seq = numbered.seq RETURNING {_M_COLUMNS}"
 )
+
+_RANKED = (f"SELECT {_M_COLUMNS} FROM unnest(%(queues)s::text[]) AS q (recipient)"
+           " CROSS JOIN LATERAL (SELECT * FROM relay_messages AS r"
+           "  WHERE r.recipient = q.recipient AND status = 'queued'"
+           f"  AND {_DUE} {{parent}} ORDER BY {{order}} LIMIT %(limit)s) AS m"
+           " ORDER BY m.priority DESC, m.seq LIMIT %(limit)s")
 
 STATEMENTS = {
     "insert": _INSERT,
@@ -238,8 +254,16 @@ STATEMENTS = {
     "seq_of": "SELECT seq FROM relay_messages WHERE id = %s",
     "copies": f"{_SELECT} WHERE sent_id = %s ORDER BY seq",
     "save": _SAVE,
-    "claim": _CLAIM.format(parent=""),
-    "claim_parent": _CLAIM.format(parent=f"AND {_PARENT}"),
+    "claim": _CLAIM.format(parent="", order="priority DESC, seq"),
+    # by parent: the few answers of a message, found by their own indexes
+    "claim_parent": _CLAIM.format(parent=f"AND {_PARENT}", order="seq"),
+    # the same read without leasing (the generic pull of relay.store.records)
+    "ranked": _RANKED.format(parent="", order="priority DESC, seq"),
+    "ranked_parent": _RANKED.format(parent=f"AND {_PARENT}", order="seq"),
+    "card": "SELECT card FROM relay_peers WHERE agent = %s",
+    # REACH §13 selfJoin: the agents whose card lists a role (a card is small JSON text)
+    "joiners": ("SELECT agent FROM relay_peers WHERE card IS NOT NULL "
+                "AND card::jsonb -> 'roles' ? %s ORDER BY agent"),
     "queued": (f"{_SELECT} WHERE recipient = %(agent)s AND status = 'queued' "
                f"AND seq > %(after)s AND {_DUE} ORDER BY seq LIMIT %(limit)s"),
     "queued_parent": (f"{_SELECT} WHERE recipient = %(agent)s AND status = 'queued' "
@@ -575,21 +599,37 @@ class PostgresRecords(Records):
         for seq in seqs:
             self.versions[seq] += 1
 
-    def claim(self, agent: str, limit: int, lease_seconds: float, now: float,
-              parent_id: Optional[str] = None) -> List[Message]:
-        """Lease up to ``limit`` deliverable messages of ``agent`` (with ``parent_id``:
-        those answering it), oldest first, in one statement: the state
-        :func:`relay.delivery.lease` gives; notes their deadlines."""
+    def claim(self, agent: str, queues: Sequence[str], limit: int, lease_seconds: float,
+              now: float, rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
+        """Lease up to ``limit`` deliverable messages of ``queues`` to ``agent`` (with
+        ``parent_id``: those answering it) in the order of :func:`relay.delivery.rank`,
+        in one statement: the state :func:`relay.delivery.lease` gives; notes their
+        deadlines."""
         until = delivery.now_ms(now) + int(lease_seconds * 1000)
         lease_ids = [delivery.new_lease_id() for _ in range(limit)]
-        params = {"agent": agent, "limit": limit, "lease_ids": lease_ids, "until": until,
-                  "now": now, "parent": parent_id}
+        params = {"agent": agent, "queues": list(queues), "limit": limit,
+                  "lease_ids": lease_ids, "until": until, "now": now, "parent": parent_id}
         sql = STATEMENTS["claim" if parent_id is None else "claim_parent"]
-        claimed = sorted(self._rows(sql, params), key=lambda m: m.seq)
+        claimed = sorted(self._rows(sql, params), key=delivery.rank)
         queued = (QUEUED,) + (None,) * (len(STATE_COLUMNS) - 1)
         for message in claimed:
-            ops.note(self, queued, message, now)
+            ops.note(self, queued, message, now, rules)
         return claimed
+
+    def ranked(self, queues: Sequence[str], limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        sql = STATEMENTS["ranked" if parent_id is None else "ranked_parent"]
+        params = {"queues": list(queues), "limit": limit, "now": now, "parent": parent_id}
+        return self._rows(sql, params)
+
+    def card(self, agent: str) -> Optional[Dict[str, Any]]:
+        self.cursor.execute(STATEMENTS["card"], (agent,))
+        row = self.cursor.fetchone()
+        return None if row is None or row[0] is None else json.loads(row[0])
+
+    def joiners(self, role: str) -> List[str]:
+        self.cursor.execute(STATEMENTS["joiners"], (role,))
+        return [row[0] for row in self.cursor.fetchall()]
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
                parent_id: Optional[str] = None) -> List[Message]:
@@ -775,10 +815,13 @@ def heard(payload: str) -> Tuple[Optional[str], Changes, bool, Dict[str, Any]]:
 
 
 def pull(records: PostgresRecords, agent: str, limit: int, lease_seconds: float, now: float,
-         rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
-    """Release lapsed leases (the rules of relay.delivery), then claim in one statement."""
+         rules: Rules, parent_id: Optional[str] = None,
+         role: Optional[str] = None) -> List[Message]:
+    """Release lapsed leases (the rules of relay.delivery), then claim from the agent's
+    queues (:func:`relay.store.records.queues`) in one statement."""
     ops.release_lapsed(records, now, rules)
-    return records.claim(agent, limit, lease_seconds, now, parent_id)
+    found = ops.queues(records, agent, rules, role)
+    return records.claim(agent, found, limit, lease_seconds, now, rules, parent_id)
 
 
 def is_registered(records: PostgresRecords, agent: str) -> bool:
@@ -1229,8 +1272,8 @@ class PostgresStore:
         return self._run(ops.poll, agent, since_id, limit, now, rules)
 
     def pull(self, agent: str, limit: int, lease_seconds: float, now: float, rules: Rules,
-             parent_id: Optional[str] = None) -> Deferred:
-        return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id)
+             parent_id: Optional[str] = None, role: Optional[str] = None) -> Deferred:
+        return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id, role)
 
     def settle(self, message_id: str, transition: Union[Transition, WithStored], now: float,
                rules: Rules) -> Deferred:
@@ -1302,8 +1345,8 @@ class PostgresStore:
     def trim_events(self, cutoff: float) -> Deferred:
         return self._run(ops.trim_events, cutoff)
 
-    def release_due(self, now: float) -> Deferred:
-        return self._run(ops.release_due, now)
+    def release_due(self, now: float, rules: Optional[Rules] = None) -> Deferred:
+        return self._run(ops.release_due, now, rules)
 
     def webhook_states(self) -> Deferred:
         return self._run(ops.webhook_states)

@@ -112,6 +112,23 @@ class Records:
         whose ``parent_id`` or ``reply_to`` equals it."""
         raise NotImplementedError
 
+    def ranked(self, queues: Sequence[str], limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        """Up to ``limit`` deliverable messages addressed to any of ``queues`` (an
+        agent, role addresses), in the order a pull leases (:func:`relay.delivery.rank`:
+        higher priority first, then by sequence); with ``parent_id``, only those whose
+        ``parent_id`` or ``reply_to`` equals it. Flat-cost at any depth: from an index
+        of the queued messages above priority 0 and the queue in sequence order."""
+        raise NotImplementedError
+
+    def card(self, agent: str) -> Optional[Dict[str, Any]]:
+        """``agent``'s peer card, or None."""
+        raise NotImplementedError
+
+    def joiners(self, role: str) -> List[str]:
+        """The agents whose card lists ``role`` in its ``roles`` (REACH §13 selfJoin)."""
+        raise NotImplementedError
+
     def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
         """Deliverable messages to ``agent`` at or before ``upto_seq`` that carry the
         v1.0 recovery mark, in order."""
@@ -214,27 +231,68 @@ class Records:
 # -- the operations, once for every backend -------------------------------------------
 
 
+def members(records: Records, rules: Optional[Rules], address: str) -> List[str]:
+    """The members of the role at ``address`` (``role:NAME``): those of the config, and
+    for a ``selfJoin`` role the agents whose card lists it; none for a role no longer
+    configured."""
+    role = rules.roles.get(address[len(delivery.ROLE_PREFIX):]) if rules is not None else None
+    if role is None:
+        return []
+    found = set(role.members)
+    if role.self_join:
+        found.update(records.joiners(address[len(delivery.ROLE_PREFIX):]))
+    return sorted(found)
+
+
+def queues(records: Records, agent: str, rules: Rules, role: Optional[str] = None) -> List[str]:
+    """The queues ``agent``'s pull leases from (REACH §13): its own and those of the
+    roles it holds, by config or by its card; with ``role``, that role's alone (404
+    ``no_such_agent`` when it is not configured, 403 ``forbidden`` when ``agent`` does
+    not hold it)."""
+    roles = rules.roles
+    if not roles:
+        if role is not None:
+            raise errors.no_such_agent(f"no role {role!r} is configured")
+        return [agent]
+    held = {name for name, r in roles.items() if agent in r.members}
+    if any(r.self_join for r in roles.values()):
+        card = records.card(agent) or {}
+        held.update(name for name in card.get("roles", ())
+                    if name in roles and roles[name].self_join)
+    if role is not None:
+        if role not in roles:
+            raise errors.no_such_agent(f"no role {role!r} is configured")
+        if role not in held:
+            raise errors.forbidden(f"agent {agent!r} does not hold the role {role!r}")
+        return [delivery.ROLE_PREFIX + role]
+    return [agent] + [delivery.ROLE_PREFIX + name for name in sorted(held)]
+
+
 def note(records: Records, before: Optional[Tuple[Any, ...]], message: Message,
-          now: float) -> None:
+         now: float, rules: Optional[Rules] = None) -> None:
     """What a change of ``message`` means: the wake-ups, and the events it causes,
-    recorded in the same transaction."""
+    recorded in the same transaction. An event of a role's queue is recorded for
+    each member of the role (by ``rules``)."""
     delivery.wakes(records.changes, before, message)
     for agent, event_type, data in events.derive(before, message, now):
-        records.append_event(agent, event_type, data, now)
-        records.changes.events.add(agent)
+        told = members(records, rules, agent) if delivery.is_role(agent) else (agent,)
+        for member in told:
+            records.append_event(member, event_type, data, now)
+            records.changes.events.add(member)
 
 
 def _saved(records: Records, befores: List[Tuple[Any, ...]], messages: List[Message],
-           now: float) -> None:
+           now: float, rules: Optional[Rules] = None) -> None:
     records.save(messages, befores)
     for before, message in zip(befores, messages):
-        note(records, before, message, now)
+        note(records, before, message, now, rules)
 
 
-def _store_notices(records: Records, notices: Iterable[Message], now: float) -> None:
+def _store_notices(records: Records, notices: Iterable[Message], now: float,
+                   rules: Optional[Rules] = None) -> None:
     for notice in notices:
         if records.insert(notice):  # an existing id: that request's notice is stored
-            note(records, None, notice, now)
+            note(records, None, notice, now, rules)
 
 
 def release_lapsed(records: Records, now: float, rules: Rules) -> int:
@@ -246,13 +304,14 @@ def release_lapsed(records: Records, now: float, rules: Rules) -> int:
     notices: List[Message] = []
     for message in lapsed:
         notices.extend(delivery.catch_up(message, now, rules))
-    _saved(records, befores, lapsed, now)
-    _store_notices(records, notices, now)
+    _saved(records, befores, lapsed, now, rules)
+    _store_notices(records, notices, now, rules)
     records.changes.lapsed += len(lapsed)
     return len(lapsed)
 
 
-def release_due(records: Records, now: float, limit: int = EXPIRE_BATCH) -> int:
+def release_due(records: Records, now: float, rules: Optional[Rules] = None,
+                limit: int = EXPIRE_BATCH) -> int:
     """Clear the ``not_before`` of queued messages whose delay ended by ``now``: the
     change that records their ``message`` event (REACH §11: deliverable after a
     delay). Returns how many."""
@@ -262,7 +321,7 @@ def release_due(records: Records, now: float, limit: int = EXPIRE_BATCH) -> int:
     befores = [m.state() for m in held]
     for message in held:
         message.not_before = None
-    _saved(records, befores, held, now)
+    _saved(records, befores, held, now, rules)
     return len(held)
 
 
@@ -288,7 +347,7 @@ def add(records: Records, message: Message, rules: Rules,
     _refuse_if_full(records, message, rules)
     if not records.insert(message):
         return False
-    note(records, None, message, message.created)
+    note(records, None, message, message.created, rules)
     return True
 
 
@@ -341,14 +400,18 @@ def poll(records: Records, agent: str, since_id: Optional[str], limit: int, now:
 
 
 def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: float,
-         rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
+         rules: Rules, parent_id: Optional[str] = None,
+         role: Optional[str] = None) -> List[Message]:
+    """Lease from ``agent``'s queues (:func:`queues`) in the order of
+    :func:`relay.delivery.rank`."""
     release_lapsed(records, now, rules)
-    messages = _budgeted(records.queued(agent, 0, limit, now, parent_id))
+    found = queues(records, agent, rules, role)
+    messages = _budgeted(records.ranked(found, limit, now, parent_id))
     if messages:
         befores = [m.state() for m in messages]
         for message in messages:
-            delivery.lease(message, lease_seconds, now)
-        _saved(records, befores, messages, now)
+            delivery.lease(message, lease_seconds, now, agent)
+        _saved(records, befores, messages, now, rules)
     return messages
 
 
@@ -371,8 +434,8 @@ def settle(records: Records, message_id: str,
             outcome = transition(message, now)
     except errors.RelayError:
         if message.state() != before:
-            _saved(records, [before], [message], now)
-        _store_notices(records, notices, now)
+            _saved(records, [before], [message], now, rules)
+        _store_notices(records, notices, now, rules)
         raise
     reply = outcome.reply
     if reply is not None:
@@ -382,10 +445,10 @@ def settle(records: Records, message_id: str,
                     and transition.other_id == reply.id):
                 raise Raced(reply.id)  # decided on a read another writer overtook
             raise delivery.IdConflict(reply.id)
-        note(records, None, reply, now)
+        note(records, None, reply, now, rules)
     if message.state() != before:
-        _saved(records, [before], [message], now)
-    _store_notices(records, notices + list(outcome.notices), now)
+        _saved(records, [before], [message], now, rules)
+    _store_notices(records, notices + list(outcome.notices), now, rules)
     return outcome.value
 
 
@@ -395,7 +458,7 @@ def status(records: Records, message_ids: Iterable[str], agent: str, now: float,
     out = []
     for message_id in message_ids:
         message = find(records, message_id, now)
-        if message is not None and agent in (message.sender, message.to):
+        if message is not None and agent in (message.sender, message.to, message.holder):
             out.append(message.status_entry(now))
             continue
         copies = [m for m in records.copies(message_id)
@@ -460,7 +523,7 @@ def peers(records: Records) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
 
 def expire(records: Records, cutoff: float, now: float, rules: Rules, batch: int) -> int:
     count, unprocessed = records.expire(cutoff, now, batch)
-    _store_notices(records, delivery.expiry_notices(unprocessed, now, rules), now)
+    _store_notices(records, delivery.expiry_notices(unprocessed, now, rules), now, rules)
     return count
 
 
@@ -587,8 +650,8 @@ class RecordStore:
         return self._run(poll, agent, since_id, limit, now, rules)
 
     def pull(self, agent: str, limit: int, lease_seconds: float, now: float, rules: Rules,
-             parent_id: Optional[str] = None) -> Deferred:
-        return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id)
+             parent_id: Optional[str] = None, role: Optional[str] = None) -> Deferred:
+        return self._run(pull, agent, limit, lease_seconds, now, rules, parent_id, role)
 
     def settle(self, message_id: str, transition: Union[Transition, WithStored], now: float,
                rules: Rules) -> Deferred:
@@ -630,8 +693,8 @@ class RecordStore:
     def sweep_leases(self, now: float, rules: Rules) -> Deferred:
         return self._run(release_lapsed, now, rules)
 
-    def release_due(self, now: float) -> Deferred:
-        return self._run(release_due, now)
+    def release_due(self, now: float, rules: Optional[Rules] = None) -> Deferred:
+        return self._run(release_due, now, rules)
 
     @inlineCallbacks
     def sweep_expired(self, cutoff: float, now: float, rules: Rules):

@@ -69,7 +69,7 @@ from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
@@ -86,7 +86,7 @@ EVENT_TRIM_BATCH = 20_000
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
     "status, attempts, lease_until, lease_id, error, created, recovery, deliveries, "
-    "not_before, dead_reason, delay_until, expires_at, via, sent_id, v2"
+    "not_before, dead_reason, delay_until, expires_at, via, sent_id, v2, priority, holder"
 )
 _SELECT = f"SELECT {COLUMNS} FROM messages"
 # What a row counts toward its recipient's inbox quota (delivery.Message.stored_bytes):
@@ -97,7 +97,7 @@ _STORED_BYTES = ("(length(CAST(body AS BLOB)) + length(CAST(id AS BLOB)) "
                  "+ ifnull(length(CAST(root_id AS BLOB)), 0) "
                  "+ ifnull(length(CAST(parent_id AS BLOB)), 0))")
 _STATE_COLUMNS = ("status", "attempts", "lease_until", "lease_id", "error", "recovery",
-                  "deliveries", "not_before", "dead_reason")
+                  "deliveries", "not_before", "dead_reason", "holder")
 # Variants of _INSERT and _SAVE_STATE kept per pattern of NULL values: at most this many.
 NULL_PATTERNS = 256
 
@@ -165,6 +165,21 @@ STATEMENTS = {
         f"{_SELECT} WHERE reply_to = ? AND seq > ? AND recipient = ? AND status = 'queued' "
         f"AND {_DUE} ORDER BY seq LIMIT ?",
     ],
+    # REACH §14, a pull: one queue's messages above priority 0 by rank (their own
+    # index), then its others in seq order (the inbox index, passing over at most the
+    # few above 0 the first read returned); by parent, the first answers in seq
+    # order (a message has few), ranked then.
+    "ranked": [
+        f"{_SELECT} INDEXED BY messages_urgent WHERE recipient = ? AND status = 'queued' "
+        f"AND priority > 0 AND {_DUE} ORDER BY priority DESC, seq LIMIT ?",
+        f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > 0 AND {_DUE} "
+        "AND priority = 0 ORDER BY seq LIMIT ?",
+        f"{_SELECT} WHERE parent_id = ? AND seq > 0 AND recipient = ? AND status = 'queued' "
+        f"AND {_DUE} ORDER BY seq LIMIT ?",
+        f"{_SELECT} WHERE reply_to = ? AND seq > 0 AND recipient = ? AND status = 'queued' "
+        f"AND {_DUE} ORDER BY seq LIMIT ?",
+    ],
+    "card": ["SELECT card FROM peers WHERE agent = ?"],
     "recovered": [
         f"{_SELECT} INDEXED BY messages_recovery WHERE recipient = ? AND recovery = 1 "
         f"AND seq <= ? AND status = 'queued' AND {_DUE} ORDER BY seq LIMIT ?"
@@ -244,7 +259,7 @@ STATEMENTS = {
 # rows; the forgetting runs once a minute), and the pending usage, read once when the
 # store opens.
 LISTINGS = (
-    "SELECT agent, last_seen, card FROM peers ORDER BY agent",
+    "SELECT agent, last_seen, card FROM peers ORDER BY agent",  # (and the roles joined)
     # (index 3, below) every webhook: one row per agent that has one
     f"SELECT recipient, count(*), sum({_STORED_BYTES}) FROM messages "
     "WHERE status IN ('queued', 'leased') GROUP BY recipient",
@@ -346,6 +361,8 @@ def _row(message: Message) -> Tuple[Any, ...]:
         message.via,
         message.sent_id,
         message.v2,
+        message.priority,
+        message.holder,
     )
 
 
@@ -378,6 +395,8 @@ def _message(row: Sequence[Any]) -> Message:
         via=row[24],
         sent_id=row[25],
         v2=row[26],
+        priority=row[27],
+        holder=row[28],
     )
 
 
@@ -389,9 +408,9 @@ def _newest(parts: List[List[Message]], limit: int) -> List[Message]:
 
 def _state_row(message: Message) -> Tuple[Any, ...]:
     (status, attempts, lease_until, lease_id, error, recovery, deliveries, not_before,
-     dead_reason) = message.state()
+     dead_reason, holder) = message.state()
     return (status, attempts, lease_until, lease_id, error, int(recovery), deliveries,
-            not_before, dead_reason, message.seq)
+            not_before, dead_reason, holder, message.seq)
 
 
 class Checkpointer:
@@ -478,7 +497,14 @@ class SQLiteRecords(Records):
         self.next_seq = last + 1
         self._insert = NullsWritten(_insert_sql)
         self._save = NullsWritten(_save_sql)
-        self.registered = {row[0] for row in db.execute("SELECT agent FROM peers")}
+        self.registered = set()
+        # REACH §13: role -> the agents whose card lists it (one broker writes this
+        # database: kept here from the cards it reads at start and registers)
+        self.joins: Dict[str, Set[str]] = {}
+        for agent, _, card in db.execute(LISTINGS[0]).fetchall():
+            self.registered.add(agent)
+            if card is not None:
+                self._join(agent, json.loads(card), 1)
         # recipient -> [pending messages, their body bytes], kept from here on
         self.pending: Dict[str, List[int]] = {}
         self._count_pending()
@@ -592,6 +618,8 @@ class SQLiteRecords(Records):
         self._begin()
         gone = [row[0] for row in self.cursor.execute(LISTINGS[2], (int(cutoff),))]
         self.registered.difference_update(gone)
+        for agents in self.joins.values():
+            agents.difference_update(gone)
         return gone
 
     def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
@@ -630,6 +658,40 @@ class SQLiteRecords(Records):
                  for sql in STATEMENTS["queued"][1:]]
         unique = {m.seq: m for m in parts[0] + parts[1]}
         return [unique[seq] for seq in sorted(unique)][:limit]
+
+    def ranked(self, queues: Sequence[str], limit: int, now: float,
+               parent_id: Optional[str] = None) -> List[Message]:
+        urgent, normal, by_parent, by_reply_to = STATEMENTS["ranked"]
+        found: Dict[int, Message] = {}
+        for queue in queues:
+            if parent_id is not None:
+                for sql in (by_parent, by_reply_to):
+                    for message in self._listed(sql, parent_id, queue, now, now, limit):
+                        found[message.seq] = message
+                continue
+            first = self._listed(urgent, queue, now, now, limit)
+            found.update((m.seq, m) for m in first)
+            if len(first) < limit:
+                found.update((m.seq, m) for m in self._listed(normal, queue, now, now,
+                                                               limit - len(first)))
+        return sorted(found.values(), key=delivery.rank)[:limit]
+
+    def card(self, agent: str) -> Optional[Dict[str, Any]]:
+        rows = self.cursor.execute(STATEMENTS["card"][0], (agent,)).fetchall()
+        return json.loads(rows[0][0]) if rows and rows[0][0] is not None else None
+
+    def joiners(self, role: str) -> List[str]:
+        return sorted(self.joins.get(role, ()))
+
+    def _join(self, agent: str, card: Optional[Dict[str, Any]], delta: int) -> None:
+        for role in (card or {}).get("roles", ()):
+            agents = self.joins.setdefault(role, set())
+            if delta > 0:
+                agents.add(agent)
+            else:
+                agents.discard(agent)
+                if not agents:
+                    del self.joins[role]
 
     def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
         return self._listed(STATEMENTS["recovered"][0], agent, upto_seq, now, now, limit)
@@ -808,6 +870,9 @@ class SQLiteRecords(Records):
         if card is KEEP_CARD:
             self.cursor.execute(STATEMENTS["register"][0], (agent, int(now)))
         else:
+            for agents in self.joins.values():
+                agents.discard(agent)
+            self._join(agent, card, 1)
             text = None if card is None else json.dumps(card, separators=(",", ":"))
             self.cursor.execute(STATEMENTS["register"][1], (agent, int(now), text))
 
