@@ -68,7 +68,9 @@ class Policy:
                         notify_failures=config.notify_failures,
                         inbox_max_messages=config.inbox_max_messages,
                         inbox_max_bytes=config.inbox_max_bytes,
-                        notify_v2=config.notify_failed_to_sender),
+                        notify_v2=config.notify_failed_to_sender,
+                        roles={name: delivery.Role(frozenset(role.members), role.self_join)
+                               for name, role in config.roles.items()}),
             message_ttl_seconds=config.message_ttl_seconds,
             allowed_targets={
                 name: frozenset(agent.allowed_targets)
@@ -88,6 +90,27 @@ class Policy:
     def max_ttl_seconds(self) -> int:
         """The longest ``ttlSeconds`` a send may ask for: the message TTL, in whole seconds."""
         return int(self.message_ttl_seconds)
+
+    def check_role(self, address: str) -> str:
+        """The name of the role at ``address`` (``role:NAME``); 404 ``no_such_agent``
+        when no such role is configured (REACH §13)."""
+        name = address[len(protocol.ROLE_PREFIX):]
+        if name not in self.rules.roles:
+            raise errors.no_such_agent(f"no role {name!r} is configured")
+        return name
+
+    def check_joins(self, card: Any) -> None:
+        """400 when a card lists a role (``card.roles``) that is not configured or not
+        open to joining (``selfJoin``)."""
+        if not isinstance(card, dict):
+            return
+        for name in card.get("roles", ()):
+            role = self.rules.roles.get(name)
+            if role is None:
+                raise errors.bad_request(f"card.roles: no role {name!r} is configured")
+            if not role.self_join:
+                raise errors.bad_request(f"card.roles: the role {name!r} is not open to "
+                                         "joining (roles.<name>.selfJoin)")
 
     def check_route(self, sender: str, recipient: str) -> None:
         """403 ``forbidden`` when ``sender``'s ``allowed_targets`` omit ``recipient``."""
@@ -120,6 +143,9 @@ class Broker:
         # records the message events of the messages they held back.
         self._releases: List[float] = []
         self._release_call: Any = None
+        # REACH §13: role -> the agents that joined it through a card registered here
+        # (waking them for the role's queue; the store decides what they may lease)
+        self._joined: Dict[str, set] = {}
         self._stopped = False
         store.subscribe(self.changed)
 
@@ -130,16 +156,21 @@ class Broker:
     # -- wake-ups -------------------------------------------------------------------
 
     def changed(self, changes: Changes) -> None:
-        """Wake the waiters a committed change concerns (the store's report)."""
-        for agent in changes.ready:
-            self.waiters.wake(agent)
+        """Wake the waiters a committed change concerns (the store's report); a change
+        of a role's queue concerns its members (REACH §13)."""
         waiters = self.waiters
-        for when, agent in changes.held:
-            waiters.hold(agent, when)
-        for when, agent in changes.released:
-            waiters.let_go(agent, when)
-        for when, agent in changes.due:
-            waiters.wake_at(agent, when)
+        for address in changes.ready:
+            for agent in self._concerned(address):
+                waiters.wake(agent)
+        for when, address in changes.held:
+            for agent in self._concerned(address):
+                waiters.hold(agent, when)
+        for when, address in changes.released:
+            for agent in self._concerned(address):
+                waiters.let_go(agent, when)
+        for when, address in changes.due:
+            for agent in self._concerned(address):
+                waiters.wake_at(agent, when)
             self._release_at(when)
         counters = self.counters
         for sender, recipient in changes.stored:
@@ -150,6 +181,22 @@ class Broker:
             counters.leases_lapsed(changes.lapsed)
         for when in changes.expiring:
             self._sweep_at(when)
+
+    def _concerned(self, address: str) -> Sequence[str]:
+        """The agents whose pulls lease from the queue at ``address``: the agent, or
+        a role's members by config, those that joined it here, and, for a role open
+        to joining, every agent waiting now (the store knows who joined elsewhere)."""
+        if not address.startswith(protocol.ROLE_PREFIX):
+            return (address,)
+        name = address[len(protocol.ROLE_PREFIX):]
+        role = self.policy.rules.roles.get(name)
+        if role is None:
+            return ()
+        found = set(role.members)
+        if role.self_join:
+            found.update(self._joined.get(name, ()))
+            found.update(self.waiters.agents())
+        return sorted(found)
 
     def _sweep_at(self, when: float) -> None:
         """Run the expiry sweep at ``when`` (rounded up to the next half second, so a
@@ -207,7 +254,7 @@ class Broker:
         now = self.clock.seconds()
         while self._releases and self._releases[0] <= now:
             heapq.heappop(self._releases)
-        d = self.store.release_due(now)
+        d = self.store.release_due(now, self.policy.rules)
         d.addErrback(lambda failure: log.error("delay release failed: {kind}",
                                                kind=failure.type.__name__))
         d.addBoth(lambda _: self._schedule_release())
@@ -247,6 +294,8 @@ class Broker:
                 # WIRE-V2 §5: the reference's v2/v3 wire on the same listener and store.
                 "wireV2": {"schemes": ["v2", "v3"]},
                 "humans": {"inbox": INBOX_PATH},
+                "roles": True,
+                "priority": {"max": protocol.MAX_PRIORITY},
             },
             "storage": self.storage(),
         }
@@ -260,13 +309,23 @@ class Broker:
         hooks = self.webhooks
         if hooks is not None and webhook is not KEEP_CARD and webhook is not None:
             check_url(webhook, hooks.settings.allow)
+        self.policy.check_joins(card)
         d = self.store.register(agent, now, card, self.policy.max_agents)
+        if card is not KEEP_CARD:
+            d.addCallback(self._note_joins, agent, card)
         if hooks is not None:
             d.addCallback(lambda _: hooks.register(agent, webhook, KEEP_CARD))
             d.addCallback(lambda _: (now, hooks.shown(agent)))
         else:
             d.addCallback(lambda _: (now, None))
         return d
+
+    def _note_joins(self, result: Any, agent: str, card: Any) -> Any:
+        for agents in self._joined.values():
+            agents.discard(agent)
+        for name in (card or {}).get("roles", ()):
+            self._joined.setdefault(name, set()).add(agent)
+        return result
 
     def peers(self) -> Deferred:
         """Fires with the ``/peers`` entries, sorted by name; ``card`` for agents that
@@ -313,29 +372,37 @@ class Broker:
     # inlineCallbacks: a generator per request is measurable at this rate.
 
     def send(self, agent: str, envelope: Dict[str, Any], ttl_seconds: Optional[int] = None,
-             delay_seconds: int = 0) -> Deferred:
+             delay_seconds: int = 0, priority: int = 0) -> Deferred:
         """Store a normalised envelope from ``agent``; fires with True when stored,
-        False for a duplicate id. Errbacks 400 (a TTL over the broker's), 403 (ACL),
-        404 (unregistered recipient), 429 ``inbox_full`` or 503 (disk nearly full)."""
+        False for a duplicate id. A send to ``role:NAME`` is one message in that role's
+        queue (REACH §13). Errbacks 400 (a TTL over the broker's), 403 (ACL), 404
+        (unregistered recipient, unknown role), 429 ``inbox_full`` or 503 (disk
+        nearly full)."""
         self.check_disk()
         if ttl_seconds is not None and ttl_seconds > self.policy.max_ttl_seconds:
             raise errors.bad_request(
                 f"ttlSeconds must be an integer from 1 to {self.policy.max_ttl_seconds}")
         recipient = envelope["to"]
+        # The ACL first, as for a group: a sender it leaves out learns nothing of roles.
         self.policy.check_route(agent, recipient)
+        to_role = recipient.startswith(protocol.ROLE_PREFIX)
+        if to_role:
+            self.policy.check_role(recipient)
         message = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds,
-                                        delay_seconds)
+                                        delay_seconds, priority)
         # The store checks that the recipient registered (spec §2) in the operation
         # that adds: one store call per send, and no window between the two.
         return self.store.add(message, self.policy.rules,
-                              registered_recipient=True).addErrback(self.count_refusal)
+                              registered_recipient=not to_role).addErrback(self.count_refusal)
 
     def send_group(self, agent: str, envelope: Dict[str, Any],
-                   ttl_seconds: Optional[int] = None, delay_seconds: int = 0) -> Deferred:
+                   ttl_seconds: Optional[int] = None, delay_seconds: int = 0,
+                   priority: int = 0) -> Deferred:
         """Store a copy of a normalised envelope to ``group:NAME`` for each member but
         ``agent`` (REACH §13), all or none; fires with ``(stored, [(member, copy id)])``,
         ``stored`` False for a repeated send (the copies of the first). Errbacks as
-        :meth:`send`; 404 ``no_such_agent`` for a group that is not configured."""
+        :meth:`send`; 404 ``no_such_agent`` for a group that is not configured. The
+        copies carry ``priority`` (REACH §14)."""
         self.check_disk()
         if ttl_seconds is not None and ttl_seconds > self.policy.max_ttl_seconds:
             raise errors.bad_request(
@@ -346,7 +413,8 @@ class Broker:
         group = self.policy.groups.get(address[len(protocol.GROUP_PREFIX):])
         if group is None:
             raise errors.no_such_agent(f"group {address!r} is not configured")
-        sent = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds, delay_seconds)
+        sent = Message.from_envelope(envelope, self.clock.seconds(), ttl_seconds, delay_seconds,
+                                     priority)
         copies = delivery.group_copies(sent, address, group.members)
         d = self.store.add_group(copies, agent, sent.id, self.policy.rules)
         d.addErrback(self.count_refusal)
@@ -422,15 +490,23 @@ class Broker:
     # -- v1.1 ----------------------------------------------------------------------
 
     def pull(self, agent: str, limit: int, lease_seconds: Optional[float], wait: int,
-             parent_id: Optional[str] = None) -> Deferred:
-        """Lease up to ``limit`` messages (with ``parent_id``: only the answers to
-        that message); fires with their envelopes as JSON texts (``leaseId`` included).
-        ``lease_seconds`` None means ``broker.leaseSeconds``."""
+             parent_id: Optional[str] = None, role: Optional[str] = None) -> Deferred:
+        """Lease up to ``limit`` messages from ``agent``'s queue and those of its roles,
+        higher priority first (with ``parent_id``: only the answers to that message;
+        with ``role``: only that role's queue); fires with their envelopes as JSON
+        texts (``leaseId`` included). ``lease_seconds`` None means
+        ``broker.leaseSeconds``. A ``role`` that is not configured is 404
+        ``no_such_agent``, one ``agent`` does not hold 403 ``forbidden``."""
         seconds = self.policy.lease_seconds if lease_seconds is None else lease_seconds
+        if role is not None:
+            self.policy.check_role(protocol.ROLE_PREFIX + role)
 
         def attempt() -> Deferred:
+            if role is None:  # as a store that predates roles takes it
+                return self.store.pull(agent, limit, seconds, self.clock.seconds(),
+                                       self.policy.rules, parent_id)
             return self.store.pull(agent, limit, seconds, self.clock.seconds(),
-                                   self.policy.rules, parent_id)
+                                   self.policy.rules, parent_id, role)
 
         # A pull by parent waits for one answer, so any new message of the agent may
         # be it: such a waiter looks at every wake-up instead of taking one in turn.
@@ -524,7 +600,8 @@ class Broker:
         leases."""
         now = self.clock.seconds()
         d = self.store.sweep_leases(now, self.policy.rules)
-        d.addCallback(lambda count: self.store.release_due(now).addCallback(lambda _: count))
+        d.addCallback(lambda count: self.store.release_due(now, self.policy.rules)
+                      .addCallback(lambda _: count))
         return d
 
     def sweep_expired(self) -> Deferred:

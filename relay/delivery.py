@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import (
     Any,
@@ -500,7 +500,7 @@ class Rules:
     # broker.notifyFailedToSender: notices to the senders of v2/v3 requests (WIRE-V2 §3)
     notify_v2: bool
     # REACH §13: the roles configured, by name (``roles:``).
-    roles: Mapping[str, Role] = field(default_factory=dict)
+    roles: Mapping[str, Role]
 
 
 @dataclass(frozen=True)

@@ -515,8 +515,11 @@ def parse_reply(value: Any) -> Dict[str, Any]:
         ack = False
     elif not isinstance(ack, bool):
         raise bad_request("reply.ack must be a boolean")
-    return {"id": reply_id, "body": body, "kind": kind, "ack": ack,
-            "priority": parse_priority(value, "reply.priority")}
+    reply = {"id": reply_id, "body": body, "kind": kind, "ack": ack}
+    priority = parse_priority(value, "reply.priority")
+    if priority:
+        reply["priority"] = priority  # REACH §14: only when set
+    return reply
 
 
 class AckRequest:

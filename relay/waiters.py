@@ -76,6 +76,10 @@ class Waiters:
             return len(self._by_agent.get(agent, ()))
         return sum(len(q) for q in self._by_agent.values())
 
+    def agents(self) -> List[str]:
+        """The agents with a waiting request."""
+        return list(self._by_agent)
+
     def wait_for(
         self,
         agent: str,

@@ -205,11 +205,12 @@ class RelayAPI:
         fields = protocol.parse_json_body(body)
         envelope = protocol.normalize_envelope(fields, agent)
         ttl, delay = protocol.parse_send_options(fields)
+        priority = protocol.parse_priority(fields)
         if envelope["to"].startswith(protocol.GROUP_PREFIX):
-            d = self.broker.send_group(agent, envelope, ttl, delay)
+            d = self.broker.send_group(agent, envelope, ttl, delay, priority)
             d.addCallback(self._group_sent, request, envelope["id"])
             return d
-        d = self.broker.send(agent, envelope, ttl, delay)
+        d = self.broker.send(agent, envelope, ttl, delay, priority)
         d.addCallback(self._sent, request, envelope["id"])
         return d
 
@@ -259,7 +260,8 @@ class RelayAPI:
         lease_seconds = protocol.parse_lease_seconds(body)
         wait = protocol.strict_int(body, "waitSeconds", 0, protocol.MAX_WAIT_SECONDS) or 0
         parent_id = protocol.optional_id(body, "parentId")
-        d = self.broker.pull(agent, limit, lease_seconds, wait, parent_id)
+        role = protocol.parse_role(body)
+        d = self.broker.pull(agent, limit, lease_seconds, wait, parent_id, role)
         d.addCallback(self._listed, request)
         return d
 

@@ -544,7 +544,7 @@ def test_the_fields_of_config_are_the_rows_of_the_table():
 
 def test_policy_and_rules_take_every_value_from_the_config():
     from relay.broker import Policy
-    from relay.delivery import Rules
+    from relay.delivery import Role, Rules
 
     assert [f.name for f in fields(Rules) if f.default is not MISSING] == []
     assert [f.name for f in fields(Policy) if f.default is not MISSING
@@ -560,7 +560,8 @@ def test_policy_and_rules_take_every_value_from_the_config():
     assert Policy.from_config(config) == Policy(
         lease_seconds=31, message_ttl_seconds=2 * 86400.0,
         rules=Rules(max_attempts=4, max_deliveries=5, notify_failures=False,
-                    inbox_max_messages=6, inbox_max_bytes=7, notify_v2=False),
+                    inbox_max_messages=6, inbox_max_bytes=7, notify_v2=False,
+                    roles={"r": Role(frozenset({"alpha"}), self_join=True)}),
         allowed_targets={"alpha": frozenset({"beta"})}, require_nonce=True, max_agents=9,
         min_free_disk_bytes=8 * 1024 * 1024, event_retention_seconds=10,
         groups={"g": GroupConfig(members=("alpha",))},

@@ -26,7 +26,7 @@ LEASE = 60
 def rules(max_attempts: int = 3, max_deliveries: int = 0, notify: bool = True) -> Rules:
     return Rules(max_attempts=max_attempts, max_deliveries=max_deliveries,
                  notify_failures=notify, inbox_max_messages=0, inbox_max_bytes=0,
-                 notify_v2=notify)
+                 notify_v2=notify, roles={})
 
 
 def leased(kind: str = "request", now: float = NOW, **fields: Any) -> Message:

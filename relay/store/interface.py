@@ -89,9 +89,15 @@ class IMessageStore(Interface):
         those after it (all when None or unknown); at most ``limit``.
         """
 
-    def pull(agent, limit, lease_seconds, now, rules, parent_id=None):
-        """Lease up to ``limit`` deliverable messages to ``agent``, oldest first
-        (with ``parent_id``: only those whose ``parent_id`` or ``reply_to`` is it).
+    def pull(agent, limit, lease_seconds, now, rules, parent_id=None, role=None):
+        """Lease up to ``limit`` deliverable messages to ``agent`` from its own queue
+        and the queues of the roles it holds (REACH §13: by ``rules.roles``, and for
+        a ``selfJoin`` role by its card's ``roles``), higher priority first, then
+        oldest first (:func:`relay.delivery.rank`, REACH §14); with ``parent_id``:
+        only those whose ``parent_id`` or ``reply_to`` is it; with ``role``: from
+        that role's queue alone (404 ``no_such_agent`` for a role not configured,
+        403 ``forbidden`` for one ``agent`` does not hold). A role message leased
+        records ``agent`` as its ``holder``.
 
         A lease past its deadline is released first, so its message can be
         leased again. Fires with the leased messages, each with a fresh
@@ -120,7 +126,8 @@ class IMessageStore(Interface):
     def status(message_ids, agent, now, rules):
         """Fires with one :meth:`~relay.delivery.Message.status_entry` per id; for the
         id of a group send of ``agent``, :func:`relay.delivery.group_status` of its
-        copies; ``not_found`` for ids ``agent`` neither sent nor received."""
+        copies; ``not_found`` for ids ``agent`` neither sent, received nor held the
+        lease of (a role message)."""
 
     def recent(agent, limit, now, rules):
         """Fires with the newest ``limit`` messages to ``agent``, any status."""
