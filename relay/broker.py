@@ -107,7 +107,7 @@ class Policy:
         for name in card.get("roles", ()):
             role = self.rules.roles.get(name)
             if role is None:
-                raise errors.bad_request(f"card.roles: no role {name!r} is configured")
+                raise errors.bad_request(f"card.roles: no role {name!r} is configured here")
             if not role.self_join:
                 raise errors.bad_request(f"card.roles: the role {name!r} is not open to "
                                          "joining (roles.<name>.selfJoin)")
