@@ -31,16 +31,20 @@ def free_port() -> int:
 
 
 class BrokerProcess:
-    """A broker subprocess on a free loopback port with a temp config."""
+    """A broker subprocess on a free loopback port with a temp config (``broker`` keys,
+    and other top-level ``sections``: agents, roles, ...)."""
 
     def __init__(self, directory: str, secret: str = "e2e-secret-0123456789",
-                 agents: Optional[Dict[str, Any]] = None, **broker: Any) -> None:
+                 agents: Optional[Dict[str, Any]] = None,
+                 sections: Optional[Dict[str, Any]] = None, **broker: Any) -> None:
         """``agents`` is the config's ``agents`` section; :meth:`request` signs as
-        each of them with its own ``secret``."""
+        each of them with its own ``secret`` (the shared one for an agent without);
+        ``sections`` are other top-level sections (roles, groups, ...)."""
         self.directory = directory
         self.secret = secret
         self.secrets: Dict[str, str] = {name: entry["secret"]
-                                        for name, entry in (agents or {}).items()}
+                                        for name, entry in (agents or {}).items()
+                                        if entry.get("secret")}
         self.port = free_port()
         self.config_path = os.path.join(directory, "relay.yaml")
         values: Dict[str, Any] = {
@@ -51,7 +55,7 @@ class BrokerProcess:
             "rateLimitLoopback": 1_000_000,
         }
         values.update(broker)
-        config: Dict[str, Any] = {"broker": values}
+        config: Dict[str, Any] = dict(sections or {}, broker=values)
         if agents is not None:
             config["agents"] = agents
         with open(self.config_path, "w") as f:
