@@ -73,7 +73,9 @@ from relay.errors import RelayError
 from relay.protocol import (
     GROUP_PREFIX,
     KEEP_CARD,
+    MAX_PRIORITY,
     PROTOCOL_VERSION,
+    ROLE_PREFIX,
     is_loopback_host,
     notice_id,
 )
@@ -1045,11 +1047,14 @@ class RelayClient:
         ack: bool = False,
         ttl_seconds: Optional[float] = None,
         delay_seconds: Optional[float] = None,
+        priority: Optional[int] = None,
     ) -> defer.Deferred:
         """POST /messages: send one envelope; ``{"accepted", "id", "duplicate"}``.
 
         The id (``message_id`` or a fresh UUID) is fixed once, so every retry
-        re-sends the same message and a duplicate answer is success.
+        re-sends the same message and a duplicate answer is success. ``to`` may
+        name a role, ``role:NAME``: one of its members takes the message
+        (REACH §13, needs ``roles``).
 
         ``to`` may be a group, ``"group:NAME"`` (REACH §13, needs ``groups``): the
         broker stores a copy for each member but this agent, all or none, and
@@ -1061,7 +1066,12 @@ class RelayClient:
             (v1.2 §7, needs ``messageTtl``); rounded up to whole seconds.
         :param delay_seconds: the message is not delivered before that many
             seconds (needs ``delayedDelivery``); 0 or ``None`` sends no delay.
+        :param priority: 0..9: a pull leases higher priorities first (REACH §14,
+            needs ``priority``); 0 or ``None`` sends none. ValueError outside 0..9.
         """
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                     or not 0 <= priority <= MAX_PRIORITY):
+            raise ValueError(f"priority must be an integer from 0 to {MAX_PRIORITY}")
         envelope: Dict[str, Any] = {
             "id": message_id or str(uuid.uuid4()),
             "from": self.agent,
@@ -1087,6 +1097,11 @@ class RelayClient:
             if delay_seconds:
                 await self._require("delayedDelivery", "delayed delivery")
                 envelope["delaySeconds"] = _whole_seconds(delay_seconds)
+            if priority:
+                await self._require("priority", "message priority", "REACH.md v1.3")
+                envelope["priority"] = priority
+            if to.startswith(ROLE_PREFIX):
+                await self._require("roles", "a send to a role", "REACH.md v1.3")
             return await self._request("POST", "/messages", envelope)
 
         return self._run(go)
@@ -1142,15 +1157,20 @@ class RelayClient:
         wait: Optional[float] = None,
         *,
         parent_id: Optional[str] = None,
+        role: Optional[str] = None,
     ) -> defer.Deferred:
         """POST /v1/pull: lease queued messages; ``{"messages", "count"}``.
 
         Each returned envelope carries the ``leaseId`` that :meth:`ack_outcome`
-        needs. ``wait`` long-polls only if the broker advertised it.
+        needs. ``wait`` long-polls only if the broker advertised it. The broker
+        leases from this agent's inbox and the queues of its roles, higher
+        priority first (REACH §13, §14).
 
         :param parent_id: lease only the messages whose ``parentId`` or
             ``replyTo`` is this id, the answers to one request (v1.2 §5,
             needs ``pullFilter``); other queued messages are left alone.
+        :param role: lease only from the queue of this role (a name, without
+            ``role:``), which this agent holds (needs ``roles``).
         """
 
         async def go() -> Dict[str, Any]:
@@ -1163,6 +1183,9 @@ class RelayClient:
             if parent_id is not None:
                 await self._require("pullFilter", "pull by parent")
                 document["parentId"] = parent_id
+            if role is not None:
+                await self._require("roles", "a pull from a role", "REACH.md v1.3")
+                document["role"] = role
             waited = self._wait_for(wait)
             if waited is not None:
                 document["waitSeconds"] = waited

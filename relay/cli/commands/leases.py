@@ -18,7 +18,7 @@ that runs out puts the message back in the queue; `relay renew` extends it.
 
 
 def pull_arguments(parser: argparse.ArgumentParser) -> None:
-    """The number of messages, the lease length and the parent filter."""
+    """The number of messages, the lease length and the parent and role filters."""
     parser.add_argument(
         "--limit",
         type=positive_int,
@@ -37,6 +37,12 @@ def pull_arguments(parser: argparse.ArgumentParser) -> None:
         help="only the answers to message ID (its parentId or replyTo; v1.2)",
     )
     parser.add_argument(
+        "--role",
+        metavar="NAME",
+        help="only the queue of role NAME, which this agent holds (v1.3; by default a "
+        "pull takes from this agent's inbox and every role it holds)",
+    )
+    parser.add_argument(
         "--done",
         action="store_true",
         help="complete each message once shown: read the queue and empty it",
@@ -47,7 +53,7 @@ async def pull(ctx: Context) -> int:
     """POST /v1/pull: lease queued messages; with ``--done`` complete each one too."""
     args, console = ctx.args, ctx.console
     answer = await ctx.client.pull(
-        limit=args.limit, lease_seconds=args.lease, parent_id=args.parent
+        limit=args.limit, lease_seconds=args.lease, parent_id=args.parent, role=args.role
     )
     messages = answer.get("messages") or []
     console.emit(answer, lambda: print_messages(console, messages, "nothing to lease"))

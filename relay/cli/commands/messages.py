@@ -19,6 +19,7 @@ from relay.client import (
 )
 from relay.errors import RelayError
 from relay.polling import drain, poll
+from relay.protocol import MAX_PRIORITY
 from relay.settings import UsageError
 
 KINDS = ("message", "request", "reply")
@@ -75,8 +76,9 @@ def send_arguments(parser: argparse.ArgumentParser) -> None:
     """``TARGET CONTENT`` and the envelope's optional fields."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("target", metavar="TARGET",
-                        help="the receiving agent, or group:NAME for a copy to each member "
-                        "of a configured group (v1.3)")
+                        help="the receiving agent, group:NAME for a copy to each member "
+                        "of a configured group, or role:NAME (one member of the role "
+                        "takes it) (v1.3)")
     _content_arguments(parser)
     parser.add_argument("--ack", action="store_true", help="ask the receiver for a receipt")
     parser.add_argument(
@@ -100,6 +102,23 @@ def send_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="deliver the message SECONDS from now, not before (v1.2)",
     )
+    parser.add_argument(
+        "--priority",
+        type=priority_level,
+        metavar="N",
+        help="0-9: pulls lease higher priorities first (v1.3; default 0)",
+    )
+
+
+def priority_level(value: str) -> int:
+    """An argparse type: a priority, an integer from 0 to 9."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= MAX_PRIORITY:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_PRIORITY}")
+    return number
 
 
 def read_content(value: str, stdin: TextIO) -> str:
@@ -157,6 +176,7 @@ async def send(ctx: Context) -> int:
         ack=args.ack,
         ttl_seconds=args.ttl,
         delay_seconds=args.delay,
+        priority=args.priority,
     )
 
     def readable() -> None:
