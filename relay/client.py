@@ -1651,6 +1651,19 @@ class RelayClient:
                 return recipient if isinstance(recipient, str) else None
         return None
 
+    async def answerer(self, request_id: str, to: Optional[str]) -> Optional[str]:
+        """Whose reply answers ``request_id``, sent to ``to``: ``to`` itself, or for a
+        request to a role (``role:NAME``) the member that completed it, from
+        ``/v1/status`` (REACH §13: the reply is stored with the completion, so a
+        reply without it is not the answer); None while no member has."""
+        if to is None or not to.startswith(ROLE_PREFIX):
+            return to
+        for entry in _messages(await self.status([request_id])):
+            if entry.get("id") == request_id and entry.get("from") == self.agent:
+                member = entry.get("completedBy")
+                return member if isinstance(member, str) else None
+        return None
+
     async def _pull_answer(
         self, request_id: str, to: Optional[str], wait: int
     ) -> Tuple[Optional[Dict[str, Any]], bool]:
@@ -1667,7 +1680,10 @@ class RelayClient:
             "POST", "/v1/pull", document, timeout=self._timeout_for(wait or None)
         )
         forged = False
-        for message in _messages(answer):
+        messages = _messages(answer)
+        if messages and to is not None and to.startswith(ROLE_PREFIX):
+            to = await self.answerer(request_id, to)
+        for message in messages:
             if not answers_request(message, request_id, to):
                 forged = True
                 await self._give_back_quietly(message)
@@ -1682,6 +1698,8 @@ class RelayClient:
         """One read-only look for the reply among the newest replies (v1.1; by parent
         where the broker can search by it)."""
         parent_id = request_id if self.advertises("threads") else None
+        if to is not None and to.startswith(ROLE_PREFIX):
+            to = await self.answerer(request_id, to)
         answer = await self.query(kind="reply", from_=to, limit=FALLBACK_QUERY_LIMIT,
                                   parent_id=parent_id)
         for message in _messages(answer):

@@ -49,7 +49,13 @@ from relay.client import (
     question_body,
 )
 from relay.errors import RelayError
-from relay.protocol import GROUP_PREFIX, KEEP_CARD, is_selfcheck_agent
+from relay.protocol import (
+    GROUP_PREFIX,
+    KEEP_CARD,
+    MAX_PRIORITY,
+    ROLE_PREFIX,
+    is_selfcheck_agent,
+)
 
 # The longest a tool may wait for a message or an answer: MCP clients give a
 # tool call a minute or less, and a call also needs time for its requests.
@@ -157,6 +163,11 @@ def message_view(message: Mapping[str, Any], *, with_state: bool = False) -> Dic
         view["via"] = message.get("via")  # a copy of a send to a group (REACH §13)
     if with_state and message.get("status"):
         view["status"] = message.get("status")
+    recipient = message.get("to")
+    if isinstance(recipient, str) and recipient.startswith(ROLE_PREFIX):
+        view["role"] = recipient[len(ROLE_PREFIX):]  # a name from the operator's config
+    if message.get("priority"):
+        view["priority"] = message.get("priority")
     view["ts"] = message.get("ts")
     to = message.get("to") if with_state else None
     notice = broker_notice(message)
@@ -439,13 +450,19 @@ class RelayTools:
         text: Optional[str] = None,
         body: Optional[Mapping[str, Any]] = None,
         kind: str = "message",
+        priority: int = 0,
     ) -> Dict[str, Any]:
-        """Send a message (or a request, answered later) to ``to``."""
+        """Send a message (or a request, answered later) to ``to`` (an agent, or
+        ``role:NAME``: whichever member of the role takes it), with a ``priority``
+        0..9 (REACH §14)."""
         content = body_of(text, body)
         if kind not in ("message", "request"):
             raise ToolFailure("bad_arguments", 'kind must be "message" or "request"')
+        if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+            raise ToolFailure("bad_arguments", f"priority must be 0 to {MAX_PRIORITY}")
         message_id = str(uuid.uuid4())
-        answer = await self.client.send(to, content, message_id=message_id, kind=kind)
+        answer = await self.client.send(to, content, message_id=message_id, kind=kind,
+                                        priority=priority or None)
         result: Dict[str, Any] = {
             "sent": True,
             "id": answer.get("id", message_id),
@@ -522,6 +539,8 @@ class RelayTools:
             raise ToolFailure("bad_arguments", f"{request_id} is a {entry.get('kind')}, not a "
                               "request: no answer comes to it")
         to = None if gone else entry.get("to")
+        if to is not None and to.startswith(ROLE_PREFIX):
+            to = entry.get("completedBy") or to  # a role's member answers (REACH §13)
         if gone or entry.get("status") in ("done", "failed"):
             # A request that expired (gone), failed or was answered: its answer or
             # failure notice may be waiting, or have been handed out already. Only
@@ -581,12 +600,17 @@ class RelayTools:
     # -- the inbox ------------------------------------------------------------------
 
     async def inbox(
-        self, wait_seconds: float = MAX_WAIT_SECONDS, limit: int = INBOX_LIMIT
+        self, wait_seconds: float = MAX_WAIT_SECONDS, limit: int = INBOX_LIMIT,
+        role: Optional[str] = None,
     ) -> Dict[str, Any]:
-        """Lease new messages, waiting up to ``wait_seconds`` for the first."""
+        """Lease new messages (from this agent's inbox and its roles' queues, urgent
+        first; with ``role``, from that role's queue alone), waiting up to
+        ``wait_seconds`` for the first."""
         wait = _wait(wait_seconds)
         if type(limit) is not int or not 0 < limit <= MAX_INBOX_LIMIT:
             raise ToolFailure("bad_arguments", f"limit must be 1 to {MAX_INBOX_LIMIT}")
+        if role is not None and (not isinstance(role, str) or not role):
+            raise ToolFailure("bad_arguments", "role must be a role name")
         renewing = self.client.advertises("leaseRenew")
         lease_seconds = self.lease_seconds if renewing else None
         long_poll = self.client.long_poll_seconds is not None
@@ -595,7 +619,8 @@ class RelayTools:
             remaining = deadline - self.clock.seconds()
             waited = remaining if long_poll and remaining >= 1 else None
             leased = _messages(
-                await self.client.pull(limit=limit, lease_seconds=lease_seconds, wait=waited)
+                await self.client.pull(limit=limit, lease_seconds=lease_seconds, wait=waited,
+                                       role=role)
             )
             if leased:
                 break
@@ -625,7 +650,8 @@ class RelayTools:
                 self.note(f"the answer {message_id} was read but not acknowledged ({error.code})")
             parent = view.get("parent_id")
             if (view["kind"] == "reply" and parent in self.pending
-                    and answers_request(message, parent, self.pending[parent])):
+                    and answers_request(message, parent,
+                                        await self.client.answerer(parent, self.pending[parent]))):
                 self._answers[parent] = _answer_result(parent, message)
                 view["answers_request"] = parent
             return view
