@@ -33,6 +33,9 @@ from relay.waiters import Waiters
 
 log = Logger(namespace="relay.broker")
 
+# The most leased messages of one role read to count its leases by member.
+ROLE_LEASES_READ = 1000
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -681,6 +684,33 @@ class Broker:
                                                  now, self.policy.rules))
         found.sort(key=lambda m: m.seq, reverse=True)
         return found[:limit]
+
+    @inlineCallbacks
+    def role_queues(self, limit: int = ROLE_LEASES_READ):
+        """Fires with one entry per configured role (REACH §13), by name: its members
+        by config, ``selfJoin``, its queue's depth and its leases by member
+        (``leasesBy``, counted over its newest ``limit`` leased messages); for the
+        dashboard and the metrics."""
+        depths = {depth.agent: depth for depth in (yield self.queue_depths())}
+        now = self.clock.seconds()
+        out = []
+        for name, role in sorted(self.policy.rules.roles.items()):
+            depth = depths.get(protocol.ROLE_PREFIX + name)
+            by_member: Dict[str, int] = {}
+            if depth is not None and depth.leased:
+                leased = yield self.store.query(protocol.ROLE_PREFIX + name, limit,
+                                                {"status": protocol.LEASED}, now,
+                                                self.policy.rules)
+                for message in leased:
+                    if message.holder is not None:
+                        by_member[message.holder] = by_member.get(message.holder, 0) + 1
+            entry: Dict[str, Any] = {"name": name, "members": sorted(role.members),
+                                     "selfJoin": role.self_join}
+            for state in ("queued", "leased", "delayed", "failed"):
+                entry[state] = getattr(depth, state) if depth is not None else 0
+            entry["leasesBy"] = dict(sorted(by_member.items()))
+            out.append(entry)
+        return out
 
     def stop(self) -> None:
         """Answer every waiting request and accept no new waits."""

@@ -11,7 +11,7 @@ cycling through agent names cannot blow up a scrape.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -45,6 +45,8 @@ class Scrape:
     agents_registered: int = 0
     disk_free_bytes: Optional[int] = None
     event_streams: int = 0
+    # REACH §13: relay.broker.Broker.role_queues
+    roles: Sequence[Mapping[str, Any]] = ()
 
 
 def capped_depths(depths: Iterable[QueueDepth], limit: int = MAX_AGENT_SERIES) -> List[QueueDepth]:
@@ -101,6 +103,13 @@ class Report:
                 oldest.add_metric([depth.agent], max(0.0, s.now - depth.oldest_queued))
         yield queue
         yield oldest
+        leases = GaugeMetricFamily("relay_role_leases", "Leased messages of each role's "
+                                   "queue, by the member holding them.",
+                                   labels=["role", "member"])
+        for role in s.roles:
+            for member, held in role["leasesBy"].items():
+                leases.add_metric([role["name"], member], held)
+        yield leases
         yield _counter("relay_messages_sent", "Messages stored (sends and v1.0 receipts; a "
                        "duplicate is not one).", c.sent)
         yield _counter("relay_messages_delivered", "Messages handed to recipients: leases "

@@ -254,6 +254,7 @@ class OpsAPI:
     def metrics(self, request):
         depths = yield self.broker.queue_depths()
         peers = yield self.broker.peers()
+        roles = yield self.broker.role_queues()
         scrape = metrics.Scrape(
             now=self.clock.seconds(),
             depths=depths,
@@ -264,6 +265,7 @@ class OpsAPI:
             agents_registered=len(peers),
             disk_free_bytes=self.broker.disk_free(),
             event_streams=sum(self.broker.event_streams().values()),
+            roles=roles,
         )
         body = metrics.render(self.counters, scrape, self.extra_collectors)
         request.setHeader(b"content-type", metrics.CONTENT_TYPE.encode("ascii"))
@@ -326,6 +328,7 @@ class OpsAPI:
         for agent in by_agent:
             agents.setdefault(agent, {"agent": agent, "registered": False, "online": False,
                                       "lastSeen": None})
+        roles = yield broker.role_queues()
         limits = broker.limits()
         inbox_max = limits["inboxMaxMessages"]
         streams = broker.event_streams()
@@ -365,6 +368,7 @@ class OpsAPI:
             },
             "limits": dict(limits, agentsRegistered=len(peers)),
             "agents": listed,
+            "roles": roles,
             "agentsListed": len(listed),
             "agentsTotal": len(rows),
             "totals": {

@@ -196,6 +196,19 @@ function showAgents(overview) {
 }
 
 // The smallest of 1, 2 or 5 times a power of ten that is at least `value`.
+// Roles (REACH §13): each role's queue and who holds its leases. Names come from the
+// operator's config; they are set as text all the same.
+function showRoles(roles) {
+  $("roles-section").hidden = !roles.length;
+  fill($("roles").tBodies[0], roles.map((r) => [
+    el("td", r.name),
+    el("td", r.members.join(", ") + (r.selfJoin ? " (open to join)" : "")),
+    el("td", String(r.queued), "n"), el("td", String(r.leased), "n"),
+    el("td", String(r.delayed), "n opt"), el("td", String(r.failed), "n"),
+    el("td", Object.entries(r.leasesBy).map(([m, n]) => `${m} ${n}`).join(", ") || "–"),
+  ]), 7, "no roles");
+}
+
 function niceTop(value) {
   const power = Math.pow(10, Math.floor(Math.log10(value)));
   for (const step of [1, 2, 5, 10]) if (step * power >= value) return step * power;
@@ -387,6 +400,7 @@ async function refresh() {
     ]);
     showBroker(overview);
     showAgents(overview);
+    showRoles(overview.roles || []);
     showThroughput(overview.throughput);
     showFlow(overview.flow);
     showLeases(leases.leases);
