@@ -13,6 +13,18 @@ the same backend at depth 0.
     .venv/bin/python bench/depth.py --broker-url URL --secret S --broker-pid PID
 
 Against ``--broker-url`` the levels are cumulative on that one broker.
+
+``--priorities`` measures instead what a pull costs in the puller's own queues as
+they fill (REACH §14: a pull at any depth stays flat-cost): in process, on the
+store itself, each level fills one agent's inbox and a role it holds with messages
+of priorities 0..9 mixed, then times pull(limit 1)+ack of ``--pulls`` messages
+(microseconds per pull+ack). With ``--instructions`` the pulls are counted by
+callgrind instead (a run with the pulls minus one without, per pull+ack): a count
+that does not depend on the machine's load.
+
+    .venv/bin/python bench/depth.py --priorities                      # 0 and 100k
+    .venv/bin/python bench/depth.py --priorities --instructions --backends memory,sqlite
+    .venv/bin/python bench/depth.py --priorities --backends postgres --postgres-dsn DSN
 """
 
 from __future__ import annotations
@@ -20,7 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -63,6 +79,192 @@ def table_rows(results: Dict[str, JsonDict]) -> List[List[str]]:
     return rows
 
 
+# -- pulls by priority at depth (REACH §14) -------------------------------------------
+
+PRIORITY_LEVELS = "0,100000"
+FILL_BATCH = 2000
+_COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+def priority_store(backend: str, data_dir: str, dsn: Optional[str]) -> Any:
+    """A fresh store of ``backend`` on a Clock, the worker holding the role ``triage``."""
+    sys.path.insert(0, os.path.dirname(servers.BENCH_DIR))
+    from twisted.internet.task import Clock
+
+    from relay.store.plugins import open_configured_store
+    from relay.testing import START, make_config
+
+    clock = Clock()
+    clock.advance(START)
+    extra: Dict[str, Any] = {}
+    if backend == "postgres":
+        if not dsn:
+            raise SystemExit("--backends postgres needs --postgres-dsn (a database it may fill)")
+        extra["postgres"] = {"dsn": dsn}
+    config = make_config(storage=backend, dataDir=data_dir, inboxMaxMessages=0,
+                         inboxMaxBytes=0, agents={"alpha": {}, "worker": {}},
+                         roles={"triage": {"members": ["worker"]}}, **extra)
+    if backend == "postgres":
+        from twisted.internet import reactor
+        return open_configured_store(config, reactor), config, clock
+    return open_configured_store(config, clock), config, clock
+
+
+def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = None,
+                   baseline: bool = False) -> float:
+    """Microseconds per pull(limit 1)+ack with ``depth`` messages queued besides the
+    ``pulls`` leased; half to the worker, half to its role, priorities 0..9 mixed.
+    With ``baseline`` nothing is pulled (for the instruction count's subtraction).
+    A store on a Clock commits on ``clock.advance`` and answers at once; PostgreSQL
+    answers from its threads, so it runs under the reactor."""
+    from twisted.internet.defer import ensureDeferred
+
+    if backend != "postgres":
+        results: List[Any] = []
+        ensureDeferred(_priority_pulls(backend, depth, pulls, dsn, baseline)).addBoth(
+            results.append)
+        if not results:
+            raise SystemExit("the store did not answer on the Clock")
+        if hasattr(results[0], "raiseException"):
+            results[0].raiseException()
+        return results[0]
+    from twisted.internet import task
+
+    found: List[float] = []
+
+    async def run(reactor: Any) -> None:
+        found.append(await _priority_pulls(backend, depth, pulls, dsn, baseline))
+
+    try:
+        task.react(run)
+    except SystemExit as stop:
+        if stop.code:
+            raise
+    return found[0]
+
+
+async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str],
+                          baseline: bool) -> float:
+    from relay import delivery
+    from relay.broker import Policy
+    from relay.testing import new_message
+
+    with tempfile.TemporaryDirectory() as data_dir:
+        if backend == "postgres":
+            _reset_postgres(dsn)
+        store, config, clock = priority_store(backend, data_dir, dsn)
+
+        async def settled(d: Any) -> Any:
+            if backend != "postgres":
+                clock.advance(0)
+                clock.advance(0)
+            return await d
+
+        rules = Policy.from_config(config).rules
+        now = clock.seconds()
+        pending = []
+        for n in range(depth + pulls):
+            message = new_message("alpha", "worker" if n % 2 else "role:triage", now,
+                                  id=f"m{n:08d}")
+            message.priority = (n * 7) % 10
+            pending.append(store.add(message, rules))
+            if len(pending) >= FILL_BATCH:
+                for d in pending:
+                    await settled(d)
+                pending = []
+        for d in pending:
+            await settled(d)
+        elapsed = 0.0
+        if not baseline:
+            for _ in range(pulls):
+                started = time.perf_counter()
+                (message,) = await settled(store.pull("worker", 1, 60, now, rules))
+                transition = delivery.ack("worker", message.lease_id, "completed", None, rules)
+                await settled(store.settle(message.id, transition, now, rules))
+                elapsed += time.perf_counter() - started
+        await settled(store.close())
+    return elapsed / pulls * 1e6 if pulls and not baseline else 0.0
+
+
+def _reset_postgres(dsn: Optional[str]) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+
+
+def _child(python: str, backend: str, depth: int, pulls: int, dsn: Optional[str],
+           baseline: bool = False) -> List[str]:
+    """The command line of one measurement in a process of its own (a fresh heap, and
+    a reactor that runs once)."""
+    argv = [python, os.path.abspath(__file__), "--priority-child", backend, str(depth),
+            str(pulls)]
+    if baseline:
+        argv.append("--baseline")
+    if dsn:
+        argv += ["--postgres-dsn", dsn]
+    return argv
+
+
+def priority_wall(python: str, backend: str, depth: int, pulls: int,
+                  dsn: Optional[str]) -> float:
+    """Microseconds per pull+ack at ``depth``, measured in a child process."""
+    run = subprocess.run(_child(python, backend, depth, pulls, dsn), capture_output=True,
+                         text=True, check=True)
+    return float(run.stdout.split()[-1])
+
+
+def priority_instructions(python: str, backend: str, depth: int, pulls: int,
+                          dsn: Optional[str]) -> float:
+    """Instructions per pull+ack at ``depth``, counted by callgrind (a run with the
+    pulls minus one without)."""
+    counts = []
+    for baseline in (False, True):
+        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                *_child(python, backend, depth, pulls, dsn, baseline)]
+        run = subprocess.run(argv, capture_output=True, text=True, check=True)
+        found = _COLLECTED.search(run.stderr)
+        if found is None:
+            raise SystemExit(f"callgrind reported no count:\n{run.stderr[-2000:]}")
+        counts.append(int(found.group(1)))
+    return (counts[0] - counts[1]) / pulls
+
+
+def priority_main(args: argparse.Namespace) -> int:
+    """Pull cost by backend and depth; a table, and the JSON with ``--out``."""
+    levels = [int(x) for x in (args.levels or PRIORITY_LEVELS).split(",") if x.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unit = "instructions/pull+ack" if args.instructions else "us/pull+ack"
+    if args.instructions and shutil.which("valgrind") is None:
+        raise SystemExit("valgrind is not installed (apt-get install valgrind)")
+    busy = servers.busy_note()
+    if busy and not args.instructions:
+        say(busy)
+    rows = [["backend", "depth", unit, "vs 0"]]
+    results: Dict[str, List[JsonDict]] = {}
+    for backend in backends:
+        base = None
+        for depth in levels:
+            say(f"[{backend}] {depth:,} queued, {args.pulls} pulls")
+            if args.instructions:
+                cost = priority_instructions(args.python, backend, depth, args.pulls,
+                                             args.postgres_dsn)
+            else:
+                cost = min(priority_wall(args.python, backend, depth, args.pulls,
+                                         args.postgres_dsn) for _ in range(args.repeat))
+            base = cost if base is None else base
+            results.setdefault(backend, []).append({"depth": depth, "cost": cost})
+            rows.append([backend, f"{depth:,}", f"{cost:,.1f}",
+                         f"{cost / base:.0%}" if base else "-"])
+    print(render(rows))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"scenario": "priority-depth", "unit": unit, "pulls": args.pulls,
+                       "results": results, "busyNote": busy}, fh, indent=1)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse options, run every backend, print the table and write the JSON."""
     p = argparse.ArgumentParser(description=__doc__,
@@ -86,7 +288,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--secret", default=os.environ.get("RELAY_SECRET", ""))
     p.add_argument("--broker-pid", type=int)
     p.add_argument("--out", help="write the full JSON result here")
+    p.add_argument("--priorities", action="store_true",
+                   help="pull cost in the puller's own queues with priorities, in process "
+                        f"(levels {PRIORITY_LEVELS} unless --levels)")
+    p.add_argument("--pulls", type=int, default=500, help="with --priorities: pulls measured")
+    p.add_argument("--instructions", action="store_true",
+                   help="with --priorities: count instructions with callgrind, not time")
+    p.add_argument("--postgres-dsn", help="with --priorities --backends postgres: a database "
+                   "whose public schema it may drop")
+    p.add_argument("--priority-child", nargs=3, metavar=("BACKEND", "DEPTH", "PULLS"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.priority_child:
+        backend, depth, pulls = args.priority_child
+        print(priority_pulls(backend, int(depth), int(pulls), args.postgres_dsn,
+                             args.baseline))
+        return 0
+    if args.priorities:
+        if args.levels == "0,10000,100000,1000000":
+            args.levels = None
+        args.repeat = max(1, args.repeat)
+        return priority_main(args)
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     if args.max_depth is not None:
