@@ -245,3 +245,17 @@ async def test_two_brokers_share_one_role_queue_and_lease_each_message_once(tmp_
     finally:
         for store in stores:
             await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_group_copies_carry_the_sent_priority():
+    b = TeamBroker(agents=TEAM, roles=ROLES, groups={"pair": {"members": ["dan", "erin"]}})
+    await b.register("dan")
+    await b.message("alpha", "dan", id="plain")
+    sent = await b.post("alpha", "/messages", {"to": "group:pair", "id": "g", "priority": 6})
+    assert sent.code == 201 and len(sent.json["copies"]) == 2
+    first, second = await b.pull("dan")
+    assert (first["via"], first["priority"]) == ("group:pair", 6)
+    assert second["id"] == "plain"
+    assert_error(await b.post("alpha", "/messages", {"to": "group:pair", "priority": 10}),
+                 400, "bad_request")
