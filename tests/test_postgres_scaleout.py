@@ -184,7 +184,9 @@ def test_long_poll_on_b_is_woken_by_a_send_on_a(pair):
     p99 = latencies[-1]  # of 20 samples, p99 is the slowest
     print(f"cross-broker wake-up latency (send on A -> long-poll on B answered): "
           f"p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
-    assert p99 < 0.1, latencies
+    # Woken by the send's notification, not by the end of its 10 s wait (nothing else
+    # wakes it while LISTEN is up). How fast is bench/scaleout.py's e2e-latency figure.
+    assert p99 < 2.0, latencies
 
 
 @pytest.mark.postgres
