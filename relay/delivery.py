@@ -704,15 +704,15 @@ def deliverable(message: Message, now: float) -> bool:
     return message.status == QUEUED and due(message, now) and not expired(message, now)
 
 
-def failure_notice(request: Message, event: str, now: float, max_deliveries: int = 0
-                   ) -> Message:
+def failure_notice(request: Message, event: str, now: float, max_deliveries: int = 0,
+                   max_attempts: int = 0) -> Message:
     """The notice of §4: from the request's recipient to its sender, a reply to it.
 
     A request sent on the v2/v3 wire gets the notice that wire knows instead: an
     ``undelivered`` reply in text, with the request's mode, reference and topic
-    (WIRE-V2 §3; ``max_deliveries`` is the limit it quotes)."""
+    (WIRE-V2 §3; it quotes the lower of ``max_attempts`` and ``max_deliveries``)."""
     if request.v2 is not None:
-        return _undelivered_v2(request, event, now, max_deliveries)
+        return _undelivered_v2(request, event, now, max_deliveries, max_attempts)
     body = {"relayNotice": {"event": event, "messageId": request.id,
                             "attempts": request.attempts, "deliveries": request.deliveries,
                             "error": request.error}}
@@ -729,11 +729,14 @@ def failure_notice(request: Message, event: str, now: float, max_deliveries: int
     )
 
 
-def _undelivered_v2(request: Message, event: str, now: float, max_deliveries: int
-                    ) -> Message:
+def _undelivered_v2(request: Message, event: str, now: float, max_deliveries: int,
+                    max_attempts: int) -> Message:
     _, context, topic = views.shown_body(request)
     mode, session_ref, _ = views.read_meta(request)
-    text = views.undelivered_text(request, max_deliveries, event == "expired")
+    # The limit the reference quotes is its maxAttempts; here the pulls a message may
+    # have are also bounded by maxDeliveries, so the lower of the two is quoted.
+    limit = min(max_attempts, max_deliveries) if max_deliveries else max_attempts
+    text = views.undelivered_text(request, limit, event == "expired")
     return Message(
         id=notice_id(request.id),
         sender=request.to,
@@ -752,7 +755,7 @@ def _notices(message: Message, now: float, rules: Rules, event: str = "failed"
              ) -> Tuple[Message, ...]:
     notify = rules.notify_failures if message.v2 is None else rules.notify_v2
     if notify and message.kind == "request" and message.dead_reason != CANCELLED:
-        return (failure_notice(message, event, now, rules.max_deliveries),)
+        return (failure_notice(message, event, now, rules.max_deliveries, rules.max_attempts),)
     return ()
 
 

@@ -58,12 +58,14 @@ class EventPage(NamedTuple):
 
 
 def message_data(message: Any) -> Dict[str, Any]:
-    """The ``data`` of a ``message`` event: the message's ids, names and kind, and its
-    priority when above 0."""
+    """The ``data`` of a ``message`` event: the message's ids, names and kind, its
+    priority when above 0, and the group it was sent to (``via``) for a group copy."""
     data = {"id": message.id, "from": message.sender, "to": message.to,
             "kind": message.kind, "rootId": message.root_id, "parentId": message.parent_id}
     if message.priority:
         data["priority"] = message.priority
+    if message.via is not None:
+        data["via"] = message.via
     return data
 
 

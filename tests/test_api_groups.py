@@ -202,6 +202,8 @@ async def test_each_member_is_told_of_its_copy(store):
         page = await b.store.events(copy["to"], 0, 10)
         assert [(e.type, json.loads(e.data)["id"]) for e in page.events] == [
             ("message", copy["id"])]
+        # REACH §11: a message event carries via when set
+        assert json.loads(page.events[0].data)["via"] == "group:reviewers"
     assert (await b.store.events("alice", 0, 10)).events == []
 
 

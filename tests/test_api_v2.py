@@ -244,6 +244,58 @@ async def test_retry_requeues_then_fails_with_a_notice(memory_broker):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_retry_fails_a_request_pulled_max_attempts_times(memory_broker):
+    """The reference's rule (store-v2.js; its lifecycle test with maxAttempts 1): the
+    pull counted the attempt, so a retry of a message pulled maxAttempts times fails it."""
+    broker = memory_broker(maxAttempts=1)
+    alpha, beta, request_id, _ = await leased_request(broker)
+    assert (await beta.ack(request_id, outcome="retry", error="no")).code == 200
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["attempts"]) == ("failed", 1)
+    (notice,) = await alpha.pull()
+    assert "attempts: 1/1" in notice["body"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_third_retry_fails_by_default(memory_broker):
+    broker = memory_broker()
+    alpha, beta, request_id, _ = await leased_request(broker)
+    for _ in range(2):
+        assert (await beta.ack(request_id, outcome="retry")).code == 200
+        (entry,) = await alpha.status(request_id)
+        assert entry["status"] == "queued"
+        (again,) = await beta.pull()
+        assert again["message_id"] == request_id
+    assert (await beta.ack(request_id, outcome="retry")).code == 200
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["attempts"]) == ("failed", 3)
+    (notice,) = await alpha.pull()
+    assert "attempts: 3/3" in notice["body"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_role_member_on_the_v2_wire_holds_renews_and_acks_a_role_message(
+        memory_broker):
+    """REACH §13 on the v2 wire: a member's pull leases from its roles, and only the
+    member holding the lease renews or acks it."""
+    broker = memory_broker(agents={"alpha": {}, "dan": {}, "erin": {}},
+                           roles={"triage": {"members": ["dan", "erin"]}})
+    await broker.register("alpha")
+    message_id = await broker.message("alpha", "role:triage", kind="request")
+    dan, erin = broker.client("dan"), broker.client("erin")
+    (leased,) = await dan.pull()
+    assert leased["message_id"] == message_id and leased["lease_token"]
+    token = leased["lease_token"]
+    assert (await dan.renew(message_id, token)).code == 200
+    assert_error(await erin.ack(message_id, lease_token=token), 403, "forbidden")
+    (seen,) = await dan.status(message_id)
+    assert seen["status"] == "leased"
+    assert (await dan.ack(message_id, lease_token=token)).code == 200
+    (entry,) = await broker.status("alpha", message_id)
+    assert (entry["status"], entry["completedBy"]) == ("done", "dan")
+
+
+@pytest_twisted.ensureDeferred
 async def test_renew_extends_only_an_active_lease_of_the_caller(broker):
     alpha, beta, request_id, message = await leased_request(broker)
     token = message["lease_token"]

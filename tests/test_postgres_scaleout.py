@@ -328,6 +328,8 @@ def _restart_command() -> List[str]:
     return shlex.split(command)
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_both_brokers_recover_by_themselves_after_a_postgres_restart(tmp_path):
     restart = _restart_command()
     a, b = start_pair(tmp_path)

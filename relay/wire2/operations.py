@@ -253,7 +253,7 @@ class Wire2:
         out = []
         for message_id in message_ids:
             message = yield self.store.find(message_id, now)
-            if message is None or agent not in (message.sender, message.to):
+            if message is None or agent not in (message.sender, message.to, message.lessee()):
                 out.append(views.not_found(message_id))
                 continue
             delivery.catch_up(message, now, rules)  # a lapsed lease, as a read sees it

@@ -25,13 +25,15 @@ def lease_mismatch() -> errors.RelayError:
 
 def ack(agent: str, lease_token: str, outcome: str, error: Optional[str],
         rules: Rules) -> Transition:
-    """``POST /v1/ack``: only the recipient (403); with ``lease_token``, only for that
-    active lease (409 ``lease_mismatch``); without one, only while the message is
-    leased (400, WIRE-V2 §2). ``completed`` finishes it; ``retry`` queues it again,
-    or fails it past the broker's limits, with the sender's notice."""
+    """``POST /v1/ack``: only the recipient, or the member holding a role message's
+    lease (403); with ``lease_token``, only for that active lease (409
+    ``lease_mismatch``); without one, only while the message is leased (400, WIRE-V2
+    §2). ``completed`` finishes it; ``retry`` queues it again, or fails it with the
+    sender's notice once it was pulled ``maxAttempts`` times (the reference's rule,
+    one retry sooner than the seed wire's) or past the broker's other limits."""
 
     def transition(message: Message, now: float) -> Outcome:
-        if message.to != agent:
+        if message.lessee() != agent:
             raise errors.forbidden("message is not assigned to this agent")
         if lease_token:
             if message.status != LEASED or message.lease_id != lease_token:
@@ -40,6 +42,10 @@ def ack(agent: str, lease_token: str, outcome: str, error: Optional[str],
             raise errors.bad_request("message is not currently leased")
         if outcome not in OUTCOMES:
             raise errors.bad_request("invalid acknowledgement outcome")
+        if outcome == "retry" and message.deliveries >= rules.max_attempts:
+            # The seed rule fails a retry past max_attempts retries: counted so, this
+            # retry is past them.
+            message.attempts = max(message.attempts, rules.max_attempts)
         done = delivery.ack(agent, message.lease_id, outcome, error, rules)(message, now)
         return Outcome({"ok": True}, done.notices)
 
@@ -51,7 +57,7 @@ def renew(agent: str, lease_token: str, lease_seconds: float) -> Transition:
     ends ``lease_seconds`` from now; any other case is 409 ``lease_mismatch``."""
 
     def transition(message: Message, now: float) -> Outcome:
-        if (message.to != agent or message.status != LEASED
+        if (message.lessee() != agent or message.status != LEASED
                 or message.lease_id != lease_token):
             raise lease_mismatch()
         message.lease_until = delivery.now_ms(now) + int(lease_seconds * 1000)
@@ -68,7 +74,7 @@ def requeue(agent: str, admin: bool = False) -> Transition:
     states = (LEASED, FAILED, DONE) if admin else (LEASED, FAILED)
 
     def transition(message: Message, now: float) -> Outcome:
-        if not admin and (message.to != agent or views.kind_of(message) != "request"
+        if not admin and (message.lessee() != agent or views.kind_of(message) != "request"
                           or message.status == DONE):
             raise errors.forbidden("only the receiving agent may requeue an unfinished request")
         if message.status not in states:

@@ -161,7 +161,7 @@ def public_view(message: Message, viewer: str, default_ttl: float) -> Dict[str, 
         out["context"] = context
     if topic:
         out["topic"] = topic
-    if viewer == message.to and message.status == LEASED and message.lease_id is not None:
+    if viewer == message.lessee() and message.status == LEASED and message.lease_id is not None:
         out["lease_token"] = message.lease_id
         out["lease_until"] = message.lease_until / 1000.0
     if shared:
