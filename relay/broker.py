@@ -357,19 +357,42 @@ class Broker:
         ``limit`` and about 4 MiB of them, with their cards unless ``cards`` is
         False, and ``next`` when more follow (:func:`relay.protocol.peers_page`)."""
         d = self.store.peers()
-        d.addCallback(self._peer_entries, cards)
-        d.addCallback(protocol.peers_page, after, limit)
-        d.addCallback(self._with_teams)
+        d.addCallback(self._peers_document, after, limit, cards)
         return d
 
-    def _with_teams(self, document: Dict[str, Any]) -> Dict[str, Any]:
+    def _peers_document(self, peers, after: Optional[str], limit: Optional[int],
+                        cards: bool) -> Dict[str, Any]:
+        document = protocol.peers_page(self._peer_entries(peers, cards), after, limit)
+        return self._with_teams(document, peers)
+
+    def _with_teams(self, document: Dict[str, Any], peers) -> Dict[str, Any]:
         """``document`` with the configured ``groups`` and ``roles`` (REACH §13), each
         list present when the config names any (so a broker without them answers
-        the v1.2 shape)."""
-        for key, teams in (("groups", self.policy.groups), ("roles", self.policy.roles)):
-            if teams:
-                document[key] = protocol.team_listing(teams)
+        the v1.2 shape). A role open to joining lists the peers whose card joined it
+        after its configured members."""
+        if self.policy.groups:
+            document["groups"] = protocol.team_listing(self.policy.groups)
+        if self.policy.roles:
+            roles = protocol.team_listing(self.policy.roles)
+            joined = self._card_members(peers)
+            for entry in roles:
+                extra = sorted(joined.get(entry["name"], set()) - set(entry["members"]))
+                entry["members"].extend(extra)
+            document["roles"] = roles
         return document
+
+    def _card_members(self, peers) -> Dict[str, set]:
+        """Who joined each role open to joining through its stored card."""
+        joined: Dict[str, set] = {}
+        for name, _, card in peers:
+            wanted = card.get("roles") if isinstance(card, dict) else None
+            if not isinstance(wanted, list):
+                continue
+            for role in wanted:
+                config = self.policy.roles.get(role) if isinstance(role, str) else None
+                if config is not None and config.self_join:
+                    joined.setdefault(role, set()).add(name)
+        return joined
 
     # The hot operations (send, pull, ack) chain callbacks rather than use
     # inlineCallbacks: a generator per request is measurable at this rate.

@@ -174,6 +174,9 @@ async def test_a_card_joins_an_open_role_only(broker):
     assert leased["id"] == "t"
     peers = (await broker.get("zed", "/peers")).json
     assert [p["card"] for p in peers["peers"] if p["agent"] == "zed"] == [{"roles": ["triage"]}]
+    # REACH §13: /peers lists a role's members, those that joined by their card too
+    assert peers["roles"] == [{"name": "audit", "members": ["erin"]},
+                              {"name": "triage", "members": ["dan", "erin", "zed"]}]
 
 
 @pytest_twisted.ensureDeferred
