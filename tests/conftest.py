@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import pytest_twisted
@@ -73,6 +75,17 @@ def require_marker(name: str, what: str) -> None:
                     f"(or pytestmark = pytest.mark.{name} for its module)", pytrace=False)
 
 
+@contextmanager
+def _unguarded() -> Iterator[None]:
+    """Processes started inside are not the running test's own."""
+    item = _current.pop("item", None)
+    try:
+        yield
+    finally:
+        if item is not None:
+            _current["item"] = item
+
+
 _popen_init = subprocess.Popen.__init__
 
 
@@ -110,19 +123,23 @@ def postgres_dsn() -> str:
     if "unusable" in _postgres:
         skip_postgres(_postgres["unusable"])
     if "dsn" not in _postgres:
-        try:
-            import psycopg
-        except ImportError:
-            skip_postgres("the postgres extra is not installed: pip install -e '.[test,postgres]'")
-        from psycopg.conninfo import make_conninfo
+        # psycopg's ctypes binding of libpq (PyPy) runs ldconfig to find the library:
+        # a process of the import, not of the test.
+        with _unguarded():
+            try:
+                import psycopg
+            except ImportError:
+                skip_postgres("the postgres extra is not installed: "
+                              "pip install -e '.[test,postgres]'")
+            from psycopg.conninfo import make_conninfo
 
-        name = f"relay_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        try:
-            conn = psycopg.connect(admin, autocommit=True)
-        except TypeError as e:  # psycopg's ctypes libpq binding on PyPy 7.3.11
-            _postgres["unusable"] = (f"psycopg cannot connect on this interpreter ({e}): "
-                                     "the postgres backend runs on CPython")
-            skip_postgres(_postgres["unusable"])
+            name = f"relay_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+            try:
+                conn = psycopg.connect(admin, autocommit=True)
+            except TypeError as e:  # psycopg's ctypes libpq binding on PyPy 7.3.11
+                _postgres["unusable"] = (f"psycopg cannot connect on this interpreter ({e}): "
+                                         "the postgres backend runs on CPython")
+                skip_postgres(_postgres["unusable"])
         with conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         _postgres.update(admin=admin, name=name, dsn=make_conninfo(admin, dbname=name))
@@ -131,9 +148,9 @@ def postgres_dsn() -> str:
 
 def reset_postgres() -> str:
     """This run's database, emptied (the next store migrates from scratch)."""
+    dsn = postgres_dsn()
     import psycopg
 
-    dsn = postgres_dsn()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP SCHEMA public CASCADE")
         conn.execute("CREATE SCHEMA public")
