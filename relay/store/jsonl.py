@@ -821,7 +821,7 @@ def _restore(store: JsonlStore, loaded: LoadedLog) -> None:
     state.peer_seen.update(loaded.peers)
     state.cards.update(loaded.cards)
     for agent, card in loaded.cards.items():
-        state.join(agent, card, 1)
+        state.joins.set_card(agent, card)
     state.next_seq = max(state.next_seq, loaded.next_seq)
     for event in loaded.events:
         state.load_event(event)

@@ -17,7 +17,7 @@ from relay.errors import ConfigError
 from relay.events import Event
 from relay.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
 from relay.store.interface import QueueDepth
-from relay.store.records import Records, RecordStore
+from relay.store.records import Records, RecordStore, RoleJoins
 
 # The states whose messages are counted per agent (QueueDepth).
 _COUNTED = (QUEUED, LEASED, FAILED)
@@ -63,7 +63,7 @@ class MemoryRecords(Records):
         self.peer_seen: Dict[str, int] = {}
         self.cards: Dict[str, Dict[str, Any]] = {}
         # REACH §13: role -> the agents whose card lists it
-        self.joins: Dict[str, Set[str]] = {}
+        self.joins = RoleJoins()
         # agent -> status -> how many of its messages are in that (counted) state, and
         # agent -> how many of its queued messages wait in the delayed heap
         self.depth: Dict[str, Dict[str, int]] = {}
@@ -397,18 +397,7 @@ class MemoryRecords(Records):
         return _copy_card(self.cards.get(agent))
 
     def joiners(self, role: str) -> List[str]:
-        return sorted(self.joins.get(role, ()))
-
-    def join(self, agent: str, card: Optional[Dict[str, Any]], delta: int) -> None:
-        """Enter (``delta`` 1) or leave (-1) the roles ``card`` lists, for :meth:`joiners`."""
-        for role in (card or {}).get("roles", ()):
-            agents = self.joins.setdefault(role, set())
-            if delta > 0:
-                agents.add(agent)
-            else:
-                agents.discard(agent)
-                if not agents:
-                    del self.joins[role]
+        return self.joins.joiners(role)
 
     def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
         marks = self.recovery_seqs.get(agent)
@@ -570,12 +559,11 @@ class MemoryRecords(Records):
     def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:
         self.peer_seen[agent] = int(now)
         if card is not KEEP_CARD:
-            self.join(agent, self.cards.get(agent), -1)
             if card is None:
                 self.cards.pop(agent, None)
             else:
                 self.cards[agent] = dict(card)
-                self.join(agent, card, 1)
+            self.joins.set_card(agent, card)
         self.registered(agent, card is not KEEP_CARD)
 
     def is_registered(self, agent: str) -> bool:
@@ -595,7 +583,8 @@ class MemoryRecords(Records):
                                              for s in self.inbox_seqs.get(agent, ()))]
         for agent in gone:
             del self.peer_seen[agent]
-            self.join(agent, self.cards.pop(agent, None), -1)
+            self.cards.pop(agent, None)
+        self.joins.forget(gone)
         if gone:
             self.forgotten(gone)
         return gone

@@ -22,6 +22,7 @@ from typing import (
     Mapping,
     Optional,
     Sequence,
+    Set,
     Tuple,
     Union,
 )
@@ -52,6 +53,31 @@ class Raced(Exception):
     operation stored its own under that id: the operation is run again on fresh rows.
     Only a store that several brokers write can meet it (``relay.store.postgres``)."""
 
+
+
+class RoleJoins:
+    """Who joined each role through its peer card (``card.roles``, REACH §13 selfJoin),
+    for the stores that hold their peers' cards in this process."""
+
+    def __init__(self) -> None:
+        self._by_role: Dict[str, Set[str]] = {}
+
+    def joiners(self, role: str) -> List[str]:
+        return sorted(self._by_role.get(role, ()))
+
+    def set_card(self, agent: str, card: Optional[Dict[str, Any]]) -> None:
+        """``agent``'s card is now ``card`` (None: it has none): it is a joiner of the
+        roles that card lists, and of no other."""
+        self.forget((agent,))
+        for role in (card or {}).get("roles", ()):
+            self._by_role.setdefault(role, set()).add(agent)
+
+    def forget(self, agents: Iterable[str]) -> None:
+        gone = set(agents)
+        for role in list(self._by_role):
+            self._by_role[role] -= gone
+            if not self._by_role[role]:
+                del self._by_role[role]
 
 class Records:
     """A backend's synchronous primitives. Messages handed out are copies owned by

@@ -65,7 +65,7 @@ from relay.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
 from relay.store import make_data_dir, off_the_reactor
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
-from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore
+from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore, RoleJoins
 
 log = Logger(namespace="relay.store.sqlite")
 
@@ -500,11 +500,11 @@ class SQLiteRecords(Records):
         self.registered = set()
         # REACH §13: role -> the agents whose card lists it (one broker writes this
         # database: kept here from the cards it reads at start and registers)
-        self.joins: Dict[str, Set[str]] = {}
+        self.joins = RoleJoins()
         for agent, _, card in db.execute(LISTINGS[0]).fetchall():
             self.registered.add(agent)
             if card is not None:
-                self._join(agent, json.loads(card), 1)
+                self.joins.set_card(agent, json.loads(card))
         # recipient -> [pending messages, their body bytes], kept from here on
         self.pending: Dict[str, List[int]] = {}
         self._count_pending()
@@ -618,8 +618,7 @@ class SQLiteRecords(Records):
         self._begin()
         gone = [row[0] for row in self.cursor.execute(LISTINGS[2], (int(cutoff),))]
         self.registered.difference_update(gone)
-        for agents in self.joins.values():
-            agents.difference_update(gone)
+        self.joins.forget(gone)
         return gone
 
     def save(self, messages: Sequence[Message], befores: Sequence[Tuple[Any, ...]]) -> None:
@@ -681,17 +680,7 @@ class SQLiteRecords(Records):
         return json.loads(rows[0][0]) if rows and rows[0][0] is not None else None
 
     def joiners(self, role: str) -> List[str]:
-        return sorted(self.joins.get(role, ()))
-
-    def _join(self, agent: str, card: Optional[Dict[str, Any]], delta: int) -> None:
-        for role in (card or {}).get("roles", ()):
-            agents = self.joins.setdefault(role, set())
-            if delta > 0:
-                agents.add(agent)
-            else:
-                agents.discard(agent)
-                if not agents:
-                    del self.joins[role]
+        return self.joins.joiners(role)
 
     def recovered(self, agent: str, upto_seq: int, limit: int, now: float) -> List[Message]:
         return self._listed(STATEMENTS["recovered"][0], agent, upto_seq, now, now, limit)
@@ -870,9 +859,7 @@ class SQLiteRecords(Records):
         if card is KEEP_CARD:
             self.cursor.execute(STATEMENTS["register"][0], (agent, int(now)))
         else:
-            for agents in self.joins.values():
-                agents.discard(agent)
-            self._join(agent, card, 1)
+            self.joins.set_card(agent, card)
             text = None if card is None else json.dumps(card, separators=(",", ":"))
             self.cursor.execute(STATEMENTS["register"][1], (agent, int(now), text))
 
