@@ -186,6 +186,9 @@ class WebhookDelivery(Service):
         self.counters = counters
         self.states: Dict[str, HookState] = {}
         self.busy: Set[str] = set()
+        # agents whose events changed while a read of them was under way: that read
+        # may predate the change (its commit, on another broker), so they read again
+        self.missed: Set[str] = set()
         self.timers: Dict[str, Any] = {}
         # agent -> (the position they follow, events read from the store and not
         # delivered yet, in order): valid while that position is the agent's acked
@@ -360,8 +363,10 @@ class WebhookDelivery(Service):
 
     def kick(self, agent: str) -> None:
         """Send ``agent``'s next event unless a request or a retry of it is under way."""
-        if (not self.running or not self.leading or not self.loaded or agent in self.busy
-                or agent in self.timers):
+        if agent in self.busy:
+            self.missed.add(agent)
+            return
+        if not self.running or not self.leading or not self.loaded or agent in self.timers:
             return
         self.busy.add(agent)
         self._next(agent)
@@ -391,6 +396,7 @@ class WebhookDelivery(Service):
                 self.ahead[agent] = (base, ahead)
                 self._got(EventPage(ahead[:1], None, ahead[0].id), agent)
                 return
+        self.missed.discard(agent)
         d = self.store.events(agent, acked, READ_AHEAD)
         d.addCallbacks(self._got, self._unreadable, callbackArgs=(agent, acked),
                        errbackArgs=(agent,))
@@ -422,6 +428,9 @@ class WebhookDelivery(Service):
             d.addBoth(self._answered, agent, reset)
             return
         if not page.events:
+            if agent in self.missed:
+                self._next(agent)
+                return
             self.busy.discard(agent)
             return
         event = page.events[0]

@@ -327,3 +327,30 @@ async def test_a_busy_agents_events_are_read_from_the_store_a_batch_at_a_time():
     for _ in range(2):
         receiver.waiting.pop(0).callback(None)
     assert receiver.ids() == ids + more
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_event_recorded_while_a_read_is_under_way_is_not_missed():
+    # A read of the store may have started before an event's change committed (on
+    # PostgreSQL, another broker's send is told by a notification after its commit):
+    # the page it answers lacks the event, and the event's kick came while busy.
+    receiver = Receiver()
+    service, store, clock = delivery(receiver)
+    await service.register("beta", "http://127.0.0.1:8/hook", KEEP_CARD)
+    events = store.events
+    held: List[Tuple[Deferred, Any]] = []
+
+    async def stale(agent, position, limit):
+        page = await events(agent, position, limit)  # read before the send
+        later: Deferred = Deferred()
+        held.append((later, page))
+        return await later
+
+    store.events = lambda *args: Deferred.fromCoroutine(stale(*args))
+    service.kick("beta")
+    assert len(held) == 1 and not held[0][1].events
+    store.events = events
+    (sent,) = await send(store, clock, 1)  # its kick finds the agent busy
+    later, page = held.pop()
+    later.callback(page)
+    assert receiver.ids() == [sent], "the event is delivered without another send"
