@@ -118,15 +118,44 @@ class EventStreams:
         while len(mine) >= self.max_per_agent:
             self._close(mine[0])
         stream = Stream(agent, request, position, self)
-        stream.done = Deferred(lambda _: self.forget(stream))
+        stream.done = done = Deferred(lambda _: self.forget(stream))
         self.by_agent.setdefault(agent, []).append(stream)
         self.total += 1
+        if self.counters is not None:
+            self.counters.stream_opened()
+        if position is not None:
+            self._start(stream)
+            return done
+        # "The present" is the agent's last event before the headers go out: a
+        # client that sends once it has the answer finds what it caused on the stream.
+        stream.reading = True
+        d = self.store.events(agent, None, 0)
+        d.addCallbacks(self._placed, self._unplaced, callbackArgs=(stream,),
+                       errbackArgs=(stream,))
+        return done
+
+    def _placed(self, page: EventPage, stream: Stream) -> None:
+        stream.reading = False
+        if stream.closed:
+            return
+        stream.position = page.last
+        self._start(stream)
+
+    def _unplaced(self, failure: Any, stream: Stream) -> None:
+        log.warn("event stream of {agent} not opened: its events could not be read ({kind})",
+                 agent=stream.agent, kind=failure.type.__name__)
+        done, stream.done = stream.done, None
+        self.forget(stream)
+        if done is not None and not done.called:
+            done.errback(errors.busy("the agent's events could not be read: try again"))
+
+    def _start(self, stream: Stream) -> None:
+        """Send the answer's headers and what follows the stream's position."""
         # the slot with the fewest streams: its turn comes within 15 s, and the
         # slots stay even however streams come and go
         stream.slot = min(range(len(self._slots)), key=lambda i: len(self._slots[i]))
         self._slots[stream.slot][stream] = None
-        if self.counters is not None:
-            self.counters.stream_opened()
+        request = stream.request
         request.setResponseCode(200)
         headers = request.responseHeaders
         headers.setRawHeaders(b"content-type", [EVENT_STREAM_TYPE])
@@ -137,7 +166,6 @@ class EventStreams:
         if not self._keepalive.running:
             self._keepalive.start(1, now=False)
         self.read(stream)
-        return stream.done
 
     def forget(self, stream: Stream) -> None:
         """Take ``stream`` out of the table (closed by either side)."""

@@ -353,3 +353,56 @@ async def test_keepalives_are_spread_over_the_seconds_of_their_period():
     b.clock.advance(events.KEEPALIVE_SECONDS * 2)  # a reactor late by 30 s: each gets one
     assert all(len(r.written) == 3 for r in requests)
     b.broker.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stream_from_the_present_carries_what_follows_its_answer():
+    # The store's read of "the present" may run after the client saw the answer's
+    # headers and sent (a database read on a thread): the stream's position is
+    # taken before its headers go out, so what the client causes then is on it.
+    from twisted.internet.defer import Deferred
+
+    b = Broker()
+    await b.register("alpha", "beta")
+    store = b.broker.store
+    events_of = store.events
+    held: List[Deferred] = []
+
+    def slow(agent, position, limit):
+        later: Deferred = Deferred()
+        later.addCallback(lambda _: events_of(agent, position, limit))
+        held.append(later)
+        return later
+
+    store.events = slow
+    request = FakeRequest()
+    done = b.broker.streams.open("beta", request, None)
+    sent = None
+    if request.written:  # the client saw the headers: it sends now
+        sent = await b.message("alpha", "beta")
+    held.pop(0).callback(None)
+    store.events = events_of
+    if sent is None:
+        assert request.written == [events.KEEPALIVE], "the headers go out once placed"
+        sent = await b.message("alpha", "beta")
+    while held:
+        held.pop(0).callback(None)
+    got = records(b"".join(request.written))[1]
+    assert [r["data"]["id"] for r in got] == [sent]
+    b.broker.stop()
+    assert done.called
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_stream_whose_present_cannot_be_read_is_503():
+    from twisted.internet.defer import fail
+
+    b = Broker()
+    await b.register("beta")
+    b.broker.store.events = lambda *args: fail(OSError("disk gone"))
+    request = FakeRequest()
+    done = b.broker.streams.open("beta", request, None)
+    failure = []
+    done.addErrback(failure.append)
+    assert failure and failure[0].value.status == 503
+    assert request.written == [] and b.broker.event_streams() == {}
