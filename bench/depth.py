@@ -145,8 +145,8 @@ def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = No
 
 async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str],
                           baseline: bool) -> float:
-    from relay import delivery
-    from relay.broker import Policy
+    from relay.broker.operations import Policy
+    from relay.rules import delivery
     from relay.testing import new_message
 
     with tempfile.TemporaryDirectory() as data_dir:

@@ -41,12 +41,12 @@ from twisted.internet.address import IPv4Address  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from twisted.internet.testing import StringTransport  # noqa: E402
 
-from relay.assembly import assemble  # noqa: E402
-from relay.signing import sign  # noqa: E402
+from relay.broker.assembly import assemble  # noqa: E402
 from relay.store.plugins import open_configured_store  # noqa: E402
 from relay.testing import SECRET, START, make_config  # noqa: E402
-from relay.wire2.canonical import canonical_body  # noqa: E402
-from relay.wire2.signing import sign as sign_v2  # noqa: E402
+from relay.wire.signing import sign  # noqa: E402
+from relay.wire.v2.canonical import canonical_body  # noqa: E402
+from relay.wire.v2.signing import sign as sign_v2  # noqa: E402
 
 # Requests per batch of each pull-and-ack scenario: one pull, then an ack per message.
 BATCH = {"pull-ack": 11, "v2-pull-ack": 9}

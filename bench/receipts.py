@@ -30,7 +30,7 @@ from twisted.internet.task import Clock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from relay.receipts import ReceiptStore, legacy_receipts_path  # noqa: E402
+from relay.agent.receipts import ReceiptStore, legacy_receipts_path  # noqa: E402
 
 AGENT = "bench-worker"
 NOW = 1_700_000_000.0

@@ -30,10 +30,10 @@ from twisted.internet.error import ConnectionDone  # noqa: E402
 from twisted.internet.task import Clock  # noqa: E402
 from twisted.python.failure import Failure  # noqa: E402
 
-from relay.assembly import assemble  # noqa: E402
-from relay.signing import sign  # noqa: E402
+from relay.broker.assembly import assemble  # noqa: E402
 from relay.store.plugins import open_configured_store  # noqa: E402
 from relay.testing import SECRET, START, make_config  # noqa: E402
+from relay.wire.signing import sign  # noqa: E402
 
 
 def signed_get(path: str, agent: str, timestamp: int) -> bytes:

@@ -16,11 +16,12 @@ import pytest_twisted
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from relay import delivery, errors
-from relay.config import Config, parse_config
-from relay.delivery import Changes, Message, Rules
-from relay.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
-from relay.signing import sign
+from relay.rules import delivery
+from relay.rules.config import Config, parse_config
+from relay.rules.delivery import Changes, Message, Rules
+from relay.wire import errors
+from relay.wire.protocol import DONE, FAILED, LEASED, QUEUED, iso_timestamp
+from relay.wire.signing import sign
 
 SECRET = "s3cret-for-the-tests"
 START = 1_712_345_678.0
@@ -49,7 +50,7 @@ def make_config(base_dir: str = "/tmp", agents: Optional[Dict[str, Any]] = None,
 def make_rules(**changes: Any) -> Rules:
     """The delivery rules of a config that sets nothing (the config table's defaults),
     with ``changes``."""
-    from relay.broker import Policy
+    from relay.broker.operations import Policy
 
     return replace(Policy.from_config(make_config()).rules, **changes)
 
@@ -75,10 +76,10 @@ def new_message(sender: str, to: str, now: float, ttl_seconds: Optional[int] = N
 
 class SignedClient:
     """Signs requests per spec §3 and sends them to ``site`` in memory
-    (:class:`relay.loopback.MemoryHTTP`)."""
+    (:class:`relay.broker.loopback.MemoryHTTP`)."""
 
     def __init__(self, site, clock: Clock, secret: str = SECRET) -> None:
-        from relay.loopback import MemoryHTTP
+        from relay.broker.loopback import MemoryHTTP
 
         self.clock = clock
         self.secret = secret
@@ -119,12 +120,12 @@ class SignedClient:
 def make_api(clock: Optional[Clock] = None, store=None, config: Optional[Config] = None,
              **broker: Any):
     """``(api, client, clock)``: a broker over a memory store as
-    :func:`relay.assembly.assemble` builds it (without listeners), and a signing
+    :func:`relay.broker.assembly.assemble` builds it (without listeners), and a signing
     client of its site.
 
-    ``api.broker`` is the :class:`relay.broker.Broker` behind it.
+    ``api.broker`` is the :class:`relay.broker.operations.Broker` behind it.
     """
-    from relay.assembly import assemble
+    from relay.broker.assembly import assemble
     from relay.store.memory import MemoryStore
 
     clock = clock if clock is not None else Clock()
@@ -148,13 +149,13 @@ async def _error(d) -> errors.RelayError:
 
 def ack(store, message_id: str, agent: str, lease_id: str, outcome: str,
         error: Optional[str], now: float, rules: Rules = RULES):
-    """Settle a lease through the store with :func:`relay.delivery.ack`."""
+    """Settle a lease through the store with :func:`relay.rules.delivery.ack`."""
     return store.settle(message_id, delivery.ack(agent, lease_id, outcome, error, rules), now,
                         rules)
 
 
 class Recorder:
-    """A store subscriber that keeps every :class:`relay.delivery.Changes` it hears."""
+    """A store subscriber that keeps every :class:`relay.rules.delivery.Changes` it hears."""
 
     def __init__(self) -> None:
         self.heard: List[Changes] = []
@@ -1547,7 +1548,7 @@ class Wire2Contract(_Contract):
     async def send_v2(self, store, message_id: str, sender="alpha", to="beta", now=START,
                       mode="continue", ref="sess-1", shared=True, kind="request"
                       ) -> Message:
-        from relay.wire2 import views
+        from relay.wire.v2 import views
 
         body = views.stored_body("hé ☃", "ctx", "topic-a", mode, ref)
         message = Message(id=message_id, sender=sender, to=to, created=now,
@@ -1558,7 +1559,7 @@ class Wire2Contract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_a_v2_message_keeps_its_wire_fields_through_its_life(self, store):
-        from relay.wire2 import views
+        from relay.wire.v2 import views
 
         await self.send_v2(store, "v2-1")
         await self.send(store, id="seed-1")
@@ -1575,7 +1576,8 @@ class Wire2Contract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_a_v2_request_that_fails_leaves_a_v2_notice_in_text(self, store):
-        from relay.wire2 import transitions, views
+        from relay.rules.v2 import transitions
+        from relay.wire.v2 import views
 
         await self.send_v2(store, "v2-req", mode="write", shared=True)
         (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
@@ -1599,7 +1601,7 @@ class Wire2Contract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_v2_acks_with_and_without_a_token(self, store):
-        from relay.wire2 import transitions
+        from relay.rules.v2 import transitions
 
         await self.send_v2(store, "a")
         (m,) = await store.pull("beta", 1, self.LEASE, START, RULES)
@@ -1621,7 +1623,7 @@ class Wire2Contract(_Contract):
 
     @pytest_twisted.ensureDeferred
     async def test_v2_requeue_and_cancel(self, store):
-        from relay.wire2 import transitions
+        from relay.rules.v2 import transitions
 
         await self.send_v2(store, "r")
         error = await _error(store.settle("r", transitions.requeue("beta"), START, RULES))
@@ -1645,8 +1647,8 @@ class Wire2Contract(_Contract):
 
 def build_site(config: Config, clock: Clock, store=None):
     """The broker's production site over ``store`` (a memory store when None), built
-    by the composition root (:func:`relay.assembly.assemble`) without listeners."""
-    from relay.assembly import assemble
+    by the composition root (:func:`relay.broker.assembly.assemble`) without listeners."""
+    from relay.broker.assembly import assemble
     from relay.store.memory import MemoryStore
 
     store = store if store is not None else MemoryStore()

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
-from relay.signing import sign
+from relay.wire.signing import sign
 
 TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
 

@@ -5,7 +5,7 @@ Debian's chromium).
 Headless Chromium, driven by Playwright with ``executable_path``, opens
 ``/inbox/`` on the main listener of a real broker where ``dana`` is a person
 (``human: true``). She signs in with her secret; a question an agent asks with
-:class:`relay.client.RelayClient` appears live (from the event stream, with no
+:class:`relay.client.client.RelayClient` appears live (from the event stream, with no
 reload) and her click on an option is the answer the agent's ``await_reply``
 gets. Bodies holding HTML and script are shown as text. Every request the page
 made is inspected: the secret is in none, and in no storage but the tab's
@@ -46,7 +46,7 @@ HOSTILE_TEXT = ('<img src=x onerror="window.__pwned=1"><script>window.__pwned=2<
 ASKER = textwrap.dedent("""
     import json, sys, uuid
     from twisted.internet.task import react
-    from relay.client import RelayClient, question_body
+    from relay.client.client import RelayClient, question_body
 
     async def main(reactor):
         url, agent, secret, to, question, *options = sys.argv[1:]

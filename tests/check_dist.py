@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 def wheel_problems(wheel: Path) -> List[str]:
     """What the wheel lacks or holds that it should not; empty when it is right."""
     names = set(zipfile.ZipFile(wheel).namelist())
-    wanted = {f"relay/{page}/static/{p.name}" for page in ("ops", "inbox")
+    wanted = {f"relay/{page}/static/{p.name}" for page in ("broker/ops", "broker/inbox")
               for p in (REPO / "relay" / page / "static").iterdir()
               if p.is_file() and not p.name.endswith(".py")}
     wanted |= {f"relay/store/{p.name}" for p in (REPO / "relay" / "store").glob("*.sql")}
@@ -36,10 +36,10 @@ def sdist_problems(sdist: Path) -> List[str]:
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     wanted = {"setup.cfg", "pyproject.toml", "README.md", "CHANGELOG.md", "conf/relay.yaml",
-              "docs/CONFIG.md", "relay/ops/static/index.html", "relay/store/sqlite-v8.sql",
-              "relay/inbox/static/index.html", "relay/inbox/static/inbox.js",
+              "docs/CONFIG.md", "relay/broker/ops/static/index.html", "relay/store/sqlite-v8.sql",
+              "relay/broker/inbox/static/index.html", "relay/broker/inbox/static/inbox.js",
               "twisted/plugins/relay_plugin.py", "twisted/plugins/relay_stores.py",
-              "relay/broker.py"}
+              "relay/broker/operations.py"}
     return [f"{sdist.name} lacks {name}" for name in sorted(wanted - names)]
 
 

@@ -2,7 +2,7 @@
 the same broker seen as a v1.1 broker (the reference's capabilities).
 
 Time is a ``task.Clock``; HTTP goes to the broker's own site in memory
-(:class:`relay.loopback.MemoryHTTP`).
+(:class:`relay.broker.loopback.MemoryHTTP`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseNeverReceived
 from twisted.web.resource import Resource
 
-from relay.client import RelayClient
-from relay.errors import RelayError
-from relay.http import RelaySite
-from relay.loopback import MemoryHTTP
+from relay.broker.loopback import MemoryHTTP
+from relay.broker.site import RelaySite
+from relay.client.client import RelayClient
 from relay.testing import SECRET
+from relay.wire.errors import RelayError
 
 # What the reference broker (v1.1) advertises.
 V11_INFO = {

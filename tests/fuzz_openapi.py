@@ -24,7 +24,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from relay.signing import sign
+from relay.wire.signing import sign
 from tests.broker_proc import BrokerProcess
 
 pytestmark = pytest.mark.process

@@ -1,7 +1,7 @@
 """HTTP-level test support for the API tests: raw, signed requests in memory.
 
-Requests go through the broker's own site (as :func:`relay.assembly.assemble`
-builds it) over :class:`relay.loopback.MemoryAgent`: no sockets, and time is a
+Requests go through the broker's own site (as :func:`relay.broker.assembly.assemble`
+builds it) over :class:`relay.broker.loopback.MemoryAgent`: no sockets, and time is a
 ``task.Clock``. The path is sent and signed byte for byte as given, so query
 strings and odd ids reach the broker exactly as a client wrote them.
 """
@@ -18,10 +18,10 @@ from twisted.internet.task import Clock, deferLater
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
-from relay.assembly import assemble
-from relay.loopback import BytesProducer, MemoryAgent
-from relay.signing import sign
+from relay.broker.assembly import assemble
+from relay.broker.loopback import BytesProducer, MemoryAgent
 from relay.testing import SECRET, START, make_config
+from relay.wire.signing import sign
 
 BASE = b"http://127.0.0.1:19121"
 

@@ -1,4 +1,4 @@
-"""What the direct tests of :mod:`relay.protocol` share: how a refusal is checked."""
+"""What the direct tests of :mod:`relay.wire.protocol` share: how a refusal is checked."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import pytest
 
-from relay.errors import RelayError
+from relay.wire.errors import RelayError
 
 # A value no refusal may repeat back: an error names the field, never what was sent.
 CONTENT = "SECRET-CONTENT-7f3a"

@@ -2,7 +2,7 @@
 real ``twistd -n relay`` process on loopback.
 
 Every wait is bounded; every broker process is killed at the end. The rate
-limit and lockout tables are also driven directly through :mod:`relay.auth`
+limit and lockout tables are also driven directly through :mod:`relay.rules.auth`
 with a ``task.Clock`` (thousands of addresses cannot come from loopback).
 """
 
@@ -21,10 +21,10 @@ import pytest
 import yaml
 from twisted.internet.task import Clock
 
-from relay.auth import Authenticator, RateLimiter
-from relay.errors import RelayError
-from relay.signing import sign
+from relay.rules.auth import Authenticator, RateLimiter
 from relay.testing import START
+from relay.wire.errors import RelayError
+from relay.wire.signing import sign
 from tests.broker_proc import BrokerProcess
 
 READ_SECONDS = 2
@@ -371,7 +371,7 @@ def test_a_signature_does_not_authorise_another_request(broker):
 def test_cycling_agent_names_keeps_the_broker_bounded(broker):
     """Thousands of bad logins under fresh names: memory bounded, real agents unaffected.
 
-    (The tables' hard bound is proven on relay.auth below; here the process must
+    (The tables' hard bound is proven on relay.rules.auth below; here the process must
     not grow past a JIT's warm-up noise, and must keep serving.)
     """
 

@@ -17,11 +17,11 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from relay.agent import AgentService, ExecFailed, ExecHandler, exec_input, reply_body
-from relay.client import RelayClient
-from relay.errors import RelayError
-from relay.receipts import ReceiptStore, legacy_receipts_path, receipts_path
+from relay.agent.receipts import ReceiptStore, legacy_receipts_path, receipts_path
+from relay.agent.runtime import AgentService, ExecFailed, ExecHandler, exec_input, reply_body
+from relay.client.client import RelayClient
 from relay.testing import SECRET as TEST_SECRET
+from relay.wire.errors import RelayError
 from tests.client_support import SeenAsV11, relay_stub
 
 
@@ -584,7 +584,7 @@ def _sleep(reactor: Any, seconds: float) -> defer.Deferred:
 
 def refused(argv: List[str], capsys: pytest.CaptureFixture) -> str:
     """The one line ``twistd relay-agent`` prints for options it cannot start with."""
-    from relay import agent_tap
+    from relay.agent import tap as agent_tap
 
     with pytest.raises(SystemExit) as info:
         agent_tap.Options().parseOptions(argv)
@@ -598,7 +598,7 @@ def refused(argv: List[str], capsys: pytest.CaptureFixture) -> str:
 def test_plugin_options(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from relay import agent_tap
+    from relay.agent import tap as agent_tap
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("DSH_RELAY_SECRET", raising=False)
@@ -667,7 +667,7 @@ def test_handler_problems_are_one_line(
 
 
 def test_a_handler_in_the_working_directory_is_found(importing: Path) -> None:
-    from relay import agent_tap
+    from relay.agent import tap as agent_tap
 
     tmp_path = importing
     (tmp_path / "cwd_handlers.py").write_text("def answer(m):\n    return 'hi'\n")
@@ -679,7 +679,7 @@ def test_a_handler_in_the_working_directory_is_found(importing: Path) -> None:
 def test_make_service_builds_an_agent_service(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from relay import agent_tap
+    from relay.agent import tap as agent_tap
 
     monkeypatch.setenv("HOME", str(tmp_path))
     options = agent_tap.Options()

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
-from relay.agent import AgentService
-from relay.receipts import ReceiptStore
+from relay.agent.receipts import ReceiptStore
+from relay.agent.runtime import AgentService
 from tests.client_support import Net
 
 MESSAGES = 10

@@ -11,10 +11,10 @@ import pytest
 from twisted.internet import defer
 from twisted.logger import capturedLogs, formatEvent
 
-from relay.agent import AgentService, Reject, Release, Retry, card_of
-from relay.client import RelayClient
-from relay.delivery import notice_id
-from relay.receipts import ReceiptStore
+from relay.agent.receipts import ReceiptStore
+from relay.agent.runtime import AgentService, Reject, Release, Retry, card_of
+from relay.client.client import RelayClient
+from relay.rules.delivery import notice_id
 from relay.testing import START
 from tests.client_support import Net, assert_v11_requests
 
@@ -335,7 +335,7 @@ def test_on_a_v11_broker_a_long_handler_is_not_renewed_and_receipts_are_used(
 def test_the_plugin_makes_a_card_from_description_and_skills(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from relay import agent_tap
+    from relay.agent import tap as agent_tap
 
     monkeypatch.setenv("HOME", str(tmp_path))
     options = agent_tap.Options()
@@ -359,7 +359,7 @@ def test_a_card_the_broker_would_refuse_stops_the_start(
     argv: List[str], message: str, capsys: pytest.CaptureFixture, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from relay import agent_tap
+    from relay.agent import tap as agent_tap
 
     monkeypatch.setenv("HOME", str(tmp_path))
     with pytest.raises(SystemExit) as info:

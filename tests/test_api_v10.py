@@ -13,8 +13,8 @@ import pytest
 import pytest_twisted
 
 from relay import __version__
-from relay.protocol import MAX_BODY_BYTES
 from relay.testing import START
+from relay.wire.protocol import MAX_BODY_BYTES
 from tests.http_support import Broker, assert_error, assert_json_headers
 
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\Z")

@@ -9,8 +9,8 @@ import json
 import pytest
 import pytest_twisted
 
-from relay.protocol import MAX_STATUS_IDS
 from relay.testing import START
+from relay.wire.protocol import MAX_STATUS_IDS
 from tests.http_support import Broker, assert_error, assert_json_headers
 
 START_MS = 1_712_345_678_000

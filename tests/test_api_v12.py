@@ -10,9 +10,9 @@ from typing import Any, Dict
 import pytest
 import pytest_twisted
 
-from relay.delivery import notice_id
-from relay.protocol import iso_timestamp
+from relay.rules.delivery import notice_id
 from relay.testing import START
+from relay.wire.protocol import iso_timestamp
 from tests.http_support import Broker, assert_error
 
 V11_FIELDS = {"id", "from", "to", "ts", "type", "body", "replyTo", "ack", "kind", "rootId",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import pytest_twisted
 
-from relay import delivery
+from relay.rules import delivery
 from relay.testing import SECRET, START, make_config
-from relay.wire2 import views
+from relay.wire.v2 import views
 from tests.v2_support import V2Broker
 
 
@@ -511,7 +511,7 @@ async def test_a_v2_agent_is_registered_for_the_seed_wire(broker):
 
 
 def test_requests_are_counted_per_wire():
-    from relay.counters import Counters
+    from relay.broker.counters import Counters
 
     counters = Counters()
     for route, code in (("v2_pull", 200), ("v2_pull", 401), ("v2_send", 200), ("pull", 200),

@@ -1,4 +1,4 @@
-"""relay.auth on its own (spec §3): signatures, skew, headers, names, lockout,
+"""relay.rules.auth on its own (spec §3): signatures, skew, headers, names, lockout,
 per-agent secrets, rate limits and bounded tables. Pure: a ``task.Clock``.
 """
 
@@ -12,11 +12,11 @@ import pytest
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
-from relay.auth import Authenticator, Lockout, RateLimiter
-from relay.config import AgentConfig
-from relay.errors import RelayError
-from relay.protocol import is_loopback_host
-from relay.signing import sign
+from relay.rules.auth import Authenticator, Lockout, RateLimiter
+from relay.rules.config import AgentConfig
+from relay.wire.errors import RelayError
+from relay.wire.protocol import is_loopback_host
+from relay.wire.signing import sign
 
 SECRET = "s3cret"
 NOW = 1_712_345_678

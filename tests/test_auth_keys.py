@@ -1,5 +1,5 @@
 """Keyrings on every wire (WIRE-V2 §4) and the v2/v3 entry point of the Authenticator
-(:meth:`relay.auth.Authenticator.verify_v2`): the seed wire's rails on the second wire.
+(:meth:`relay.rules.auth.Authenticator.verify_v2`): the seed wire's rails on the second wire.
 Pure: a ``task.Clock``."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 
-from relay.auth import FAILURE_REASONS, Authenticator, Signed
-from relay.config import AgentConfig, parse_config
-from relay.errors import RelayError
-from relay.signing import sign as seed_sign
-from relay.tap import Options, makeService
-from relay.wire2.signing import SignedHeaders, SigningKey, signed_headers
+from relay.broker.tap import Options, makeService
+from relay.rules.auth import FAILURE_REASONS, Authenticator, Signed
+from relay.rules.config import AgentConfig, parse_config
+from relay.wire.errors import RelayError
+from relay.wire.signing import sign as seed_sign
+from relay.wire.v2.signing import SignedHeaders, SigningKey, signed_headers
 
 NOW = 1_755_250_000
 SHARED = "s" * 32

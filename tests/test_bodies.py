@@ -13,10 +13,10 @@ import pytest_twisted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.delivery import Message
-from relay.protocol import MAX_JSON_VALUES
+from relay.rules.delivery import Message
 from relay.store.records import RESPONSE_BUDGET_BYTES
 from relay.testing import RULES, START, new_message
+from relay.wire.protocol import MAX_JSON_VALUES
 from tests.conftest import open_backend
 from tests.http_support import Broker, assert_error
 
@@ -162,7 +162,7 @@ async def test_listings_stop_at_the_byte_budget_but_never_return_nothing(backend
 @given(value=json_values | st.floats())
 def test_answers_are_encoded_as_the_standard_encoder_would(value):
     """The encoder made once answers byte for byte as a compact json.JSONEncoder."""
-    from relay.web import encode_json
+    from relay.broker.api import encode_json
 
     reference = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode(value)
     assert encode_json(value) == reference.encode("utf-8")

@@ -21,8 +21,8 @@ from relay.cli.commands import COMMANDS
 from relay.cli.output import body_text, message_block, table, watch_line
 from relay.cli.parser import Exit, build_parser, parse
 from relay.cli.state import CursorState
-from relay.config import parse_config
-from relay.settings import Settings, UsageError, resolve_settings
+from relay.client.settings import Settings, UsageError, resolve_settings
+from relay.rules.config import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -792,7 +792,7 @@ def test_a_secret_file_of_several_lines_signs_with_the_first(tmp_path):
 def test_the_broker_and_the_client_read_a_secret_file_by_one_rule(tmp_path):
     """The file of OPERATIONS.md's rotation procedure: the broker accepts both lines,
     the client signs with the first (docs/CONFIG.md, "Secret files")."""
-    from relay.config import load_config
+    from relay.rules.config import load_config
 
     new, old = "n" * 64, "o" * 64
     (tmp_path / "relay.secret").write_text(f"  {new}  \n\n{old}\n")

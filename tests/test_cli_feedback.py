@@ -30,10 +30,10 @@ from relay.cli.commands import COMMANDS
 from relay.cli.output import Console, age, printable, table
 from relay.cli.parser import build_parser
 from relay.cli.state import STATE_FILE, CursorState
-from relay.client import RelayClient
-from relay.errors import RelayError
-from relay.settings import UsageError, resolve_settings
+from relay.client.client import RelayClient
+from relay.client.settings import UsageError, resolve_settings
 from relay.testing import SECRET, make_api
+from relay.wire.errors import RelayError
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTILE = "hi\x1b]0;owned\x07\x1b[2J\x9b31m\u202eevil\rover"

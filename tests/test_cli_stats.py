@@ -10,9 +10,9 @@ import pytest
 import pytest_twisted
 from treq.testing import StubTreq
 
+from relay.broker.ops.web import OpsAPI
 from relay.cli.commands.ops import ops_target, ops_url
-from relay.ops.web import OpsAPI
-from relay.settings import UsageError
+from relay.client.settings import UsageError
 from relay.testing import make_api
 from tests.test_cli import run_cli
 

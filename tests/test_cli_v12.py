@@ -14,8 +14,8 @@ from twisted.internet import defer
 
 from relay.cli import run
 from relay.cli.commands.messages import SEND_ID_NAMESPACE, message_id_for
-from relay.protocol import notice_id
 from relay.testing import SECRET
+from relay.wire.protocol import notice_id
 from tests.client_support import Net, result_of
 
 HOSTILE = "bad\x1b]0;owned\x07\u202eevil"

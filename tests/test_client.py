@@ -20,10 +20,10 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
-from relay.client import RETRY_DELAYS_SECONDS, RelayClient, long_poll_limit
-from relay.errors import RelayError
-from relay.signing import auth_headers, sign, signing_string, verify
+from relay.client.client import RETRY_DELAYS_SECONDS, RelayClient, long_poll_limit
 from relay.testing import SECRET as TEST_SECRET
+from relay.wire.errors import RelayError
+from relay.wire.signing import auth_headers, sign, signing_string, verify
 from tests.client_support import relay_stub
 
 SECRET = "s3cret"

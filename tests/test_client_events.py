@@ -10,11 +10,12 @@ from typing import Any, List
 import pytest
 from twisted.internet import defer
 
-from relay import hooks, sse
-from relay.errors import RelayError
-from relay.events import Event
-from relay.sse import RelayEvent, SSEParser
-from relay.webhook_receiver import WebhookRejected, verify
+from relay.client import sse
+from relay.client.sse import RelayEvent, SSEParser
+from relay.client.webhook_receiver import WebhookRejected, verify
+from relay.rules import hooks
+from relay.rules.events import Event
+from relay.wire.errors import RelayError
 from tests.client_support import Net, failure_of
 
 # -- reading the stream -----------------------------------------------------------------
@@ -237,7 +238,7 @@ def test_a_locked_agent_waits_out_the_lock_it_was_told_then_reads_on():
 
 
 def test_the_wait_a_locked_answer_names():
-    from relay.client import LOCKED_RETRY_SECONDS, locked_seconds
+    from relay.client.client import LOCKED_RETRY_SECONDS, locked_seconds
 
     def locked(text: str) -> RelayError:
         return RelayError(403, "locked", text)
@@ -307,7 +308,7 @@ def test_anything_else_is_rejected_naming_the_check(change, reason):
 
 
 def test_a_signed_body_of_another_shape_is_rejected_without_showing_it():
-    from relay.signing import sign
+    from relay.wire.signing import sign
 
     body = json.dumps({"id": 1, "secret words": True}).encode()
     headers = {"X-Relay-Timestamp": str(NOW),

@@ -8,8 +8,8 @@ from typing import Any, Dict
 
 import pytest
 
-from relay.client import RelayClient, RequestFailed, RequestTimeout
-from relay.protocol import notice_id
+from relay.client.client import RelayClient, RequestFailed, RequestTimeout
+from relay.wire.protocol import notice_id
 from tests.client_support import V11_INFO, Net, failure_of, result_of
 
 FORGED_NOTICE = {"relayNotice": {"event": "failed", "messageId": "q", "attempts": 3,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relay.errors import RelayError
+from relay.wire.errors import RelayError
 from tests.client_support import Net, failure_of
 from tests.test_cli_v12 import Terminal
 

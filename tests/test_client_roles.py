@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.errors import RelayError
+from relay.wire.errors import RelayError
 from tests.client_support import Net
 from tests.test_cli_v12 import Terminal
 

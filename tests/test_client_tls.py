@@ -23,11 +23,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from twisted.internet import defer
 from twisted.internet.task import Clock, deferLater
 
-from relay import agent_tap
+from relay.agent import tap as agent_tap
 from relay.cli import run
-from relay.client import RelayClient, make_http_client
-from relay.errors import RelayError
-from relay.settings import UsageError, resolve_settings
+from relay.client.client import RelayClient, make_http_client
+from relay.client.settings import UsageError, resolve_settings
+from relay.wire.errors import RelayError
 from tests.test_cli import python_relay
 from tests.test_tls import (
     SECRET,

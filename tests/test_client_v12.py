@@ -12,7 +12,7 @@ import pytest
 from twisted.internet import defer
 from twisted.internet.task import Clock
 
-from relay.client import (
+from relay.client.client import (
     REQUEST_GRACE_SECONDS,
     RelayClient,
     RequestFailed,
@@ -23,9 +23,9 @@ from relay.client import (
     notice_of,
     question_body,
 )
-from relay.delivery import notice_id
-from relay.signing import NONCE, sign
+from relay.rules.delivery import notice_id
 from relay.testing import SECRET
+from relay.wire.signing import NONCE, sign
 from tests.client_support import (
     V11_INFO,
     Net,

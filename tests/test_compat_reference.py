@@ -28,8 +28,8 @@ from urllib.parse import quote
 
 import pytest_twisted
 
-from relay.signing import sign
 from relay.testing import SECRET
+from relay.wire.signing import sign
 from tests.http_support import Broker, Reply
 
 

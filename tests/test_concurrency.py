@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from relay.signing import sign
+from relay.wire.signing import sign
 from tests.broker_proc import BrokerProcess
 from tests.conftest import broker_storage
 

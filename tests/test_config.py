@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relay.config import (
+from relay.rules.config import (
     RESTART_KEYS,
     SETTINGS,
     Config,
@@ -260,7 +260,7 @@ def test_a_backend_section_must_be_a_mapping():
 
 
 def test_a_dropin_backend_names_its_own_section():
-    from relay.config import parse_config
+    from relay.rules.config import parse_config
 
     data = {"broker": {"secret": "s0123456789abcdef", "storage": "remote",
                        "remote": {"dsn": "host=x"}}}
@@ -280,7 +280,7 @@ def broker(**keys) -> str:
 
 
 def test_listen_interface_reads_positional_and_named_forms():
-    from relay.config import beyond_loopback, listen_interface
+    from relay.rules.config import beyond_loopback, listen_interface
 
     assert listen_interface("tcp:19121:127.0.0.1") == "127.0.0.1"
     assert listen_interface("tcp:19121:interface=10.0.0.1") == "10.0.0.1"
@@ -543,8 +543,8 @@ def test_the_fields_of_config_are_the_rows_of_the_table():
 
 
 def test_policy_and_rules_take_every_value_from_the_config():
-    from relay.broker import Policy
-    from relay.delivery import Role, Rules
+    from relay.broker.operations import Policy
+    from relay.rules.delivery import Role, Rules
 
     assert [f.name for f in fields(Rules) if f.default is not MISSING] == []
     assert [f.name for f in fields(Policy) if f.default is not MISSING
@@ -592,7 +592,7 @@ def test_the_restart_list_comes_from_the_table():
 
 
 def test_the_running_broker_reports_the_restart_keys_of_the_table():
-    from relay import service
+    from relay.broker import service
 
     assert service.RESTART_KEYS is RESTART_KEYS
 

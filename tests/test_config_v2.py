@@ -10,8 +10,8 @@ import stat
 import pytest
 import yaml
 
-from relay.config import AgentConfig, ConfigError, load_config, may_send, parse_config
-from relay.wire2.signing import SigningKey
+from relay.rules.config import AgentConfig, ConfigError, load_config, may_send, parse_config
+from relay.wire.v2.signing import SigningKey
 
 S = "s0123456789abcdef"
 A, B, C = "a" * 32, "b" * 32, "c" * 32

@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
 
-from relay.delivery import Message
-from relay.signing import sign
+from relay.rules.delivery import Message
 from relay.store.jsonl import COMPACT_SUFFIX, LOG_NAME, read_log, snapshot_record, state_record
+from relay.wire.signing import sign
 from tests.broker_proc import BrokerProcess
 
 pytestmark = pytest.mark.process

@@ -3,10 +3,11 @@ transitions of an ack with a reply and of a v1.0 receipt, applied directly."""
 
 import pytest
 
-from relay import delivery, errors
-from relay.delivery import Message
-from relay.protocol import DONE, LEASED, QUEUED
+from relay.rules import delivery
+from relay.rules.delivery import Message
 from relay.testing import RULES
+from relay.wire import errors
+from relay.wire.protocol import DONE, LEASED, QUEUED
 
 
 def test_stored_body_is_decoded_on_first_read_and_kept_verbatim_until_then():
@@ -44,7 +45,7 @@ def test_a_message_without_a_body_has_an_empty_one():
 
 
 def test_a_fractional_lease_has_a_whole_millisecond_deadline():
-    from relay.delivery import lease
+    from relay.rules.delivery import lease
 
     message = Message(id="m1", sender="alpha", to="beta", created=0.0)
     lease(message, 1.5, 100.25)

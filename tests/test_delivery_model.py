@@ -15,11 +15,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from relay import delivery
-from relay.errors import RelayError
-from relay.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.rules import delivery
 from relay.store.memory import MemoryStore
 from relay.testing import START, make_rules, new_message
+from relay.wire.errors import RelayError
+from relay.wire.protocol import DONE, FAILED, LEASED, QUEUED
 
 RULES = make_rules(max_attempts=2, max_deliveries=2)
 

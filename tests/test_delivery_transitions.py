@@ -1,4 +1,4 @@
-"""The transitions of :mod:`relay.delivery`, tested directly as pure functions.
+"""The transitions of :mod:`relay.rules.delivery`, tested directly as pure functions.
 
 Expectations from the seed §5.1 state machine and EXTENSIONS.md §1-§4 and §10:
 the lease checks in order (403, 409 ``not_leased`` including a passed deadline,
@@ -14,10 +14,10 @@ from typing import Any, Optional
 
 import pytest
 
-from relay import delivery
-from relay.delivery import Message, Rules
-from relay.errors import RelayError
-from relay.protocol import DONE, FAILED, LEASED, QUEUED, notice_id
+from relay.rules import delivery
+from relay.rules.delivery import Message, Rules
+from relay.wire.errors import RelayError
+from relay.wire.protocol import DONE, FAILED, LEASED, QUEUED, notice_id
 
 NOW = 1_000_000.0
 LEASE = 60

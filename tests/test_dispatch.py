@@ -11,10 +11,11 @@ import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from relay import errors, jsonapi
-from relay.loopback import connect, disconnect
-from relay.signing import sign
+from relay.broker import jsonapi
+from relay.broker.loopback import connect, disconnect
 from relay.testing import SECRET, START, build_site, make_config
+from relay.wire import errors
+from relay.wire.signing import sign
 
 # route -> (the Broker method it calls, method, path, body)
 ROUTES: Dict[str, Tuple[str, str, str, Any]] = {

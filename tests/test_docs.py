@@ -23,10 +23,11 @@ from typing import Dict, Iterator, List, Tuple
 import pytest
 import yaml
 
-from relay import agent_tap, tap
+from relay.agent import tap as agent_tap
+from relay.broker import tap
 from relay.cli.commands import COMMANDS
 from relay.cli.parser import Exit, build_parser
-from relay.settings import UsageError
+from relay.client.settings import UsageError
 from tests.broker_proc import BrokerProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,12 +10,12 @@ import pytest
 import pytest_twisted
 from twisted.internet.task import Clock
 
-from relay import events
-from relay.delivery import Message
-from relay.loopback import connect, disconnect
-from relay.protocol import DONE, LEASED, QUEUED
-from relay.signing import sign
+from relay.broker.loopback import connect, disconnect
+from relay.rules import events
+from relay.rules.delivery import Message
 from relay.testing import SECRET, START, build_site, make_config
+from relay.wire.protocol import DONE, LEASED, QUEUED
+from relay.wire.signing import sign
 from tests.http_support import Broker, assert_error
 
 # -- pure -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, List
 import pytest
 
 from relay.cli.commands.events import event_line
-from relay.sse import RelayEvent
+from relay.client.sse import RelayEvent
 from tests.broker_proc import BrokerProcess
 
 ALPHA, BETA = "alpha", "beta"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.files import read_json, write_atomic, write_json_atomic
+from relay.files.private import read_json, write_atomic, write_json_atomic
 
 
 def test_write_atomic_replaces_the_file_privately_and_leaves_no_temp_file(tmp_path: Path) -> None:

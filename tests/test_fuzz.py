@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from twisted.python.failure import Failure
 from twisted.web.client import URI
 
-from relay.protocol import MAX_WAIT_SECONDS
-from relay.signing import sign
 from relay.testing import SECRET
+from relay.wire.protocol import MAX_WAIT_SECONDS
+from relay.wire.signing import sign
 from tests.broker_proc import BrokerProcess
 from tests.http_support import BASE, Broker, Reply
 

@@ -1,4 +1,4 @@
-"""The broker's site (relay/http.py) on twisted.web: requests in pieces, pipelined
+"""The broker's site (relay/broker/site.py) on twisted.web: requests in pieces, pipelined
 or trickled, large answers to slow readers, and idle keep-alive connections."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from relay.http import RelaySite
-from relay.signing import sign
+from relay.broker.site import RelaySite
 from relay.testing import SECRET, START, make_api
+from relay.wire.signing import sign
 from tests.broker_proc import BrokerProcess
 
 PEER = IPv4Address("TCP", "127.0.0.1", 40000)

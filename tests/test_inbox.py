@@ -14,9 +14,9 @@ import pytest
 import pytest_twisted
 import yaml
 
-from relay.broker import Policy
-from relay.config import ConfigError, parse_config
-from relay.inbox import CONTENT_SECURITY_POLICY
+from relay.broker.inbox import CONTENT_SECURITY_POLICY
+from relay.broker.operations import Policy
+from relay.rules.config import ConfigError, parse_config
 from relay.testing import SECRET, make_config
 from tests.broker_proc import BrokerProcess
 from tests.http_support import Broker, assert_error
@@ -24,7 +24,7 @@ from tests.test_security import get, raw_request
 
 ALICE = "alice-secret-0123456789"
 HUMAN = "human-secret-0123456789"
-STATIC = resources.files("relay.inbox").joinpath("static")
+STATIC = resources.files("relay.broker.inbox").joinpath("static")
 
 
 def human_broker() -> Broker:

@@ -19,8 +19,8 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import deferLater
 
-from relay.signing import auth_headers
 from relay.testing import SECRET
+from relay.wire.signing import auth_headers
 from tests.http_support import Broker, answered, assert_error
 
 NONCE = "n0nce-0123456789_AB"

@@ -24,7 +24,7 @@ from relay.mcp.tools import (
     body_of,
     message_view,
 )
-from relay.protocol import notice_id
+from relay.wire.protocol import notice_id
 from tests.client_support import Net, failure_of, result_of
 
 

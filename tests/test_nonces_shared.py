@@ -18,11 +18,11 @@ import pytest_twisted
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from relay import errors
-from relay.auth import Authenticator
-from relay.errors import RelayError
-from relay.signing import auth_headers
+from relay.rules.auth import Authenticator
 from relay.testing import SECRET, START, make_config
+from relay.wire import errors
+from relay.wire.errors import RelayError
+from relay.wire.signing import auth_headers
 from tests.conftest import open_backend, reset_postgres
 from tests.http_support import Broker, Reply, answered, assert_error
 
@@ -164,7 +164,7 @@ def test_a_reload_keeps_claiming_from_the_shared_table():
 @pytest_twisted.ensureDeferred
 async def test_stores_of_one_broker_share_no_nonces(tmp_path):
     """memory, sqlite and jsonl: the request path is the local table only."""
-    from relay.service import make_api
+    from relay.broker.service import make_api
 
     for name in ("memory", "sqlite", "jsonl"):
         (tmp_path / name).mkdir()

@@ -16,8 +16,8 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from relay import errors
-from relay.web import RelayAPI
+from relay.broker.api import RelayAPI
+from relay.wire import errors
 
 DOCUMENT = Path(__file__).resolve().parent.parent / "docs" / "openapi.yaml"
 METHODS = {"get", "post", "put", "patch", "delete"}
@@ -59,7 +59,7 @@ def test_its_error_codes_are_the_brokers(document):
     raised = {getattr(errors, name)("x").code for name in dir(errors)
               if callable(getattr(errors, name)) and name.islower()
               and name not in ("annotations",)
-              and getattr(getattr(errors, name), "__module__", "") == "relay.errors"}
+              and getattr(getattr(errors, name), "__module__", "") == "relay.wire.errors"}
     assert raised | {"id_conflict", "request_timeout"} == documented
 
 

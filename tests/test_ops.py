@@ -17,11 +17,11 @@ from twisted.internet.defer import succeed
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
-from relay.counters import FLOW_SAMPLES, MAX_FLOW_PAIRS, OTHER, Counters, Histogram
-from relay.http import RelaySite
-from relay.loopback import MemoryAgent
-from relay.ops import metrics
-from relay.ops.web import OpsAPI
+from relay.broker.counters import FLOW_SAMPLES, MAX_FLOW_PAIRS, OTHER, Counters, Histogram
+from relay.broker.loopback import MemoryAgent
+from relay.broker.ops import metrics
+from relay.broker.ops.web import OpsAPI
+from relay.broker.site import RelaySite
 from relay.store.interface import QueueDepth
 from relay.store.memory import MemoryStore
 from relay.testing import START, make_api
@@ -373,20 +373,20 @@ async def test_the_broker_answers_what_ops_asks_of_it():
 
 
 def test_ops_asks_the_broker_and_the_broker_imports_nothing_of_ops():
-    """Layers point down: relay/ops reads the broker's answers, never its store or
+    """Layers point down: relay/broker/ops reads the broker's answers, never its store or
     waiters, and the broker (with its counters) knows nothing of relay/ops."""
     import re
 
     import relay
 
     root = Path(relay.__file__).parent
-    reaching = [f"{path.name}: {m.group(0)}" for path in sorted((root / "ops").glob("*.py"))
+    reaching = [f"{path.name}: {m.group(0)}" for path in sorted((root / "broker/ops").glob("*.py"))
                 for m in re.finditer(r"\.(store|waiters)\b(?!\.interface)",
                                      path.read_text(encoding="utf-8"))]
     assert reaching == []
-    for name in ("broker.py", "counters.py"):
+    for name in ("broker/operations.py", "broker/counters.py"):
         text = (root / name).read_text(encoding="utf-8")
-        assert not re.search(r"^\s*(from|import) relay\.ops", text, re.MULTILINE), name
+        assert not re.search(r"^\s*(from|import) relay\.broker\.ops", text, re.MULTILINE), name
 
 
 def test_per_agent_series_are_capped_and_the_rest_summed():
@@ -472,7 +472,7 @@ def test_throughput_is_a_rate_per_interval():
 
 @pytest_twisted.ensureDeferred
 async def test_overview_cards_only_when_asked_for_and_at_most_the_budget(monkeypatch):
-    from relay import protocol
+    from relay.wire import protocol
 
     ops = Ops()
     card = {"description": "d" * 2000, "skills": ["s" * 100] * 50}

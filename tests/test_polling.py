@@ -9,8 +9,8 @@ import pytest
 from twisted.internet import defer
 from twisted.internet.task import Clock
 
-from relay.errors import RelayError
-from relay.polling import MIN_HELD_SECONDS, drain, poll
+from relay.client.polling import MIN_HELD_SECONDS, drain, poll
+from relay.wire.errors import RelayError
 
 Message = Dict[str, Any]
 # One scripted answer: messages, a RelayError, or (seconds the broker holds it, messages).

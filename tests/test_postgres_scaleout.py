@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from relay.signing import auth_headers, new_nonce
+from relay.wire.signing import auth_headers, new_nonce
 from tests.broker_proc import BrokerProcess
 from tests.conftest import reset_postgres, skip_postgres
 from tests.test_concurrency import Client, Ledger, check, sender, worker

@@ -5,7 +5,7 @@ def test_iso_timestamps_match_javascript_to_iso_string():
     import datetime
     import random
 
-    from relay.protocol import iso_timestamp
+    from relay.wire.protocol import iso_timestamp
 
     rng = random.Random(7)
     for _ in range(20000):

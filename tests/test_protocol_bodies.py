@@ -1,4 +1,4 @@
-"""Request bodies of :mod:`relay.protocol`, tested directly: strict JSON, the sent
+"""Request bodies of :mod:`relay.wire.protocol`, tested directly: strict JSON, the sent
 envelope (seed §2, §5.1) and the v1.0 ack receipt (seed §4).
 
 The seed fixes the envelope's fields, types and defaults and answers every malformed
@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from relay.protocol import (
+from relay.wire.protocol import (
     MAX_ID_CHARS,
     MAX_JSON_DEPTH,
     MAX_JSON_VALUES,

@@ -1,4 +1,4 @@
-"""Numbers and fields of :mod:`relay.protocol`, tested directly.
+"""Numbers and fields of :mod:`relay.wire.protocol`, tested directly.
 
 The rules come from the specs: the seed's ``limit`` ("default 50, clamped to
 1-200", query strings included) and v1.1 ``leaseSeconds`` (an invalid one is
@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from relay.protocol import (
+from relay.wire.protocol import (
     KEEP_CARD,
     MAX_PEERS_LIMIT,
     PEERS_BUDGET_BYTES,

@@ -1,4 +1,4 @@
-"""Ids, names and addresses of :mod:`relay.protocol`, tested directly.
+"""Ids, names and addresses of :mod:`relay.wire.protocol`, tested directly.
 
 Expectations come from the specs: seed §2 (ids are strings the broker keeps
 verbatim), EXTENSIONS.md §4 (failure notice ids derived from the request id),
@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from relay import protocol
-from relay.protocol import (
+from relay.wire import protocol
+from relay.wire.protocol import (
     MAX_ID_CHARS,
     NOTICE_ID_PREFIX,
     address_group,

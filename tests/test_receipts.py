@@ -17,7 +17,7 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
-from relay.receipts import (
+from relay.agent.receipts import (
     RECEIPT_TTL_SECONDS,
     ReceiptStore,
     legacy_receipts_path,
@@ -102,7 +102,7 @@ def test_a_receipt_survives_sigkill_right_after_put_returns(tmp_path: Path) -> N
         import os, signal, sys
         from pathlib import Path
         from twisted.internet.task import Clock
-        from relay.receipts import ReceiptStore
+        from relay.agent.receipts import ReceiptStore
 
         clock = Clock()
         clock.advance({NOW!r})

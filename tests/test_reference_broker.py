@@ -24,11 +24,11 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
-from relay.agent import AgentService, Reject
+from relay.agent.receipts import ReceiptStore
+from relay.agent.runtime import AgentService, Reject
 from relay.cli import run
-from relay.client import RelayClient, RequestFailed, make_http_client
-from relay.errors import RelayError
-from relay.receipts import ReceiptStore
+from relay.client.client import RelayClient, RequestFailed, make_http_client
+from relay.wire.errors import RelayError
 from tests.broker_proc import free_port
 from tests.client_support import Recording, assert_v11_requests
 

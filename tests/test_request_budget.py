@@ -11,11 +11,11 @@ from typing import Any, Dict, List, Tuple
 
 from twisted.internet import defer
 
-from relay.agent import AgentService
+from relay.agent.receipts import ReceiptStore
+from relay.agent.runtime import AgentService
 from relay.cli import run
 from relay.cli.state import REMEMBER_SECONDS
-from relay.client import RelayClient
-from relay.receipts import ReceiptStore
+from relay.client.client import RelayClient
 from relay.testing import SECRET, make_api
 from tests.client_support import Recording, relay_stub
 

@@ -19,9 +19,9 @@ import pytest
 import pytest_twisted
 from twisted.internet.address import IPv4Address, IPv6Address
 
-from relay.http import RelaySite
-from relay.signing import auth_headers
+from relay.broker.site import RelaySite
 from relay.testing import make_api
+from relay.wire.signing import auth_headers
 from tests.broker_proc import BrokerProcess, free_port
 
 CONNECT_SECONDS = 5

@@ -8,8 +8,8 @@ from typing import Any, Dict
 import pytest
 import pytest_twisted
 
-from relay.protocol import MAX_ID_CHARS, notice_id
 from relay.testing import make_api
+from relay.wire.protocol import MAX_ID_CHARS, notice_id
 
 
 async def registered(*agents: str, **broker: Any):
@@ -130,7 +130,7 @@ CARD = {"description": "d" * 2000, "skills": ["s" * 100] * 50}
 
 @pytest_twisted.ensureDeferred
 async def test_peers_stop_at_the_byte_budget_and_page_on_with_after(monkeypatch):
-    from relay import protocol
+    from relay.wire import protocol
 
     _, client, _ = await registered()
     names = [f"agent{i:02d}" for i in range(12)]
@@ -165,7 +165,7 @@ async def test_peers_stop_at_the_byte_budget_and_page_on_with_after(monkeypatch)
 
 
 def test_the_client_pages_through_peers_and_relay_peers_lists_them_all(monkeypatch):
-    from relay import protocol
+    from relay.wire import protocol
     from tests.client_support import Net
 
     net = Net()

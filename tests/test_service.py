@@ -15,12 +15,12 @@ from twisted.logger import capturedLogs
 from twisted.plugin import IPlugin, getPlugins
 from zope.interface.verify import verifyObject
 
-from relay.assembly import assemble
-from relay.service import RelayService
+from relay.broker.assembly import assemble
+from relay.broker.service import RelayService
+from relay.broker.tap import Options, makeService
 from relay.store.interface import IMessageStore, IStoreFactory
 from relay.store.memory import MemoryStore
 from relay.store.plugins import find_store_factory, store_factories
-from relay.tap import Options, makeService
 from relay.testing import RULES, START, make_config, make_rules, new_message
 
 
@@ -52,7 +52,7 @@ def test_memory_store_provides_the_interface():
 
 
 def test_unknown_backend_lists_the_names():
-    from relay.errors import ConfigError
+    from relay.wire.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         find_store_factory("oracle")
@@ -228,7 +228,7 @@ def test_a_short_fractional_ttl_is_swept_within_a_tenth_of_it():
 
 
 def test_expiry_sweep_interval():
-    from relay.service import expiry_sweep_seconds
+    from relay.broker.service import expiry_sweep_seconds
 
     assert expiry_sweep_seconds(0.0) == 0.5
     assert expiry_sweep_seconds(7 * 86400.0) == 60.0
@@ -265,7 +265,7 @@ class SelectReactor:
 
 
 def test_open_files_limit_is_raised_toward_the_hard_limit():
-    from relay.service import raise_open_files_limit
+    from relay.broker.service import raise_open_files_limit
 
     limits = _Limits(1024, 524288)
     assert raise_open_files_limit(EPollReactor(), limits) == 65536
@@ -279,7 +279,7 @@ def test_open_files_limit_is_raised_toward_the_hard_limit():
 
 
 def test_open_files_limit_is_left_alone_when_it_cannot_or_should_not_change():
-    from relay.service import raise_open_files_limit
+    from relay.broker.service import raise_open_files_limit
 
     refused = _Limits(1024, 524288, refuse=True)
     assert raise_open_files_limit(EPollReactor(), refused) == 1024
@@ -324,9 +324,9 @@ async def test_a_backend_section_sets_the_backends_options(tmp_path):
 def test_a_dropin_backend_gets_its_own_section_without_touching_the_config_module(tmp_path):
     from zope.interface import implementer
 
-    from relay.config import load_config
-    from relay.errors import ConfigError
+    from relay.rules.config import load_config
     from relay.store.plugins import open_configured_store
+    from relay.wire.errors import ConfigError
 
     opened = []
 
@@ -395,7 +395,7 @@ def reloading_service(tmp_path, text: str):
 
 
 def test_reload_applies_secrets_acls_limits_and_lockout(tmp_path):
-    from relay.auth import Authenticator
+    from relay.rules.auth import Authenticator
 
     service, conf = reloading_service(
         tmp_path, "broker: {secret: s0123456789abcdef, storage: memory, rateLimitRemote: 10}\n"

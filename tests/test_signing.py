@@ -1,4 +1,4 @@
-"""The signing functions of :mod:`relay.signing`, tested directly against an
+"""The signing functions of :mod:`relay.wire.signing`, tested directly against an
 independent HMAC of the signing strings of seed §3 and EXTENSIONS.md §9.
 
 (The broker's side, the Authenticator, is tested in test_auth.py.)
@@ -11,7 +11,7 @@ import hmac
 
 import pytest
 
-from relay.signing import (
+from relay.wire.signing import (
     AGENT_HEADER,
     NONCE,
     NONCE_HEADER,

@@ -24,8 +24,8 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
-from relay.signing import sign
 from relay.testing import SECRET, START, build_site, make_config
+from relay.wire.signing import sign
 
 RECORDING = os.path.join(os.path.dirname(__file__), "recordings", "site_answers.json")
 RECORD = os.environ.get("RELAY_RECORD_SITE_ANSWERS") == "1"

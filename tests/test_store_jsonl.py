@@ -12,11 +12,11 @@ from twisted.internet import reactor
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 
-from relay.protocol import DONE, FAILED, LEASED, QUEUED
 from relay.store import jsonl as backend
 from relay.store.grouped import GroupCommit
 from relay.store.plugins import open_configured_store
 from relay.testing import RULES, START, ack, make_config, make_rules, new_message
+from relay.wire.protocol import DONE, FAILED, LEASED, QUEUED
 
 LEASE = 60
 MARKER = "body-marker-7f3a"

@@ -7,11 +7,11 @@ from typing import Any, Dict
 import pytest
 import pytest_twisted
 
-from relay import delivery
-from relay.errors import RelayError
-from relay.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.rules import delivery
 from relay.store.jsonl import snapshot_record
 from relay.testing import RULES, START, ack, make_rules, new_message
+from relay.wire.errors import RelayError
+from relay.wire.protocol import DONE, FAILED, LEASED, QUEUED
 from tests.conftest import open_backend
 
 LEASE = 60

@@ -17,13 +17,13 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.task import deferLater
 
-from relay import delivery
-from relay.auth import Lockout
-from relay.errors import ConfigError
-from relay.protocol import LEASED
+from relay.rules import delivery
+from relay.rules.auth import Lockout
 from relay.store import postgres
 from relay.store.plugins import open_configured_store
 from relay.testing import RULES, START, Recorder, make_config, make_rules, new_message
+from relay.wire.errors import ConfigError
+from relay.wire.protocol import LEASED
 from tests.conftest import open_backend, postgres_dsn, reset_postgres
 
 # -- options (no driver, no server) ----------------------------------------------------

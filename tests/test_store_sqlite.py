@@ -15,13 +15,13 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.logger import capturedLogs
 
-from relay import delivery
-from relay.delivery import Message, notice_id
-from relay.errors import ConfigError, RelayError
-from relay.protocol import DONE, LEASED, QUEUED
+from relay.rules import delivery
+from relay.rules.delivery import Message, notice_id
 from relay.store import sqlite as backend
 from relay.store.plugins import open_configured_store
 from relay.testing import RULES, START, ack, make_config, new_message
+from relay.wire.errors import ConfigError, RelayError
+from relay.wire.protocol import DONE, LEASED, QUEUED
 from tests.conftest import open_backend
 
 LEASE = 60

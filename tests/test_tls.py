@@ -38,12 +38,12 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor
 from twisted.logger import capturedLogs
 
-from relay.auth import RateLimiter
-from relay.errors import ConfigError, RelayError
-from relay.protocol import is_loopback_host
-from relay.signing import sign
-from relay.tls import parse_ssl_endpoint, server_endpoints
-from relay.web import _peer_host
+from relay.broker.api import _peer_host
+from relay.broker.tls import parse_ssl_endpoint, server_endpoints
+from relay.rules.auth import RateLimiter
+from relay.wire.errors import ConfigError, RelayError
+from relay.wire.protocol import is_loopback_host
+from relay.wire.signing import sign
 
 SECRET = "tls-test-secret-0123"
 TWISTD = str(Path(sys.executable).with_name("twistd"))
@@ -615,7 +615,7 @@ def rsa_listener(tmp_path_factory) -> Any:
     """An ``ssl:`` listener with an RSA key: the only kind a static-RSA suite could use."""
     from cryptography.hazmat.primitives.asymmetric import rsa
 
-    from relay.tls import TLSListener
+    from relay.broker.tls import TLSListener
 
     d = tmp_path_factory.mktemp("rsa")
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -665,7 +665,7 @@ async def test_only_forward_secret_suites_and_no_client_renegotiation(rsa_listen
     from twisted.internet.protocol import Factory, Protocol
     from twisted.internet.threads import deferToThread
 
-    from relay.tls import TLSServerEndpoint, certificate_options
+    from relay.broker.tls import TLSServerEndpoint, certificate_options
 
     class Echo(Protocol):
         def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)

@@ -19,7 +19,7 @@ from typing import Dict, List
 import pytest
 from twisted.scripts.twistd import ServerOptions
 
-from relay.tap import EXIT_CONFIG_ERROR
+from relay.wire.errors import EXIT_CONFIG_ERROR
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = {"relay.service": "relay.service", "relay-agent@.service": "relay-agent@worker.service"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import Clock
 
-from relay.waiters import Waiters
+from relay.broker.waiters import Waiters
 
 
 class Queue:

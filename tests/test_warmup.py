@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from relay import warmup
-from relay.config import parse_config
-from relay.errors import ConfigError
+from relay.broker import warmup
+from relay.rules.config import parse_config
 from relay.testing import SECRET
+from relay.wire.errors import ConfigError
 
 
 def config(tmp_path: Path, **broker):

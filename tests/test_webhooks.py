@@ -10,14 +10,15 @@ import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred, succeed
 
-from relay import errors, hooks
-from relay.events import Event
-from relay.hooks import HookState
-from relay.protocol import KEEP_CARD
-from relay.signing import verify
+from relay.broker.webhooks import HookSettings, WebhookDelivery
+from relay.rules import hooks
+from relay.rules.events import Event
+from relay.rules.hooks import HookState
 from relay.store.memory import MemoryStore
 from relay.testing import RULES, START, make_config, new_message
-from relay.webhooks import HookSettings, WebhookDelivery
+from relay.wire import errors
+from relay.wire.protocol import KEEP_CARD
+from relay.wire.signing import verify
 from tests.http_support import Broker
 
 AGENT_SECRET = "beta-own-secret-0123456789"

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import yaml
 
-from relay.signing import verify
+from relay.wire.signing import verify
 from tests.broker_proc import BrokerProcess
 
 SECRETS = {"alpha": "alpha-own-secret-0123456789", "beta": "beta-own-secret-0123456789"}

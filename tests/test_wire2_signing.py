@@ -1,4 +1,4 @@
-"""The v2/v3 wire's canonical JSON and signatures (relay.wire2): the reference's golden
+"""The v2/v3 wire's canonical JSON and signatures (relay.wire.v2): the reference's golden
 vectors, sign and verify agreeing, and every refusal of a keyring check."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from relay.wire2.canonical import canonical_body, canonical_text
-from relay.wire2.signing import (
+from relay.wire.v2.canonical import canonical_body, canonical_text
+from relay.wire.v2.signing import (
     MAX_CLOCK_SKEW_SECONDS,
     Refusal,
     SignedHeaders,

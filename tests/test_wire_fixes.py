@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from relay.signing import sign
+from relay.wire.signing import sign
 from tests.broker_proc import BrokerProcess
 from tests.conftest import broker_storage
 

@@ -1,7 +1,7 @@
 """A v2/v3 client for the tests, written from the reference's PROTOCOL-V2 (§3-§5).
 
 It serializes each body as canonical JSON, signs those bytes with the v2 scheme (or
-v3 with a key id) through :mod:`relay.wire2`, and sends those bytes, as the
+v3 with a key id) through :mod:`relay.wire.v2`, and sends those bytes, as the
 reference's own clients do. It speaks through a treq ``HTTPClient``: over
 ``treq.testing.RequestTraversalAgent`` in memory (time from a ``task.Clock``), or
 over the reactor's TCP to a real broker process.
@@ -19,8 +19,8 @@ from treq.client import HTTPClient
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 
-from relay.wire2.canonical import canonical_body
-from relay.wire2.signing import signed_headers
+from relay.wire.v2.canonical import canonical_body
+from relay.wire.v2.signing import signed_headers
 
 
 def _fresh_connections() -> HTTPClient:

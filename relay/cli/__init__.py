@@ -1,7 +1,7 @@
 """The ``relay`` command: talk to a dsh-agent-relay broker from a shell.
 
 Connection settings come from flags (before or after the subcommand), then
-the environment, then ``~/.dsh-relay.json`` (see :mod:`relay.settings`).
+the environment, then ``~/.dsh-relay.json`` (see :mod:`relay.client.settings`).
 The subcommands are the entries of :data:`relay.cli.commands.COMMANDS`.
 
 Exit status: 0 on success, 1 on a broker or network error, 2 on a usage error,
@@ -24,9 +24,9 @@ from relay.cli.command import Context
 from relay.cli.output import Console, printable
 from relay.cli.parser import Exit, parse
 from relay.cli.state import STATE_FILE, BrokerMemory
-from relay.client import RETRY_DELAYS_SECONDS, RelayClient
-from relay.errors import RelayError
-from relay.settings import UsageError
+from relay.client.client import RETRY_DELAYS_SECONDS, RelayClient
+from relay.client.settings import UsageError
+from relay.wire.errors import RelayError
 
 __all__ = ["main", "run"]
 
@@ -49,7 +49,7 @@ async def run(
     """Run one ``relay`` command line on ``reactor``; the exit status.
 
     ``env``, ``home``, ``out``, ``err`` and ``stdin`` default to the process's
-    own; ``http`` replaces the HTTP client (tests pass :class:`relay.loopback.MemoryHTTP`).
+    own; ``http`` replaces the HTTP client (tests pass :class:`relay.broker.loopback.MemoryHTTP`).
     ``interactive`` (default: whether ``err`` is a terminal) prints a line on
     ``err`` before each retry.
     """

@@ -11,8 +11,8 @@ from typing import Any, Awaitable, Callable, Mapping, TextIO
 from twisted.internet.interfaces import IReactorTime
 
 from relay.cli.output import Console
-from relay.client import RETRY_DELAYS_SECONDS, RelayClient
-from relay.settings import Settings
+from relay.client.client import RETRY_DELAYS_SECONDS, RelayClient
+from relay.client.settings import Settings
 
 
 def _no_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +71,8 @@ class Context:
     # The parser that read this command line (``relay completion`` prints its script).
     parser: argparse.ArgumentParser
     env: Mapping[str, str] = field(default_factory=dict)
-    http: Any = None  # an HTTP client replacing the default (tests pass relay.loopback.MemoryHTTP)
+    # an HTTP client replacing the default (tests pass relay.broker.loopback.MemoryHTTP)
+    http: Any = None
 
     @cached_property
     def client(self) -> RelayClient:

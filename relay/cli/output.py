@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
 
-from relay.protocol import notice_id
+from relay.wire.protocol import notice_id
 
 # Characters that a terminal may act on, or that reorder or break the text
 # around them: C0, DEL and C1 controls, the bidirectional embeddings,

@@ -16,9 +16,8 @@ import shtab
 from relay import __version__
 from relay.cli.command import Command, retries
 from relay.cli.commands import COMMANDS
-from relay.client import RETRY_DELAYS_SECONDS
-from relay.protocol import PROTOCOL_VERSION
-from relay.settings import (
+from relay.client.client import RETRY_DELAYS_SECONDS
+from relay.client.settings import (
     DEFAULT_BROKER_URL,
     ENV_AGENT,
     ENV_BROKER,
@@ -33,6 +32,7 @@ from relay.settings import (
     UsageError,
     resolve_settings,
 )
+from relay.wire.protocol import PROTOCOL_VERSION
 
 PROG = "relay"
 DESCRIPTION = "Talk to a dsh-agent-relay broker (wire protocol 1.0)."

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from relay.files import read_json, write_json_atomic
+from relay.files.private import read_json, write_json_atomic
 
 STATE_FILE = ".dsh-relay-state.json"
 # Receipts are remembered past the broker's default message TTL (7 days): a

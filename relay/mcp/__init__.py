@@ -1,7 +1,7 @@
 """``relay mcp``: the relay as Model Context Protocol tools, for one agent identity.
 
 A coding agent (an MCP client) starts ``relay mcp`` and calls its tools over
-stdio; each tool is one relay operation done by :class:`relay.client.RelayClient`
+stdio; each tool is one relay operation done by :class:`relay.client.client.RelayClient`
 as the agent the command's settings name. The modules:
 
 - :mod:`relay.mcp.tools`: :class:`~relay.mcp.tools.RelayTools`, the session and

@@ -1,7 +1,7 @@
 """Where the MCP SDK's asyncio loop and the Twisted reactor meet: the only place.
 
 ``relay mcp`` runs inside the ``relay`` command, that is inside a running
-Twisted reactor in the main thread, and :class:`relay.client.RelayClient` (one
+Twisted reactor in the main thread, and :class:`relay.client.client.RelayClient` (one
 client, one signing implementation) must be called in that thread. The MCP SDK
 is built on anyio over asyncio, with an event loop of its own. So:
 

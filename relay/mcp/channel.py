@@ -26,11 +26,11 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
-from relay.client import RelayClient
-from relay.errors import RelayError
+from relay.client.client import RelayClient
+from relay.client.sse import MESSAGE, RESET
 from relay.mcp.tools import UNTRUSTED
-from relay.protocol import MESSAGE_KINDS
-from relay.sse import MESSAGE, RESET
+from relay.wire.errors import RelayError
+from relay.wire.protocol import MESSAGE_KINDS
 
 # What the model is told to do with each kind of message.
 NEXT = {

@@ -19,8 +19,8 @@ import ssl
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
-from relay.protocol import is_loopback_host
-from relay.settings import UsageError
+from relay.client.settings import UsageError
+from relay.wire.protocol import is_loopback_host
 
 PATH = "/mcp"
 MIN_TOKEN_CHARS = 16

@@ -31,7 +31,7 @@ from pydantic import Field, ValidationError
 from twisted.internet import defer
 
 from relay import __version__
-from relay.client import MAX_OPTIONS
+from relay.client.client import MAX_OPTIONS
 from relay.mcp.bridge import AsyncioThread, ReactorBridge
 from relay.mcp.channel import ChannelFollower
 from relay.mcp.tools import (
@@ -42,7 +42,7 @@ from relay.mcp.tools import (
     ToolFailure,
     failure_of,
 )
-from relay.protocol import MAX_PRIORITY
+from relay.wire.protocol import MAX_PRIORITY
 
 # -- argument types (the JSON schemas the client sees) ------------------------------
 

@@ -39,7 +39,7 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall, deferLater
 
-from relay.client import (
+from relay.client.client import (
     RelayClient,
     RequestFailed,
     RequestTimeout,
@@ -48,8 +48,8 @@ from relay.client import (
     broker_notice,
     question_body,
 )
-from relay.errors import RelayError
-from relay.protocol import (
+from relay.wire.errors import RelayError
+from relay.wire.protocol import (
     GROUP_PREFIX,
     KEEP_CARD,
     MAX_PRIORITY,

@@ -9,7 +9,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 
-from relay.errors import ConfigError
+from relay.wire.errors import ConfigError
 
 
 def make_data_dir(data_dir: str) -> str:
@@ -18,7 +18,7 @@ def make_data_dir(data_dir: str) -> str:
     is logged, by path."""
     from twisted.logger import Logger
 
-    from relay.files import private_dir
+    from relay.files.private import private_dir
 
     try:
         private_dir(data_dir)

@@ -9,9 +9,9 @@ or writes records returns a Deferred, also in memory, so a networked backend
 fits the same contract (``space_left`` answers at once; ``subscribe``,
 ``observe_commits`` register a listener). The
 delivery rules themselves (spec §5.1) are the transitions of
-:mod:`relay.delivery`; a store keeps the records and indexes, applies the
+:mod:`relay.rules.delivery`; a store keeps the records and indexes, applies the
 transitions it is handed, and reports what its committed changes mean for
-waiting requests (:class:`relay.delivery.Changes`) to its subscribers.
+waiting requests (:class:`relay.rules.delivery.Changes`) to its subscribers.
 Messages a store returns are copies: changing them changes nothing stored.
 Times are epoch seconds (floats) from the broker's clock.
 
@@ -26,7 +26,7 @@ from typing import Optional
 
 from zope.interface import Attribute, Interface
 
-from relay.protocol import KEEP_CARD
+from relay.wire.protocol import KEEP_CARD
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,12 @@ class IMessageStore(Interface):
     name = Attribute("The backend's name, as reported by GET / in ``storage``.")
 
     def subscribe(listener):
-        """Call ``listener(changes)`` with the :class:`relay.delivery.Changes` of
+        """Call ``listener(changes)`` with the :class:`relay.rules.delivery.Changes` of
         every change once it is durable: this store's own, and, for a store shared
         by several brokers, those another broker made."""
 
     def add(message, rules, registered_recipient=False):
-        """Store a new message (a :class:`relay.delivery.Message` without a seq).
+        """Store a new message (a :class:`relay.rules.delivery.Message` without a seq).
 
         The store assigns the next sequence number. Fires with True when stored,
         False when a message with that id already exists (deduplication); fires
@@ -63,12 +63,12 @@ class IMessageStore(Interface):
         404 ``no_such_agent`` first when ``message.to`` never registered (spec §2),
         decided in the same operation. Errbacks 429 ``inbox_full`` when the
         recipient's pending (queued or leased) messages would exceed a limit of
-        ``rules`` (:func:`relay.delivery.inbox_full`), counted exactly (also
+        ``rules`` (:func:`relay.rules.delivery.inbox_full`), counted exactly (also
         across brokers sharing the store) from counters, never by a scan.
         """
 
     def add_group(copies, sender, sent_id, rules):
-        """Store the copies of a group send (REACH §13; :func:`relay.delivery.group_copies`)
+        """Store the copies of a group send (REACH §13; :func:`relay.rules.delivery.group_copies`)
         in one transaction, all or none. Fires with ``(True, copies)`` once durable,
         or ``(False, the copies stored before)`` when ``sender`` sent ``sent_id``
         already (the same on every broker sharing the store). Errbacks 429
@@ -84,7 +84,7 @@ class IMessageStore(Interface):
         """v1.0 poll: fires with ``(messages, cursor)``.
 
         Lapsed leases are released first. The page is
-        :func:`relay.delivery.poll_page` of the queued messages to ``agent``:
+        :func:`relay.rules.delivery.poll_page` of the queued messages to ``agent``:
         the recovery deliveries at or before ``since_id``'s sequence, then
         those after it (all when None or unknown); at most ``limit``.
         """
@@ -93,7 +93,7 @@ class IMessageStore(Interface):
         """Lease up to ``limit`` deliverable messages to ``agent`` from its own queue
         and the queues of the roles it holds (REACH §13: by ``rules.roles``, and for
         a ``selfJoin`` role by its card's ``roles``), higher priority first, then
-        oldest first (:func:`relay.delivery.rank`, REACH §14); with ``parent_id``:
+        oldest first (:func:`relay.rules.delivery.rank`, REACH §14); with ``parent_id``:
         only those whose ``parent_id`` or ``reply_to`` is it; with ``role``: from
         that role's queue alone (404 ``no_such_agent`` for a role not configured,
         403 ``forbidden`` for one ``agent`` does not hold). A role message leased
@@ -105,27 +105,27 @@ class IMessageStore(Interface):
         """
 
     def settle(message_id, transition, now, rules):
-        """Apply :func:`relay.delivery.catch_up`, then ``transition(message, now)`` (a
-        :mod:`relay.delivery` transition) to the message of that id, in one
+        """Apply :func:`relay.rules.delivery.catch_up`, then ``transition(message, now)`` (a
+        :mod:`relay.rules.delivery` transition) to the message of that id, in one
         transaction: its changes, the failure notices of its
-        :class:`~relay.delivery.Outcome` (one per request: an existing notice id is
-        not stored again) and its reply. A :class:`relay.delivery.WithStored`
+        :class:`~relay.rules.delivery.Outcome` (one per request: an existing notice id is
+        not stored again) and its reply. A :class:`relay.rules.delivery.WithStored`
         transition is applied as ``decide(message, other, now)``, ``other`` the
         message ``other_id`` as read in the same transaction (None when unknown or
         expired): an ack with a reply, its duplicate rule included, and a v1.0
         receipt are each one settle. What ``catch_up`` changed is kept also when
         the transition raises. Fires with the outcome's value.
 
-        Errbacks with :class:`relay.errors.RelayError`: 404 ``no_such_message``
-        for an unknown or expired id, :class:`relay.delivery.IdConflict` when the
+        Errbacks with :class:`relay.wire.errors.RelayError`: 404 ``no_such_message``
+        for an unknown or expired id, :class:`relay.rules.delivery.IdConflict` when the
         reply's id exists, 429 ``inbox_full`` when the reply would overfill its
         recipient's inbox (in both cases nothing is written), or whatever the
         transition raised.
         """
 
     def status(message_ids, agent, now, rules):
-        """Fires with one :meth:`~relay.delivery.Message.status_entry` per id; for the
-        id of a group send of ``agent``, :func:`relay.delivery.group_status` of its
+        """Fires with one :meth:`~relay.rules.delivery.Message.status_entry` per id; for the
+        id of a group send of ``agent``, :func:`relay.rules.delivery.group_status` of its
         copies; ``not_found`` for ids ``agent`` neither sent, received nor held the
         lease of (a role message)."""
 
@@ -147,7 +147,7 @@ class IMessageStore(Interface):
 
     def register(agent, now, card=KEEP_CARD, max_agents=0):
         """Record a heartbeat of ``agent`` at ``now`` with its peer card (a dict; None
-        removes it; :data:`relay.protocol.KEEP_CARD` keeps the stored one); fires
+        removes it; :data:`relay.wire.protocol.KEEP_CARD` keeps the stored one); fires
         with None. Errbacks 403 ``forbidden`` for a new agent when ``max_agents``
         (0: no limit) are registered already."""
 
@@ -199,10 +199,10 @@ class ISharedLockouts(Interface):
     N brokers do not give an attacker N times the attempts (spec §3 lockout)."""
 
     def share_lockouts(lockout):
-        """Count the failures of ``lockout`` (a :class:`relay.auth.Lockout`) for every
+        """Count the failures of ``lockout`` (a :class:`relay.rules.auth.Lockout`) for every
         broker, by its rules, and apply to it the locks other brokers decide and the
         unlocks operators make; returns the object ``lockout`` reports to
-        (:class:`relay.auth.SharedLockouts`). Its ``failed`` fires once the failure
+        (:class:`relay.rules.auth.SharedLockouts`). Its ``failed`` fires once the failure
         is counted and a lock it caused applied to ``lockout``: the HTTP layer
         answers the refusal after that."""
 
@@ -232,11 +232,11 @@ class IStoreFactory(Interface):
     def parse_options(section, config):
         """Validate this backend's own config section ``broker.<name>`` (a mapping;
         ``{}`` when the file has none) against the broker's
-        :class:`relay.config.Config`; returns the options :meth:`open` takes.
+        :class:`relay.rules.config.Config`; returns the options :meth:`open` takes.
 
-        Raises :class:`relay.errors.ConfigError` naming ``broker.<name>.<key>``.
-        The built-in backends describe their keys as :class:`relay.config.Setting`
-        rows and read them with :func:`relay.config.read_settings`; a plugin may too.
+        Raises :class:`relay.wire.errors.ConfigError` naming ``broker.<name>.<key>``.
+        The built-in backends describe their keys as :class:`relay.rules.config.Setting`
+        rows and read them with :func:`relay.rules.config.read_settings`; a plugin may too.
         """
 
     def open(config, options, reactor):
@@ -249,6 +249,6 @@ class IStoreFactory(Interface):
         :class:`twisted.internet.task.Clock` in tests); one that cannot raises
         TypeError. No store imports the global reactor.
 
-        Raises :class:`relay.errors.ConfigError` (with the path and the reason)
+        Raises :class:`relay.wire.errors.ConfigError` (with the path and the reason)
         when the store cannot be opened.
         """

@@ -75,12 +75,16 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from relay.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
-from relay.delivery import DEAD_REASONS, Message
-from relay.errors import ConfigError, RelayError
-from relay.events import MESSAGE, STATUS, Event
-from relay.files import FreeSpace, private_file
-from relay.protocol import (
+from relay.files.private import FreeSpace, private_file
+from relay.rules.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
+from relay.rules.delivery import DEAD_REASONS, Message
+from relay.rules.events import MESSAGE, STATUS, Event
+from relay.store import make_data_dir, off_the_reactor
+from relay.store.grouped import GroupCommit
+from relay.store.memory import MemoryRecords
+from relay.store.records import RecordStore
+from relay.wire.errors import ConfigError, RelayError
+from relay.wire.protocol import (
     KEEP_CARD,
     MAX_PRIORITY,
     MESSAGE_KINDS,
@@ -90,10 +94,6 @@ from relay.protocol import (
     iso_timestamp,
     parse_card,
 )
-from relay.store import make_data_dir, off_the_reactor
-from relay.store.grouped import GroupCommit
-from relay.store.memory import MemoryRecords
-from relay.store.records import RecordStore
 
 log = Logger(namespace="relay.store.jsonl")
 
@@ -759,7 +759,7 @@ class JsonlStore(RecordStore):
         return succeed(None)
 
 
-# The keys of ``broker.jsonl`` (see relay.config.Setting); the section is read at start.
+# The keys of ``broker.jsonl`` (see relay.rules.config.Setting); the section is read at start.
 SETTINGS = (
     Setting("broker.jsonl", "sync", "sync", "choice", choices=SYNC_LEVELS, restart=True,
             default_from="sync"),

@@ -11,13 +11,13 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from relay import delivery
-from relay.delivery import PENDING, Message
-from relay.errors import ConfigError
-from relay.events import Event
-from relay.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
+from relay.rules import delivery
+from relay.rules.delivery import PENDING, Message
+from relay.rules.events import Event
 from relay.store.interface import QueueDepth
 from relay.store.records import Records, RecordStore, RoleJoins
+from relay.wire.errors import ConfigError
+from relay.wire.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
 
 # The states whose messages are counted per agent (QueueDepth).
 _COUNTED = (QUEUED, LEASED, FAILED)

@@ -12,8 +12,8 @@ from typing import Any, Dict, Mapping, Optional
 from twisted.plugin import IPlugin, getPlugins
 from zope.interface import implementer
 
-from relay.errors import ConfigError
 from relay.store.interface import IStoreFactory
+from relay.wire.errors import ConfigError
 
 
 @implementer(IPlugin, IStoreFactory)

@@ -12,7 +12,7 @@ brokers is done in SQL:
   ``UPDATE … RETURNING`` that leases them (not ``WHERE seq IN (subquery)``,
   which may claim more rows than the limit: PostgreSQL bug #15715). Two brokers
   never lease one message at once; lapsed leases are released first, by the
-  rules of :mod:`relay.delivery`, in the same transaction.
+  rules of :mod:`relay.rules.delivery`, in the same transaction.
 - **Sequence numbers** are taken under a transaction-scoped advisory lock on the
   recipient: the next number for an agent is taken only after the previous
   transaction that took one for that agent has ended, so a lower number never
@@ -29,7 +29,7 @@ brokers is done in SQL:
 - **Wake-ups** cross brokers by ``LISTEN/NOTIFY``: a transaction that changes
   what waiters wait for sends one notification (the agents concerned, and lease
   deadlines) that commits with it; every other broker turns it into the same
-  :class:`relay.delivery.Changes` its own writes give, lease deadlines included,
+  :class:`relay.rules.delivery.Changes` its own writes give, lease deadlines included,
   so a broker wakes its waiters at a deadline another broker set. One dedicated
   autocommit connection per broker listens, reconnecting by itself.
   Notifications are lost only while it is down: then a fallback look every
@@ -83,16 +83,17 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
-from relay import delivery, errors
-from relay.auth import AGENT_LOCK_ADDRESSES, EVERY_ADDRESS
-from relay.config import Config, Setting, check_keys, read_settings, table_keys
-from relay.delivery import Changes, Message, Rules, Transition, WithStored
-from relay.errors import ConfigError, RelayError
-from relay.events import ALL_AGENTS, Event
-from relay.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STATUSES
+from relay.rules import delivery
+from relay.rules.auth import AGENT_LOCK_ADDRESSES, EVERY_ADDRESS
+from relay.rules.config import Config, Setting, check_keys, read_settings, table_keys
+from relay.rules.delivery import Changes, Message, Rules, Transition, WithStored
+from relay.rules.events import ALL_AGENTS, Event
 from relay.store import records as ops
 from relay.store.interface import IMessageStore, ISharedLockouts, ISharedNonces, QueueDepth
 from relay.store.records import EXPIRE_BATCH, Records
+from relay.wire import errors
+from relay.wire.errors import ConfigError, RelayError
+from relay.wire.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STATUSES
 
 log = Logger(namespace="relay.store.postgres")
 
@@ -216,13 +217,13 @@ _SAVE = (
     "WHERE m.seq = v.seq AND m.version = v.version"
 )
 # The lease of delivery.lease, given to up to ``limit`` queued messages at once.
-# Deliverable at now: not held back and not past its TTL (relay.delivery.deliverable).
+# Deliverable at now: not held back and not past its TTL (relay.rules.delivery.deliverable).
 _DUE = ("(not_before IS NULL OR not_before <= %(now)s) "
         "AND (expires_at IS NULL OR expires_at > %(now)s)")
 _LIVE = "(expires_at IS NULL OR expires_at > %(now)s)"
 _PARENT = "(parent_id = %(parent)s OR reply_to = %(parent)s)"
 # Each queue of the pull (the agent's, its roles': REACH §13) read in the order a
-# pull leases (relay.delivery.rank: higher priority first, then seq) on
+# pull leases (relay.rules.delivery.rank: higher priority first, then seq) on
 # relay_messages_ranked, locked, skipping rows another broker holds; the first
 # ``limit`` of them all by rank are leased. A role message records its holder.
 _CLAIM = (
@@ -602,8 +603,8 @@ class PostgresRecords(Records):
     def claim(self, agent: str, queues: Sequence[str], limit: int, lease_seconds: float,
               now: float, rules: Rules, parent_id: Optional[str] = None) -> List[Message]:
         """Lease up to ``limit`` deliverable messages of ``queues`` to ``agent`` (with
-        ``parent_id``: those answering it) in the order of :func:`relay.delivery.rank`,
-        in one statement: the state :func:`relay.delivery.lease` gives; notes their
+        ``parent_id``: those answering it) in the order of :func:`relay.rules.delivery.rank`,
+        in one statement: the state :func:`relay.rules.delivery.lease` gives; notes their
         deadlines."""
         until = delivery.now_ms(now) + int(lease_seconds * 1000)
         lease_ids = [delivery.new_lease_id() for _ in range(limit)]
@@ -817,7 +818,7 @@ def heard(payload: str) -> Tuple[Optional[str], Changes, bool, Dict[str, Any]]:
 def pull(records: PostgresRecords, agent: str, limit: int, lease_seconds: float, now: float,
          rules: Rules, parent_id: Optional[str] = None,
          role: Optional[str] = None) -> List[Message]:
-    """Release lapsed leases (the rules of relay.delivery), then claim from the agent's
+    """Release lapsed leases (the rules of relay.rules.delivery), then claim from the agent's
     queues (:func:`relay.store.records.queues`) in one statement."""
     ops.release_lapsed(records, now, rules)
     found = ops.queues(records, agent, rules, role)
@@ -1435,7 +1436,7 @@ def _ignore_unavailable(failure) -> None:
 def lockout_failed(records: PostgresRecords, agent: str, address: str, now: float, after: int,
                    seconds: float) -> Optional[Tuple[str, float]]:
     """Count a failure of ``agent`` from ``address`` for every broker, by the rules of
-    :class:`relay.auth.Lockout`; the lock it caused (its address, or ``*`` for the
+    :class:`relay.rules.auth.Lockout`; the lock it caused (its address, or ``*`` for the
     agent's own, and its end), or None."""
     cursor = records.cursor
     cursor.execute(STATEMENTS["lockout_spread"],
@@ -1516,10 +1517,10 @@ def nonce_forget(records: PostgresRecords, now: int) -> int:
 class PostgresLockouts:
     """Lockout counters shared by every broker on the database.
 
-    The authentication path reads the broker's own :class:`relay.auth.Lockout`,
+    The authentication path reads the broker's own :class:`relay.rules.auth.Lockout`,
     at once. Each failure is also counted in ``relay_lockouts`` (one transaction,
     by the same rules), and the refusal is answered only once that is done
-    (:attr:`relay.errors.RelayError.pending`): the broker whose count reaches a
+    (:attr:`relay.wire.errors.RelayError.pending`): the broker whose count reaches a
     lock sets it there, applies it to its own ``Lockout`` before answering, and
     notifies the others, which apply it to theirs when PostgreSQL delivers the
     notification (sent at the commit, before the refusal is answered). N brokers
@@ -1563,7 +1564,7 @@ class PostgresLockouts:
         log.warn("postgres: shared lockout counters not updated ({kind})",
                  kind=failure.type.__name__)
 
-    # -- what relay.auth.Lockout reports ---------------------------------------------------
+    # -- what relay.rules.auth.Lockout reports ---------------------------------------------------
 
     def failed(self, agent: str, address: str) -> Deferred:
         self._note(agent, address)
@@ -1645,7 +1646,7 @@ def _pair(value: Any) -> Optional[Tuple[str, str]]:
 # -- configuration and opening -----------------------------------------------------------
 
 
-# The keys of ``broker.postgres`` (see relay.config.Setting); the section is read at start.
+# The keys of ``broker.postgres`` (see relay.rules.config.Setting); the section is read at start.
 SETTINGS = (
     Setting("broker.postgres", "dsn", "dsn", "text", None,
             shown="— (required with `storage: postgres`)", restart=True),

@@ -2,7 +2,7 @@
 
 A backend provides :class:`Records`: a few indexed, synchronous reads and writes
 of message rows and peers. The operations below apply the rules of
-:mod:`relay.delivery` to them — the lapsed-lease release before every read, the
+:mod:`relay.rules.delivery` to them — the lapsed-lease release before every read, the
 v1.0 page with its recovery deliveries, leasing, "persist whatever a transition
 changed", and what each change means for waiting requests — so no backend
 writes a delivery rule of its own. :class:`RecordStore` runs them as an
@@ -30,12 +30,13 @@ from typing import (
 from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
 from zope.interface import implementer
 
-from relay import delivery, errors, events
-from relay.delivery import Changes, Message, Rules, Transition, WithStored
-from relay.events import Event, EventPage
-from relay.protocol import KEEP_CARD
+from relay.rules import delivery, events
+from relay.rules.delivery import Changes, Message, Rules, Transition, WithStored
+from relay.rules.events import Event, EventPage
 from relay.store.grouped import GroupCommit
 from relay.store.interface import IMessageStore, QueueDepth
+from relay.wire import errors
+from relay.wire.protocol import KEEP_CARD
 
 EXPIRE_BATCH = 2000
 # The row of the webhook states that names the broker delivering webhooks (no agent
@@ -82,7 +83,7 @@ class RoleJoins:
 class Records:
     """A backend's synchronous primitives. Messages handed out are copies owned by
     the caller; :meth:`save` writes their delivery state back. Listings leave out
-    messages whose ``ttlSeconds`` ran out (:func:`relay.delivery.expired`), and may
+    messages whose ``ttlSeconds`` ran out (:func:`relay.rules.delivery.expired`), and may
     stop before ``limit`` once they hold :data:`RESPONSE_BUDGET_BYTES` (the
     operations cut them there anyway).
 
@@ -133,7 +134,7 @@ class Records:
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
                parent_id: Optional[str] = None) -> List[Message]:
-        """Deliverable messages to ``agent`` (:func:`relay.delivery.deliverable`) with
+        """Deliverable messages to ``agent`` (:func:`relay.rules.delivery.deliverable`) with
         a sequence after ``after_seq``, in order; with ``parent_id``, only those
         whose ``parent_id`` or ``reply_to`` equals it."""
         raise NotImplementedError
@@ -141,7 +142,7 @@ class Records:
     def ranked(self, queues: Sequence[str], limit: int, now: float,
                parent_id: Optional[str] = None) -> List[Message]:
         """Up to ``limit`` deliverable messages addressed to any of ``queues`` (an
-        agent, role addresses), in the order a pull leases (:func:`relay.delivery.rank`:
+        agent, role addresses), in the order a pull leases (:func:`relay.rules.delivery.rank`:
         higher priority first, then by sequence); with ``parent_id``, only those whose
         ``parent_id`` or ``reply_to`` equals it. Flat-cost at any depth: from an index
         of the queued messages above priority 0 and the queue in sequence order."""
@@ -198,7 +199,7 @@ class Records:
 
     def register(self, agent: str, now: float, card: Any) -> None:
         """A heartbeat; ``card`` is the new card, None to remove it, or
-        :data:`relay.protocol.KEEP_CARD`."""
+        :data:`relay.wire.protocol.KEEP_CARD`."""
         raise NotImplementedError
 
     def is_registered(self, agent: str) -> bool:
@@ -241,7 +242,7 @@ class Records:
     # -- webhooks (REACH §12) -----------------------------------------------------------
 
     def webhook_states(self) -> Dict[str, str]:
-        """Every agent's webhook state (JSON text: :mod:`relay.hooks`), by agent."""
+        """Every agent's webhook state (JSON text: :mod:`relay.rules.hooks`), by agent."""
         raise NotImplementedError
 
     def webhook_state(self, agent: str) -> Optional[str]:
@@ -429,7 +430,7 @@ def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: fl
          rules: Rules, parent_id: Optional[str] = None,
          role: Optional[str] = None) -> List[Message]:
     """Lease from ``agent``'s queues (:func:`queues`) in the order of
-    :func:`relay.delivery.rank`."""
+    :func:`relay.rules.delivery.rank`."""
     release_lapsed(records, now, rules)
     found = queues(records, agent, rules, role)
     messages = _budgeted(records.ranked(found, limit, now, parent_id))
@@ -444,7 +445,7 @@ def pull(records: Records, agent: str, limit: int, lease_seconds: float, now: fl
 def settle(records: Records, message_id: str,
            transition: Union[Transition, WithStored], now: float, rules: Rules) -> Any:
     """One transition of one message, with what it stores, in one operation; a
-    :class:`~relay.delivery.WithStored` transition sees its second message as read in
+    :class:`~relay.rules.delivery.WithStored` transition sees its second message as read in
     the same operation."""
     message = records.get(message_id)
     if message is None or delivery.expired(message, now):
@@ -555,7 +556,7 @@ def expire(records: Records, cutoff: float, now: float, rules: Rules, batch: int
 
 def read_events(records: Records, agent: str, position: Optional[int],
                 limit: int) -> EventPage:
-    """The events of ``agent`` after ``position`` (:func:`relay.events.parse_event_id`;
+    """The events of ``agent`` after ``position`` (:func:`relay.rules.events.parse_event_id`;
     None: none, the stream starts at the present), or a reset when the store cannot
     resume from there."""
     floor, last = records.event_marks(agent)

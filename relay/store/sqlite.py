@@ -3,7 +3,7 @@
 The database is the source of truth: messages and peers live in indexed
 tables (``sqlite-v4.sql``) and every operation reads and writes only the rows
 it needs; no copy of the messages is kept in memory. The delivery rules are
-those of :mod:`relay.delivery`: a row is read, the rule applied to it, and
+those of :mod:`relay.rules.delivery`: a row is read, the rule applied to it, and
 what changed written back.
 
 Durability: statements run synchronously on the reactor thread (each costs
@@ -55,17 +55,17 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from relay import delivery
-from relay.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
-from relay.delivery import PENDING, Message
-from relay.errors import ConfigError
-from relay.events import Event
-from relay.files import FreeSpace, private_file
-from relay.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
+from relay.files.private import FreeSpace, private_file
+from relay.rules import delivery
+from relay.rules.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
+from relay.rules.delivery import PENDING, Message
+from relay.rules.events import Event
 from relay.store import make_data_dir, off_the_reactor
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
 from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore, RoleJoins
+from relay.wire.errors import ConfigError
+from relay.wire.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
 
 log = Logger(namespace="relay.store.sqlite")
 
@@ -1025,7 +1025,7 @@ def open_database(path: str, data_dir: str, sync: str, now: float) -> sqlite3.Co
     return db
 
 
-# The keys of ``broker.sqlite`` (see relay.config.Setting); the section is read at start.
+# The keys of ``broker.sqlite`` (see relay.rules.config.Setting); the section is read at start.
 SETTINGS = (
     Setting("broker.sqlite", "sync", "sync", "choice", choices=SYNC_LEVELS, restart=True,
             default_from="sync"),

@@ -1,5 +1,5 @@
 """The relay's endpoint-string parser: ``relay-tls:``, the checked TLS listener."""
 
-from relay.tls import TLSListenerParser
+from relay.broker.tls import TLSListenerParser
 
 relayTLS = TLSListenerParser()

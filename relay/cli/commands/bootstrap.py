@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Sequence
 from relay.cli.command import Context, port_number
 from relay.cli.commands.broker import selfcheck_agent_names
 from relay.cli.output import Console
-from relay.errors import RelayError
-from relay.files import write_atomic
-from relay.settings import UsageError
+from relay.client.settings import UsageError
+from relay.files.private import write_atomic
+from relay.wire.errors import RelayError
 
 # `relay init` writes its broker into a directory of its own, so that broker
 # shares no config, secret, data or pid file with a checkout's `make run`.

@@ -6,11 +6,11 @@ import argparse
 import json
 from typing import Any, Tuple
 
-from relay.agent import card_of
+from relay.agent.runtime import card_of
 from relay.cli.command import Context, card_arguments
 from relay.cli.output import table
-from relay.protocol import KEEP_CARD, SELFCHECK_AGENT
-from relay.settings import UsageError
+from relay.client.settings import UsageError
+from relay.wire.protocol import KEEP_CARD, SELFCHECK_AGENT
 
 
 def selfcheck_agent_names(tag: str) -> Tuple[str, str]:

@@ -8,8 +8,8 @@ from typing import Any, Mapping
 
 from relay.cli.command import Context, positive_int
 from relay.cli.output import one_line
-from relay.errors import RelayError
-from relay.sse import MESSAGE, RESET, STATUS, RelayEvent
+from relay.client.sse import MESSAGE, RESET, STATUS, RelayEvent
+from relay.wire.errors import RelayError
 
 EVENTS_DESCRIPTION = """\
 Follow this agent's events until interrupted (or --count events): a message

@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 from relay.cli.command import Context, non_negative_int, positive_int
 from relay.cli.output import print_messages
-from relay.errors import RelayError
+from relay.wire.errors import RelayError
 
 PULL_DESCRIPTION = """\
 Lease queued messages: each is handed to this agent alone until the lease

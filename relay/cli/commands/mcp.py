@@ -8,14 +8,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from relay.agent import card_of
+from relay.agent.runtime import card_of
 from relay.cli.command import Context, card_arguments
-from relay.errors import RelayError
-from relay.files import write_atomic
+from relay.client.settings import UsageError
+from relay.files.private import write_atomic
 from relay.mcp import install as install_text
 from relay.mcp import unavailable
 from relay.mcp.tools import RelayTools
-from relay.settings import UsageError
+from relay.wire.errors import RelayError
 
 MCP_DESCRIPTION = """\
 Run a Model Context Protocol server on standard input and output, for a coding

@@ -11,16 +11,16 @@ from typing import Any, Dict, Mapping, Optional, Sequence, TextIO
 from relay.cli.command import Context, non_negative_int, positive_float, positive_int
 from relay.cli.output import body_text, print_messages, table, watch_line
 from relay.cli.state import STATE_FILE, CursorState
-from relay.client import (
+from relay.client.client import (
     DEFAULT_REQUEST_TIMEOUT_SECONDS,
     MAX_OPTIONS,
     answer_of,
     question_body,
 )
-from relay.errors import RelayError
-from relay.polling import drain, poll
-from relay.protocol import MAX_PRIORITY
-from relay.settings import UsageError
+from relay.client.polling import drain, poll
+from relay.client.settings import UsageError
+from relay.wire.errors import RelayError
+from relay.wire.protocol import MAX_PRIORITY
 
 KINDS = ("message", "request", "reply")
 

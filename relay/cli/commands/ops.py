@@ -22,9 +22,9 @@ import yaml
 
 from relay.cli.command import Context
 from relay.cli.output import span, table
-from relay.endpoints import TLS_KINDS, endpoint_kind, endpoint_option, listen_interface
-from relay.errors import RelayError
-from relay.settings import UsageError
+from relay.client.settings import UsageError
+from relay.rules.endpoints import TLS_KINDS, endpoint_kind, endpoint_option, listen_interface
+from relay.wire.errors import RelayError
 
 ENV_OPS = "DSH_RELAY_OPS"
 ENV_OPS_TOKEN = "DSH_RELAY_OPS_TOKEN"
@@ -227,7 +227,7 @@ async def ops_request(ctx: Context, method: str, path: str,
     object, or a RelayError that says what went wrong in one line."""
     import treq
 
-    from relay.client import make_http_client
+    from relay.client.client import make_http_client
 
     url, token = ops_target(ctx.args, ctx.env, ctx.home)
     http = ctx.http

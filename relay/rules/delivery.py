@@ -1,0 +1,1075 @@
+"""The delivery rules of spec §5.1 and of the v1.2 extensions, written once for every
+backend.
+
+    queued -(pull)-> leased -(ack completed)-> done
+      ^                |--(ack retry)-> queued (attempts+1; > maxAttempts -> failed)
+      |                |--(ack release)-> queued
+      |                |--(ack reject)-> failed
+      |                |--(lease lapses)-> queued (and marked for v1.0 recovery)
+      |                '--(cancel)-> failed
+      '--(requeue)-- failed
+
+A lease that ends without completion (lapse, retry, release) after
+``maxDeliveries`` leases fails the message; a failed or expired ``request``
+leaves one failure notice for its sender.
+
+Pure: no reactor, no I/O. A *transition* is a function
+``(message, now) -> Outcome`` that changes one :class:`Message` (a private copy
+the store hands it), or raises :class:`relay.wire.errors.RelayError`. Before a
+transition runs, the store applies what time alone has done (:func:`catch_up`:
+a lapsed lease), and persists that even when the transition then raises. A new
+delivery outcome is one transition here, not a new method in every backend.
+
+What a change means for waiting requests is decided here too (:func:`wakes`), so
+every store reports the same :class:`Changes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from json.encoder import encode_basestring
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
+
+from relay.wire import errors
+from relay.wire.protocol import (
+    DONE,
+    FAILED,
+    LEASED,
+    QUEUED,
+    ROLE_PREFIX,
+    ack_receipt,
+    compact_json,
+    iso_timestamp,
+    notice_id,
+    parse_json_body,
+)
+from relay.wire.v2 import views
+
+_UNDECODED = object()  # Message._body before its stored JSON text is read
+_new_message = object.__new__
+
+
+def _text(value: Optional[str]) -> str:
+    return "null" if value is None else encode_basestring(value)
+
+
+def _number(value: Optional[int]) -> str:
+    return "null" if value is None else str(value)
+
+# Why a message failed (kept with it; the reason label of dead-letter metrics).
+ATTEMPTS = "attempts"
+DELIVERIES = "deliveries"
+REJECTED = "rejected"
+CANCELLED = "cancelled"
+DEAD_REASONS = (ATTEMPTS, DELIVERIES, REJECTED, CANCELLED)
+
+def is_role(address: str) -> bool:
+    """Whether ``address`` names a role's queue (REACH §13: ``role:`` and the role's
+    name; no agent name holds a colon)."""
+    return address.startswith(ROLE_PREFIX)
+
+
+def rank(message: Message) -> Tuple[int, int]:
+    """The order a pull leases in (REACH §14): higher priority first, then by sequence."""
+    return -message.priority, message.seq
+
+
+
+class Message:
+    """One stored message: the §2/§5.1 envelope plus the broker's bookkeeping.
+
+    ``not_before`` (epoch seconds) is when a delayed or retried-after message
+    becomes deliverable; ``delay_until`` and ``expires_at`` are the sender's
+    ``delaySeconds`` and ``ttlSeconds`` as times, fixed at send. ``v2`` is None
+    for a message sent on the seed wire, else the compact JSON text of what a
+    v2/v3 sender set that the seed envelope has no field for
+    (:func:`relay.wire.v2.views.v2_meta`): its execution mode, session reference
+    and shared-write grant (WIRE-V2 §3).
+    """
+
+    __slots__ = (
+        "seq",
+        "id",
+        "sender",
+        "to",
+        "ts",
+        "type",
+        "_body",
+        "_body_json",
+        "reply_to",
+        "ack",
+        "kind",
+        "root_id",
+        "parent_id",
+        "status",
+        "attempts",
+        "lease_until",
+        "lease_id",
+        "error",
+        "created",
+        "recovery",
+        "deliveries",
+        "not_before",
+        "dead_reason",
+        "delay_until",
+        "expires_at",
+        "via",
+        "sent_id",
+        "v2",
+        "priority",
+        "holder",
+        "_bytes",
+    )
+
+    def __init__(
+        self,
+        id: str,
+        sender: str,
+        to: str,
+        created: float,
+        type: str = "message",
+        body: Optional[Dict[str, Any]] = None,
+        reply_to: Optional[str] = None,
+        ack: bool = False,
+        kind: str = "message",
+        root_id: Optional[str] = None,
+        parent_id: Optional[str] = None,
+        ts: Optional[str] = None,
+        seq: int = 0,
+        status: str = QUEUED,
+        attempts: int = 0,
+        lease_until: Optional[int] = None,
+        lease_id: Optional[str] = None,
+        error: Optional[str] = None,
+        recovery: bool = False,
+        body_json: Optional[str] = None,
+        deliveries: int = 0,
+        not_before: Optional[float] = None,
+        dead_reason: Optional[str] = None,
+        delay_until: Optional[float] = None,
+        expires_at: Optional[float] = None,
+        via: Optional[str] = None,
+        sent_id: Optional[str] = None,
+        v2: Optional[str] = None,
+        priority: int = 0,
+        holder: Optional[str] = None,
+    ) -> None:
+        self.seq = seq
+        self.id = id
+        self.sender = sender
+        self.to = to
+        self.created = created
+        self.ts = ts if ts is not None else iso_timestamp(created)
+        self.type = type
+        # A stored body may arrive as JSON text (``body_json``); it is decoded only
+        # when read, so settling an ack never parses the body.
+        if body_json is not None:
+            self._body: Any = _UNDECODED
+        else:
+            self._body = {} if body is None else body
+        self._body_json = body_json
+        self.reply_to = reply_to
+        self.ack = ack
+        self.kind = kind
+        self.root_id = root_id
+        self.parent_id = parent_id
+        self.status = status
+        self.attempts = attempts
+        self.lease_until = lease_until
+        self.lease_id = lease_id
+        self.error = error
+        self.recovery = recovery
+        self.deliveries = deliveries
+        self.not_before = not_before
+        self.dead_reason = dead_reason
+        self.delay_until = delay_until
+        self.expires_at = expires_at
+        # REACH §13: a copy of a group send has the group's address (``group:NAME``)
+        # and the id its sender sent under.
+        self.via = via
+        self.sent_id = sent_id
+        self.v2 = v2
+        # REACH §14: 0..9, fixed at send; a pull leases higher first.
+        self.priority = priority
+        # REACH §13: the member that leased a role message last (None otherwise).
+        self.holder = holder
+        self._bytes: Optional[int] = None
+
+    @property
+    def body(self) -> Any:
+        """The message body (spec §2), decoded from its stored JSON on first use."""
+        if self._body is _UNDECODED:
+            self._body = json.loads(self._body_json)
+            self._body_json = None  # the decoded object is the truth from now on
+        return self._body
+
+    @body.setter
+    def body(self, value: Any) -> None:
+        self._body = value
+        self._body_json = None
+        self._bytes = None
+
+    def body_bytes(self) -> int:
+        """The size of the body's JSON text in UTF-8 bytes."""
+        if self._bytes is None or self._body_json is None:
+            self._bytes = len(self.body_json().encode("utf-8"))
+        return self._bytes
+
+    def stored_bytes(self) -> int:
+        """What the message counts toward its recipient's inbox quota: the UTF-8 bytes
+        of its body's JSON text and of every string of its envelope the sender chose
+        (``id``, ``from``, ``to``, ``replyTo``, ``rootId``, ``parentId``)."""
+        size = self.body_bytes()
+        for text in (self.id, self.sender, self.to, self.reply_to, self.root_id,
+                     self.parent_id):
+            if text is not None:
+                size += len(text) if text.isascii() else len(text.encode("utf-8"))
+        return size
+
+    def body_json(self) -> str:
+        """The body as compact JSON text (UTF-8 characters kept, not escaped)."""
+        if self._body_json is None:
+            return compact_json(self._body)
+        return self._body_json
+
+    def copy(self) -> Message:
+        """An independent copy: changing it (its body included) changes nothing here."""
+        other = _new_message(Message)
+        other.seq = self.seq
+        other.id = self.id
+        other.sender = self.sender
+        other.to = self.to
+        other.created = self.created
+        other.ts = self.ts
+        other.type = self.type
+        # The body travels as its JSON text, which no one can change in place.
+        other._body = _UNDECODED
+        other._body_json = self.body_json()
+        other.reply_to = self.reply_to
+        other.ack = self.ack
+        other.kind = self.kind
+        other.root_id = self.root_id
+        other.parent_id = self.parent_id
+        other.status = self.status
+        other.attempts = self.attempts
+        other.lease_until = self.lease_until
+        other.lease_id = self.lease_id
+        other.error = self.error
+        other.recovery = self.recovery
+        other.deliveries = self.deliveries
+        other.not_before = self.not_before
+        other.dead_reason = self.dead_reason
+        other.delay_until = self.delay_until
+        other.expires_at = self.expires_at
+        other.via = self.via
+        other.sent_id = self.sent_id
+        other.v2 = self.v2
+        other.priority = self.priority
+        other.holder = self.holder
+        other._bytes = self._bytes
+        return other
+
+    @classmethod
+    def from_envelope(cls, envelope: Dict[str, Any], created: float,
+                      ttl_seconds: Optional[int] = None, delay_seconds: int = 0,
+                      priority: int = 0) -> Message:
+        """A new queued message from a :func:`relay.wire.protocol.normalize_envelope` result.
+
+        ``ts`` is the broker's: the time the message is stored (spec §2). A delayed
+        message carries the recovery mark from the start, so a v1.0 poller whose
+        cursor passes it while it waits still gets it once when it is due (§7).
+        """
+        delayed = created + delay_seconds if delay_seconds else None
+        return cls(
+            id=envelope["id"],
+            sender=envelope["from"],
+            to=envelope["to"],
+            created=created,
+            type=envelope["type"],
+            # Kept as the compact text of the validated body from here on: nothing
+            # decodes a stored body again to send it.
+            body_json=compact_json(envelope["body"]),
+            reply_to=envelope["replyTo"],
+            ack=envelope["ack"],
+            kind=envelope["kind"],
+            root_id=envelope["rootId"],
+            parent_id=envelope["parentId"],
+            not_before=delayed,
+            delay_until=delayed,
+            recovery=delayed is not None,
+            expires_at=created + ttl_seconds if ttl_seconds else None,
+            priority=priority,
+        )
+
+    @property
+    def for_role(self) -> bool:
+        """Whether this message waits in a role's queue (``to: "role:NAME"``)."""
+        return self.to.startswith(ROLE_PREFIX)
+
+    def lessee(self) -> str:
+        """Who may hold this message's lease: its recipient, or for a role message
+        the member that leased it last."""
+        if self.to.startswith(ROLE_PREFIX):
+            return self.holder or ""
+        return self.to
+
+    def envelope(self, viewer: Optional[str] = None, now: Optional[float] = None
+                 ) -> Dict[str, Any]:
+        """The wire form (spec §2 + §5.1) as ``viewer`` sees it at ``now``.
+
+        ``leaseId`` is shown only to the recipient, only while the message is
+        leased; ``expiresAt`` only for a message sent with ``ttlSeconds``;
+        ``notBefore`` only for one sent with ``delaySeconds``, until it is due;
+        ``via`` only for a copy of a group send.
+        ``priority`` only above 0.
+        """
+        out = {
+            "id": self.id,
+            "from": self.sender,
+            "to": self.to,
+            "ts": self.ts,
+            "type": self.type,
+            "body": self.body,
+            "replyTo": self.reply_to,
+            "ack": self.ack,
+            "kind": self.kind,
+            "rootId": self.root_id,
+            "parentId": self.parent_id,
+            "status": self.status,
+            "attempts": self.attempts,
+            "leaseUntil": self.lease_until,
+        }
+        if viewer is not None and viewer == self.lessee() and self.status == LEASED:
+            out["leaseId"] = self.lease_id
+        if self.via is not None:
+            out["via"] = self.via
+        if self.expires_at is not None:
+            out["expiresAt"] = iso_timestamp(self.expires_at)
+        if self._delayed(now):
+            out["notBefore"] = iso_timestamp(self.delay_until)
+        if self.priority:
+            out["priority"] = self.priority
+        return out
+
+    def envelope_json(self, viewer: Optional[str] = None, now: Optional[float] = None) -> str:
+        """:meth:`envelope` as JSON text, with the stored body text spliced in undecoded."""
+        parts = [
+            '{"id":', encode_basestring(self.id),
+            ',"from":', encode_basestring(self.sender),
+            ',"to":', encode_basestring(self.to),
+            ',"ts":', encode_basestring(self.ts),
+            ',"type":', encode_basestring(self.type),
+            ',"body":', self.body_json(),
+            ',"replyTo":', _text(self.reply_to),
+            ',"ack":', "true" if self.ack else "false",
+            ',"kind":', encode_basestring(self.kind),
+            ',"rootId":', _text(self.root_id),
+            ',"parentId":', _text(self.parent_id),
+            ',"status":', encode_basestring(self.status),
+            ',"attempts":', str(self.attempts),
+            ',"leaseUntil":', _number(self.lease_until),
+        ]
+        if viewer is not None and viewer == self.lessee() and self.status == LEASED:
+            parts += ',"leaseId":', _text(self.lease_id)
+        if self.via is not None:
+            parts += ',"via":', encode_basestring(self.via)
+        if self.expires_at is not None:
+            parts += ',"expiresAt":', encode_basestring(iso_timestamp(self.expires_at))
+        if self._delayed(now):
+            parts += ',"notBefore":', encode_basestring(iso_timestamp(self.delay_until))
+        if self.priority:
+            parts += ',"priority":', str(self.priority)
+        parts.append("}")
+        return "".join(parts)
+
+    def _delayed(self, now: Optional[float]) -> bool:
+        """Whether the sender's delay still holds this message back at ``now`` (any
+        delay, for ``now`` None): until it runs out, or a cancel or requeue ends it."""
+        if self.delay_until is None:
+            return False
+        return now is None or (self.not_before is not None and now < self.delay_until)
+
+    def size(self) -> int:
+        """About how many bytes this message takes in a response (its body dominates)."""
+        return len(self.body_json()) + 400
+
+    def status_entry(self, now: float) -> Dict[str, Any]:
+        """The ``/v1/status`` entry of this message at ``now``; ``error``, ``notBefore``
+        (while delayed) and ``expiresAt`` only when set (epoch milliseconds); for a
+        role message ``leasedBy`` while leased and ``completedBy`` once done (REACH
+        §13)."""
+        entry = {
+            "id": self.id,
+            "status": self.status,
+            "attempts": self.attempts,
+            "ts": self.ts,
+            "from": self.sender,
+            "to": self.to,
+            "kind": self.kind,
+            "deliveries": self.deliveries,
+        }
+        if self.error is not None:
+            entry["error"] = self.error
+        if self.not_before is not None and now < self.not_before:
+            entry["notBefore"] = now_ms(self.not_before)
+        if self.expires_at is not None:
+            entry["expiresAt"] = now_ms(self.expires_at)
+        if self.holder is not None:
+            if self.status == LEASED:
+                entry["leasedBy"] = self.holder
+            elif self.status == DONE:
+                entry["completedBy"] = self.holder
+        return entry
+
+    def state(self) -> Tuple[Any, ...]:
+        """The mutable delivery fields, compared to tell whether a transition changed any."""
+        return (
+            self.status,
+            self.attempts,
+            self.lease_until,
+            self.lease_id,
+            self.error,
+            self.recovery,
+            self.deliveries,
+            self.not_before,
+            self.dead_reason,
+            self.holder,
+        )
+
+    def set_state(self, state: Tuple[Any, ...]) -> None:
+        """Take the delivery fields of another copy's :meth:`state`."""
+        (self.status, self.attempts, self.lease_until, self.lease_id, self.error,
+         self.recovery, self.deliveries, self.not_before, self.dead_reason,
+         self.holder) = state
+
+    def __repr__(self) -> str:  # ids and state only: never the body
+        return f"<Message seq={self.seq} id={self.id!r} {self.status} attempts={self.attempts}>"
+
+
+Transition = Callable[[Message, float], "Outcome"]
+RouteCheck = Callable[[str, str], None]
+
+
+@dataclass(frozen=True)
+class WithStored:
+    """A transition that decides on a second stored message too: the store reads the
+    message ``other_id`` (None when unknown or expired) in the same transaction as
+    the message it settles, and applies ``decide(message, other, now)``."""
+
+    other_id: str
+    decide: Callable[[Message, Optional[Message], float], Outcome]
+
+
+@dataclass(frozen=True)
+class Role:
+    """A role of the config (REACH §13): its members by config, and whether agents may
+    join it through their card (``selfJoin``)."""
+
+    members: FrozenSet[str] = frozenset()
+    self_join: bool = False
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The delivery policy the transitions apply: ``broker.*`` keys of the same names,
+    read by the broker (their defaults are the config table's)."""
+
+    max_attempts: int
+    max_deliveries: int  # 0: no limit
+    notify_failures: bool
+    # The most messages (and body bytes) waiting for one recipient — queued or
+    # leased — before a send to it is refused (429 inbox_full); 0: no limit.
+    inbox_max_messages: int
+    inbox_max_bytes: int
+    # broker.notifyFailedToSender: notices to the senders of v2/v3 requests (WIRE-V2 §3)
+    notify_v2: bool
+    # REACH §13: the roles configured, by name (``roles:``).
+    roles: Mapping[str, Role]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a transition did: its result, the failure notices to store with it (a
+    notice whose id exists already is not stored again), and a reply that must be
+    new (an existing id fails the whole transition with ``IdConflict``)."""
+
+    value: Any
+    notices: Tuple[Message, ...] = ()
+    reply: Optional[Message] = None
+
+
+class IdConflict(errors.RelayError):
+    """A message a transition would store has an id another message uses."""
+
+    def __init__(self, message_id: str, field: str = "reply.id") -> None:
+        super().__init__(409, "id_conflict", f"{field} is used by another message")
+        self.message_id = message_id
+
+
+class NewMessagesRefused(errors.RelayError):
+    """A transition that would store a new message while the broker refuses them (its
+    disk is nearly full): 503 ``busy`` with the broker's reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, "busy", reason)
+
+
+class Changes:
+    """What a committed change means for waiting requests.
+
+    ``ready`` holds the agents that may have newly deliverable messages; ``due``
+    the ``(when, agent)`` pairs at which something of ``agent``'s may become
+    deliverable (a delay running out, or a deadline learnt from elsewhere).
+    ``held`` has one ``(deadline, agent)`` pair per lease granted or renewed, and
+    ``released`` one per lease that ended before its deadline or was renewed away
+    from it: the broker wakes an agent's waiters at a lease deadline only while a
+    lease still ends then. Stores report these after their commit; the broker wakes
+    waiters from them and from nothing else.
+
+    For the broker's counters, the same report tallies the change: ``stored``
+    holds ``(sender, recipient)`` of every new message (sends, receipts, notices,
+    replies), ``dead`` the reason of every message that became failed, and
+    ``lapsed`` counts the leases released because their deadline passed.
+
+    ``expiring`` holds the ``expiresAt`` times (epoch seconds) of new requests sent
+    with a TTL: the broker sweeps then, so the sender's failure notice is stored
+    when the request expires, not at the next periodic sweep.
+
+    ``events`` holds the agents for which events were recorded (REACH §11): their
+    open event streams and webhooks read them; ``hooks`` the agents whose webhook
+    settings changed (§12).
+    """
+
+    __slots__ = ("ready", "due", "held", "released", "stored", "dead", "lapsed", "expiring",
+                 "events", "hooks")
+
+    def __init__(self) -> None:
+        self.ready: Set[str] = set()
+        self.due: Set[Tuple[float, str]] = set()
+        self.held: List[Tuple[float, str]] = []
+        self.released: List[Tuple[float, str]] = []
+        self.stored: List[Tuple[str, str]] = []
+        self.dead: List[str] = []
+        self.lapsed = 0
+        self.expiring: Set[float] = set()
+        self.events: Set[str] = set()
+        self.hooks: Set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.ready or self.due or self.held or self.released or self.stored
+                    or self.dead or self.lapsed or self.expiring or self.events or self.hooks)
+
+    def update(self, other: Changes) -> None:
+        self.ready |= other.ready
+        self.due |= other.due
+        self.held += other.held
+        self.released += other.released
+        self.stored += other.stored
+        self.dead += other.dead
+        self.lapsed += other.lapsed
+        self.expiring |= other.expiring
+        self.events |= other.events
+        self.hooks |= other.hooks
+
+    def __repr__(self) -> str:
+        return f"<Changes ready={sorted(self.ready)} due={sorted(self.due)}>"
+
+
+def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -> None:
+    """Note in ``changes`` what ``after`` means for its recipient's waiters (and
+    tally it for the counters).
+
+    ``before`` is the message's :meth:`Message.state` before the change, None for
+    a new message.
+    """
+    was = before[0] if before is not None else None
+    if was == LEASED and before[2] is not None and (after.status != LEASED
+                                                    or before[2] != after.lease_until):
+        changes.released.append((before[2] / 1000.0, after.to))
+    if before is None:
+        changes.stored.append((after.sender, after.to))
+        if after.expires_at is not None and after.kind == "request":
+            changes.expiring.add(after.expires_at)
+    elif after.status == FAILED and was != FAILED:
+        changes.dead.append(after.dead_reason or ATTEMPTS)
+    if after.status == QUEUED:
+        moved = was != QUEUED or before[7] != after.not_before
+        if moved and after.not_before is not None:
+            changes.due.add((after.not_before, after.to))
+        elif was != QUEUED:
+            changes.ready.add(after.to)
+    elif after.status == LEASED and (was != LEASED or before[2] != after.lease_until):
+        changes.held.append((after.lease_until / 1000.0, after.to))
+
+
+PENDING = (QUEUED, LEASED)
+
+
+def inbox_full(usage: Tuple[int, int], message: Message, rules: Rules) -> bool:
+    """True when ``message`` would take its recipient's pending messages, counted in
+    ``usage`` as ``(messages, stored bytes)``, past a limit of ``rules``."""
+    count, size = usage
+    return bool((rules.inbox_max_messages and count >= rules.inbox_max_messages)
+                or (rules.inbox_max_bytes
+                    and size + message.stored_bytes() > rules.inbox_max_bytes))
+
+
+def not_found_status(message_id: str) -> Dict[str, Any]:
+    """The ``/v1/status`` entry of an unknown (or not visible) id."""
+    return {"id": message_id, "status": "not_found", "attempts": 0}
+
+
+# REACH §13: the namespace of the ids of group copies (uuid5 of sender, sent id, member).
+GROUP_COPY_NAMESPACE = uuid.UUID("5b0f3a4e-7d1c-4c8e-9a52-6d7e1f0c2b93")
+
+
+def group_copy_id(sender: str, sent_id: str, member: str) -> str:
+    """The id of ``member``'s copy of the group send ``sent_id`` by ``sender``: the same
+    on every broker, so a repeated send finds the copies the first one stored."""
+    return str(uuid.uuid5(GROUP_COPY_NAMESPACE, json.dumps([sender, sent_id, member])))
+
+
+def group_copies(sent: Message, via: str, members: Iterable[str]) -> List[Message]:
+    """The copies of the group send ``sent`` (a message built from the sent envelope)
+    to ``via`` (``group:NAME``) for ``members`` other than the sender, in name order:
+    each its own message to its member with ``via`` and ``sent_id``, in the thread of
+    the sent ``rootId`` (the sent id when it starts one)."""
+    copies = []
+    for member in sorted(set(members) - {sent.sender}):
+        copy = sent.copy()
+        copy.id = group_copy_id(sent.sender, sent.id, member)
+        copy.to = member
+        copy.via = via
+        copy.sent_id = sent.id
+        copy.root_id = sent.root_id if sent.root_id is not None else sent.id
+        copies.append(copy)
+    return copies
+
+
+def group_status(sent_id: str, copies: Sequence[Message]) -> Dict[str, Any]:
+    """The ``/v1/status`` entry of a group send (REACH §13): its id, ``via`` and its
+    copies (``to``, ``id``, ``status``) in recipient order."""
+    return {"id": sent_id, "via": copies[0].via,
+            "copies": [{"to": c.to, "id": c.id, "status": c.status}
+                       for c in sorted(copies, key=lambda c: c.to)]}
+
+
+def new_lease_id() -> str:
+    """A fresh opaque lease id."""
+    return os.urandom(16).hex()
+
+
+def now_ms(now: float) -> int:
+    """Epoch milliseconds, the unit of ``leaseUntil``."""
+    return int(now * 1000)
+
+
+def lease_lapsed(message: Message, now: float) -> bool:
+    """True when ``message`` is leased and its lease deadline has passed."""
+    return (
+        message.status == LEASED
+        and message.lease_until is not None
+        and message.lease_until <= now_ms(now)
+    )
+
+
+def expired(message: Message, now: float) -> bool:
+    """True when ``message`` was sent with a TTL that has run out: it is gone."""
+    return message.expires_at is not None and message.expires_at <= now
+
+
+def due(message: Message, now: float) -> bool:
+    """True when no delay holds ``message`` back."""
+    return message.not_before is None or message.not_before <= now
+
+
+def deliverable(message: Message, now: float) -> bool:
+    """True when ``message`` may be pulled or polled at ``now``."""
+    return message.status == QUEUED and due(message, now) and not expired(message, now)
+
+
+def failure_notice(request: Message, event: str, now: float, max_deliveries: int = 0,
+                   max_attempts: int = 0) -> Message:
+    """The notice of §4: from the request's recipient to its sender, a reply to it.
+
+    A request sent on the v2/v3 wire gets the notice that wire knows instead: an
+    ``undelivered`` reply in text, with the request's mode, reference and topic
+    (WIRE-V2 §3; it quotes the lower of ``max_attempts`` and ``max_deliveries``)."""
+    if request.v2 is not None:
+        return _undelivered_v2(request, event, now, max_deliveries, max_attempts)
+    body = {"relayNotice": {"event": event, "messageId": request.id,
+                            "attempts": request.attempts, "deliveries": request.deliveries,
+                            "error": request.error}}
+    return Message(
+        id=notice_id(request.id),
+        sender=request.to,
+        to=request.sender,
+        created=now,
+        body_json=compact_json(body),
+        reply_to=request.id,
+        kind="reply",
+        root_id=request.root_id or request.id,
+        parent_id=request.id,
+    )
+
+
+def _undelivered_v2(request: Message, event: str, now: float, max_deliveries: int,
+                    max_attempts: int) -> Message:
+    _, context, topic = views.shown_body(request)
+    mode, session_ref, _ = views.read_meta(request)
+    # The limit the reference quotes is its maxAttempts; here the pulls a message may
+    # have are also bounded by maxDeliveries, so the lower of the two is quoted.
+    limit = min(max_attempts, max_deliveries) if max_deliveries else max_attempts
+    text = views.undelivered_text(request, limit, event == "expired")
+    return Message(
+        id=notice_id(request.id),
+        sender=request.to,
+        to=request.sender,
+        created=now,
+        body_json=compact_json(views.stored_body(text, "", topic, mode, session_ref)),
+        kind="reply",
+        root_id=request.root_id or request.id,
+        parent_id=request.id,
+        expires_at=now + views.NOTICE_TTL_SECONDS,
+        v2=views.v2_meta(mode, session_ref, False),
+    )
+
+
+def _notices(message: Message, now: float, rules: Rules, event: str = "failed"
+             ) -> Tuple[Message, ...]:
+    notify = rules.notify_failures if message.v2 is None else rules.notify_v2
+    if notify and message.kind == "request" and message.dead_reason != CANCELLED:
+        return (failure_notice(message, event, now, rules.max_deliveries, rules.max_attempts),)
+    return ()
+
+
+# -- transitions -------------------------------------------------------------------
+
+
+def lease(message: Message, lease_seconds: float, now: float,
+          agent: Optional[str] = None) -> None:
+    """queued -> leased under a fresh lease id; one more delivery. A role message
+    remembers ``agent``, the member that leased it."""
+    if message.to.startswith(ROLE_PREFIX):
+        message.holder = agent
+    message.status = LEASED
+    message.lease_id = new_lease_id()
+    message.lease_until = now_ms(now) + int(lease_seconds * 1000)
+    message.recovery = False
+    message.deliveries += 1
+    message.not_before = None
+
+
+def _end_lease(message: Message) -> None:
+    message.lease_id = None
+    message.lease_until = None
+
+
+def _fail(message: Message, reason: str, error: Optional[str]) -> None:
+    _end_lease(message)
+    message.status = FAILED
+    message.dead_reason = reason
+    message.error = error
+    message.recovery = False
+    message.not_before = None
+
+
+def _exhausted(message: Message, rules: Rules) -> bool:
+    return bool(rules.max_deliveries) and message.deliveries >= rules.max_deliveries
+
+
+def _requeue_after_lease(message: Message, now: float, rules: Rules,
+                         retry_after: Optional[int]) -> Tuple[Message, ...]:
+    """A lease ended without completion: queued again, or failed when the message
+    has been delivered ``maxDeliveries`` times."""
+    if _exhausted(message, rules):
+        _fail(message, DELIVERIES, f"delivered {message.deliveries} times without completion")
+        return _notices(message, now, rules)
+    _end_lease(message)
+    message.status = QUEUED
+    message.not_before = now + retry_after if retry_after else None
+    return ()
+
+
+def lapse(message: Message, now: float, rules: Rules) -> Tuple[Message, ...]:
+    """leased -> queued once the deadline has passed; the old lease id is dead.
+
+    The message is marked for the v1.0 recovery delivery (spec §5.1). An exhausted
+    message fails instead, as of its deadline.
+    """
+    notices = _requeue_after_lease(message, now, rules, None)
+    if message.status == QUEUED:
+        message.recovery = True
+    return notices
+
+
+def catch_up(message: Message, now: float, rules: Rules) -> Tuple[Message, ...]:
+    """Apply what time alone has done to ``message`` (a lapsed lease); returns the
+    failure notices that brings."""
+    if lease_lapsed(message, now):
+        return lapse(message, now, rules)
+    return ()
+
+
+def check_lease(message: Message, agent: str, lease_id: str) -> None:
+    """The lease guard of every lease outcome, in the order of the spec: 403 when
+    ``agent`` is not the recipient (of a role message: the member holding its
+    lease), 409 ``not_leased`` (a lapsed lease included, since :func:`catch_up` ran
+    first), 409 ``lease_mismatch``. (404 is the store's:
+    the id is unknown.)"""
+    if message.lessee() != agent:
+        if message.to.startswith(ROLE_PREFIX):
+            raise errors.forbidden("only the member holding the lease may renew or "
+                                   "acknowledge this message")
+        raise errors.forbidden("only the recipient may acknowledge this message")
+    if message.status != LEASED:
+        raise errors.not_leased()
+    if message.lease_id != lease_id:
+        raise errors.lease_mismatch()
+
+
+def reply_message(message: Message, agent: str, fields: Dict[str, Any], now: float) -> Message:
+    """The reply of an atomic ``completed`` ack (§6): from the caller to the acked
+    message's sender, answering it. ``fields`` are the validated ``reply``."""
+    return Message(
+        id=fields["id"],
+        sender=agent,
+        to=message.sender,
+        created=now,
+        body_json=compact_json(fields["body"]),
+        reply_to=message.id,
+        ack=fields["ack"],
+        kind=fields["kind"],
+        root_id=message.root_id or message.id,
+        parent_id=message.id,
+        priority=fields.get("priority", 0),
+    )
+
+
+def ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Rules,
+        retry_after: Optional[int] = None, reply: Optional[Dict[str, Any]] = None,
+        check_route: Optional[RouteCheck] = None, refuse_new: Optional[str] = None
+        ) -> Union[Transition, WithStored]:
+    """The ``/v1/ack`` transition (§5.1, v1.2 §2 and §6). Results
+    ``{ok, status, attempts}``; with ``reply`` also ``replyId`` and ``duplicate``.
+
+    ``completed`` -> done; ``retry`` -> queued (attempts + 1; past
+    ``max_attempts`` -> failed); ``release`` -> queued; ``reject`` -> failed.
+    ``retry_after`` holds a requeued message back that many seconds.
+    ``check_route(sender, recipient)`` applies the routing ACL to the reply.
+
+    With ``reply``, a :class:`WithStored` transition that sees the stored message
+    of the reply's id: the same ack retried after its answer was lost is answered
+    by :func:`repeated_reply` (``duplicate: true``) before anything else is
+    checked; otherwise ``refuse_new`` (why new messages are refused now, None when
+    they are not) is :class:`NewMessagesRefused`, and then the ack applies.
+    """
+
+    def transition(message: Message, now: float) -> Outcome:
+        check_lease(message, agent, lease_id)
+        notices: Tuple[Message, ...] = ()
+        answer: Optional[Message] = None
+        if outcome == "completed":
+            if reply is not None:
+                if check_route is not None:
+                    check_route(agent, message.sender)
+                answer = reply_message(message, agent, reply, now)
+            _end_lease(message)
+            message.status = DONE
+            message.error = error
+        elif outcome == "reject":
+            _fail(message, REJECTED, error if error is not None else "rejected")
+            notices = _notices(message, now, rules)
+        elif outcome == "retry":
+            message.attempts += 1
+            message.error = error
+            if message.attempts > rules.max_attempts:
+                _fail(message, ATTEMPTS, error)
+                notices = _notices(message, now, rules)
+            else:
+                notices = _requeue_after_lease(message, now, rules, retry_after)
+        else:  # release
+            message.error = error
+            notices = _requeue_after_lease(message, now, rules, retry_after)
+        value = {"ok": True, "status": message.status, "attempts": message.attempts}
+        if answer is not None:
+            value.update(replyId=answer.id, duplicate=False)
+        return Outcome(value, notices, answer)
+
+    if reply is None:
+        return transition
+
+    def decide(message: Message, stored: Optional[Message], now: float) -> Outcome:
+        repeated = repeated_reply(message, stored, agent)
+        if repeated is not None:
+            return Outcome(repeated)
+        if refuse_new is not None:
+            raise NewMessagesRefused(refuse_new)
+        return transition(message, now)
+
+    return WithStored(reply["id"], decide)
+
+
+def repeated_reply(message: Message, stored: Optional[Message], agent: str
+                   ) -> Optional[Dict[str, Any]]:
+    """The answer to an ack with a reply whose id is stored already, when that ack is
+    the same one retried (its answer was lost): ``stored`` was sent by ``agent`` in
+    answer to ``message``, and ``message`` is done. None when it is not."""
+    if (stored is None or stored.sender != agent
+            or message.id not in (stored.parent_id, stored.reply_to)
+            or message.status != DONE):
+        return None
+    return {"ok": True, "status": message.status, "attempts": message.attempts,
+            "replyId": stored.id, "duplicate": True}
+
+
+def receipt(agent: str, raw_body: bytes, check_route: Optional[RouteCheck] = None,
+            refuse_new: Optional[str] = None) -> Transition:
+    """The v1.0 receipt ``POST /messages/<id>/ack`` (§4): a ``type: "ack"`` message from
+    the recipient back to the sender, stored as the outcome's reply; the acked
+    message does not change. Results the receipt's id.
+
+    403 when ``agent`` is not the recipient; then the body (``raw_body``, read only
+    now) is parsed (400), ``check_route`` applied to the receipt, and
+    ``refuse_new`` (why new messages are refused now) is :class:`NewMessagesRefused`.
+    """
+
+    def transition(message: Message, now: float) -> Outcome:
+        if message.to != agent:
+            raise errors.forbidden("only the recipient may acknowledge this message")
+        envelope = ack_receipt({"id": message.id, "from": message.sender}, agent,
+                               parse_json_body(raw_body))
+        if check_route is not None:
+            check_route(agent, envelope["to"])
+        if refuse_new is not None:
+            raise NewMessagesRefused(refuse_new)
+        return Outcome(envelope["id"], reply=Message.from_envelope(envelope, now))
+
+    return transition
+
+
+def renew(agent: str, lease_id: str, lease_seconds: float) -> Transition:
+    """``/v1/lease/renew`` (§1): the deadline becomes now + ``lease_seconds``; the
+    lease id, the attempts and the deliveries do not change."""
+
+    def transition(message: Message, now: float) -> Outcome:
+        check_lease(message, agent, lease_id)
+        message.lease_until = now_ms(now) + int(lease_seconds * 1000)
+        return Outcome({"ok": True, "leaseId": message.lease_id,
+                        "leaseUntil": message.lease_until})
+
+    return transition
+
+
+def requeue(agent: Optional[str]) -> Transition:
+    """``/v1/requeue`` (§3): failed -> queued with attempts and deliveries reset. The
+    sender or the recipient may (only the sender for a cancelled message); ``agent``
+    None is the operator (the ops dashboard)."""
+
+    def transition(message: Message, now: float) -> Outcome:
+        if agent is not None:
+            if agent not in (message.sender, message.lessee()):
+                raise errors.forbidden("only the sender or the recipient may requeue "
+                                       "this message")
+            if message.dead_reason == CANCELLED and agent != message.sender:
+                raise errors.forbidden("its sender cancelled this message: only the "
+                                       "sender may requeue it")
+        if message.status != FAILED:
+            raise errors.wrong_state(f"message is {message.status}, not failed")
+        message.status = QUEUED
+        message.attempts = 0
+        message.deliveries = 0
+        message.error = None
+        message.not_before = None
+        message.dead_reason = None
+        return Outcome({"ok": True, "status": QUEUED, "attempts": 0})
+
+    return transition
+
+
+def cancel(agent: Optional[str], reason: Optional[str]) -> Transition:
+    """``/v1/cancel`` (§3): the sender withdraws a queued or leased message; it fails
+    with ``reason`` and a held lease dies. No failure notice. ``agent`` None is the
+    operator."""
+
+    def transition(message: Message, now: float) -> Outcome:
+        if agent is not None and agent != message.sender:
+            raise errors.forbidden("only the sender may cancel this message")
+        if message.status in (DONE, FAILED):
+            raise errors.wrong_state(f"message is already {message.status}")
+        _fail(message, CANCELLED, reason if reason is not None else "cancelled by sender")
+        return Outcome({"ok": True, "status": FAILED, "attempts": message.attempts})
+
+    return transition
+
+
+def expiry_notices(messages: Iterable[Message], now: float, rules: Rules
+                   ) -> Tuple[Message, ...]:
+    """The notices of requests that expired unprocessed (queued or leased)."""
+    out = []
+    for message in messages:
+        if message.status in (QUEUED, LEASED):
+            expired_copy = message.copy()
+            expired_copy.error = "expired unprocessed"
+            out.extend(_notices(expired_copy, now, rules, event="expired"))
+    return tuple(out)
+
+
+# -- the v1.0 poll -------------------------------------------------------------------
+
+
+def within_budget(messages: Iterable[Message], budget: int) -> List[Message]:
+    """The first of ``messages`` whose sizes add up to at most ``budget`` bytes, and
+    always the first one: a response is bounded in bytes, and never empty when
+    there is something to say."""
+    out: List[Message] = []
+    total = 0
+    for message in messages:
+        total += message.size()
+        if out and total > budget:
+            break
+        out.append(message)
+    return out
+
+
+def poll_page(
+    recovered: Iterable[Message],
+    fresh: Iterable[Message],
+    limit: int,
+    since_id: Optional[str],
+    budget: int,
+) -> Tuple[List[Message], Optional[str], List[Message]]:
+    """One v1.0 poll page: ``(messages, cursor, unmarked)``.
+
+    ``recovered`` are the recipient's deliverable messages at or before the
+    cursor that carry the recovery mark (a lapsed lease, a delay run out),
+    ``fresh`` its deliverable messages after the cursor, both in sequence order.
+    Recovery deliveries come first, each once (``unmarked`` are the messages whose
+    mark this page clears); the page stops at ``limit`` messages or at
+    ``budget`` bytes (:func:`within_budget`); the cursor is the last fresh message
+    returned and never moves backwards (spec §5.1, v1.2 §7).
+    """
+    recovered = list(recovered)[:limit]
+    out = within_budget(recovered + list(fresh)[: limit - len(recovered)], budget)
+    page_fresh = out[len(recovered):]
+    unmarked = [m for m in out if m.recovery]
+    for message in unmarked:
+        message.recovery = False
+    cursor = page_fresh[-1].id if page_fresh else (since_id or None)
+    return out, cursor, unmarked
