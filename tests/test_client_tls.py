@@ -25,8 +25,9 @@ from twisted.internet.task import Clock, deferLater
 
 from relay.agent import tap as agent_tap
 from relay.cli import run
-from relay.client.client import RelayClient, make_http_client
+from relay.client.client import RelayClient
 from relay.client.settings import UsageError, resolve_settings
+from relay.client.trust import make_http_client
 from relay.wire.errors import RelayError
 from tests.test_cli import python_relay
 from tests.test_tls import (

@@ -27,7 +27,8 @@ from twisted.internet import defer
 from relay.agent.receipts import ReceiptStore
 from relay.agent.runtime import AgentService, Reject
 from relay.cli import run
-from relay.client.client import RelayClient, RequestFailed, make_http_client
+from relay.client.client import RelayClient, RequestFailed
+from relay.client.trust import make_http_client
 from relay.wire.errors import RelayError
 from tests.broker_proc import free_port
 from tests.client_support import Recording, assert_v11_requests

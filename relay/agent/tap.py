@@ -40,7 +40,6 @@ from relay.agent.runtime import (
     ExecHandler,
     card_of,
 )
-from relay.client.client import client_tls_policy
 from relay.client.settings import (
     ENV_AGENT,
     ENV_SECRET,
@@ -50,6 +49,7 @@ from relay.client.settings import (
     UsageError,
     resolve_settings,
 )
+from relay.client.trust import client_tls_policy
 from relay.files.pidfile import choose_pidfile
 from relay.wire.errors import EXIT_CONFIG_ERROR, RelayError
 from relay.wire.protocol import MAX_CARD_DESCRIPTION_CHARS, MAX_CARD_SKILL_CHARS, MAX_CARD_SKILLS

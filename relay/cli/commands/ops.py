@@ -227,7 +227,7 @@ async def ops_request(ctx: Context, method: str, path: str,
     object, or a RelayError that says what went wrong in one line."""
     import treq
 
-    from relay.client.client import make_http_client
+    from relay.client.trust import make_http_client
 
     url, token = ops_target(ctx.args, ctx.env, ctx.home)
     http = ctx.http
