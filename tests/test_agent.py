@@ -17,8 +17,9 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
+from relay.agent.exec_handler import ExecFailed, ExecHandler, exec_input
 from relay.agent.receipts import ReceiptStore, legacy_receipts_path, receipts_path
-from relay.agent.runtime import AgentService, ExecFailed, ExecHandler, exec_input, reply_body
+from relay.agent.runtime import AgentService, reply_body
 from relay.client.client import RelayClient
 from relay.testing import SECRET as TEST_SECRET
 from relay.wire.errors import RelayError

@@ -30,14 +30,13 @@ from twisted.application.service import IService
 from twisted.logger import Logger
 from twisted.python import usage
 
+from relay.agent.exec_handler import EXEC_TIMEOUT_SECONDS, ExecHandler
 from relay.agent.receipts import ReceiptStore
 from relay.agent.runtime import (
-    EXEC_TIMEOUT_SECONDS,
     HEARTBEAT_INTERVAL_SECONDS,
     POLL_INTERVAL_SECONDS,
     SHUTDOWN_GRACE_SECONDS,
     AgentService,
-    ExecHandler,
     card_of,
 )
 from relay.client.settings import (
