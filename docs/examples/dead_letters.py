@@ -12,9 +12,9 @@ from pathlib import Path
 from twisted.internet import defer, task
 
 from relay.agent import AgentService, Reject
+from relay.agent.receipts import ReceiptStore
 from relay.client import RelayClient, RequestFailed
-from relay.receipts import ReceiptStore
-from relay.settings import resolve_settings
+from relay.client.settings import resolve_settings
 
 stock = {}  # empty: the worker cannot answer yet
 

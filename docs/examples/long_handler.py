@@ -15,9 +15,9 @@ from pathlib import Path
 from twisted.internet import defer, task
 
 from relay.agent import AgentService, Retry
+from relay.agent.receipts import ReceiptStore
 from relay.client import RelayClient
-from relay.receipts import ReceiptStore
-from relay.settings import resolve_settings
+from relay.client.settings import resolve_settings
 
 LEASE_SECONDS = 2
 calls = []

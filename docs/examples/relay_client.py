@@ -16,7 +16,7 @@ from pathlib import Path
 from twisted.internet import defer, task
 
 from relay.client import RelayClient
-from relay.settings import resolve_settings
+from relay.client.settings import resolve_settings
 
 
 async def main(reactor):

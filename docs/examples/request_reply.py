@@ -14,9 +14,9 @@ from pathlib import Path
 from twisted.internet import defer, task
 
 from relay.agent import AgentService, Reject
+from relay.agent.receipts import ReceiptStore
 from relay.client import RelayClient, RequestFailed, RequestTimeout
-from relay.receipts import ReceiptStore
-from relay.settings import resolve_settings
+from relay.client.settings import resolve_settings
 
 
 def answer(message):

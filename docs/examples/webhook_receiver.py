@@ -12,7 +12,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from relay.webhook_receiver import WebhookRejected, verify
+from relay.client.webhook_receiver import WebhookRejected, verify
 
 with open(os.environ["DSH_RELAY_SECRET_FILE"]) as file:
     SECRET = file.read().strip()
