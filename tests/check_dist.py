@@ -36,7 +36,7 @@ def sdist_problems(sdist: Path) -> List[str]:
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     wanted = {"setup.cfg", "pyproject.toml", "README.md", "CHANGELOG.md", "conf/relay.yaml",
-              "docs/CONFIG.md", "relay/broker/ops/static/index.html", "relay/store/sqlite-v8.sql",
+              "docs/CONFIG.md", "relay/broker/ops/static/index.html", "relay/store/sqlite-v9.sql",
               "relay/broker/inbox/static/index.html", "relay/broker/inbox/static/inbox.js",
               "twisted/plugins/relay_plugin.py", "twisted/plugins/relay_stores.py",
               "relay/broker/operations.py"}

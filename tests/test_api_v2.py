@@ -38,6 +38,21 @@ def assert_error(reply, status: int, code: str) -> None:
     assert reply.json["error"]["message"]
 
 
+async def swept(broker, client, message_id: str, stored: bool = True) -> None:
+    """Sweep, and wait until ``message_id`` is stored (or gone): on PostgreSQL a sweep
+    the clock started may hold the rows (SKIP LOCKED) until its commit."""
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    await broker.broker.sweep_expired()
+    for _ in range(500):
+        (entry,) = await client.status(message_id)
+        if (entry["status"] != "not_found") == stored:
+            return
+        await deferLater(reactor, 0.01)
+    raise AssertionError(f"{message_id} is {'not ' if stored else ''}stored")
+
+
 async def leased_request(broker, sender="alpha", to="beta", body="hello", **fields):
     a, b = broker.client(sender), broker.client(to)
     sent = await a.send_request(to, body, **fields)
@@ -346,6 +361,87 @@ async def test_status_recent_and_query(broker):
                  400, "bad_request")
     assert_error(await alpha.request("POST", "/v1/recent", {"agent": "beta"}), 403,
                  "forbidden")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_completion_time_is_shown_in_epoch_seconds(memory_broker):
+    broker = memory_broker(maxAttempts=1)
+    alpha, beta, done_id, message = await leased_request(broker)
+    failing = (await alpha.send_request("beta", "fails")).json["message_id"]
+    (entry,) = await alpha.status(done_id)
+    assert (entry["status"], entry["completed_at"]) == ("leased", None)
+    broker.advance(12.5)
+    assert (await beta.ack(done_id, lease_token=message["lease_token"])).code == 200
+    (other,) = await beta.pull()
+    broker.advance(1)
+    assert (await beta.ack(failing, outcome="retry", error="no")).code == 200
+    done, failed = await alpha.status(done_id, failing)
+    assert (done["status"], done["completed_at"]) == ("completed", START + 12.5)
+    assert (failed["status"], failed["completed_at"]) == ("failed", START + 13.5)
+    recent = {e["message_id"]: e["completed_at"] for e in await alpha.recent()}
+    assert (recent[failing], recent[done_id]) == (START + 13.5, START + 12.5)
+    (found,) = await alpha.query(message_id=done_id)
+    assert found["completed_at"] == START + 12.5
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_expired_request_reads_expired_on_v2_and_is_gone_on_the_seed_wire(broker):
+    alpha, beta = broker.client("alpha"), broker.client("beta")
+    late = (await alpha.send_request("beta", "too late", ttl_seconds=60)).json["message_id"]
+    await broker.register("alpha")
+    broker.advance(61)  # (which starts the broker's own sweeps, too)
+    (entry,) = await alpha.status(late)
+    assert (entry["status"], entry["completed_at"]) == ("expired", None)  # swept or not
+    await swept(broker, alpha, delivery.notice_id(late))
+    (entry,) = await alpha.status(late)
+    assert (entry["status"], entry["attempts"], entry["expires_at"]) == (
+        "expired", 0, START + 60)
+    assert await broker.status("alpha", late) == [
+        {"id": late, "status": "not_found", "attempts": 0}]  # the seed wire's answer
+    assert (await broker.get("alpha", f"/messages/{late}")).code == 404
+    assert [e["message_id"] for e in await alpha.query(status="expired")] == [late]
+    assert [e["message_id"] for e in await alpha.recent()] == [delivery.notice_id(late), late]
+    (stuck,) = await beta.admin_status()
+    assert (stuck["message_id"], stuck["status"]) == (late, "expired")
+    (notice,) = await alpha.pull()
+    assert notice["parent_id"] == late and "expired in the queue" in notice["body"]
+    # the recipient puts it back: it lives its TTL again and is delivered
+    assert (await beta.requeue(late)).json == {"ok": True, "message_id": late}
+    (again,) = await beta.pull()
+    assert (again["message_id"], again["expires_at"]) == (late, START + 61 + 60)
+    assert (await beta.ack(late, lease_token=again["lease_token"])).code == 200
+    (entry,) = await alpha.status(late)
+    assert (entry["status"], entry["completed_at"]) == ("completed", START + 61)
+
+
+@pytest_twisted.ensureDeferred
+async def test_terminal_v2_messages_are_kept_past_their_ttl_until_retention(broker):
+    alpha, beta, request_id, message = await leased_request(broker)
+    assert (await beta.ack(request_id, lease_token=message["lease_token"])).code == 200
+    broker.advance(3601)
+    await swept(broker, alpha, request_id)
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["completed_at"]) == ("completed", START)
+    assert_error(await beta.requeue(request_id), 403, "forbidden")  # completed
+    assert await broker.status("alpha", request_id) == [
+        {"id": request_id, "status": "not_found", "attempts": 0}]
+    broker.advance(7 * 86400)  # messageTtlDays
+    await swept(broker, alpha, request_id, stored=False)
+
+
+@pytest_twisted.ensureDeferred
+async def test_query_answers_up_to_its_limit_however_many_newer_messages_differ(broker):
+    alpha = broker.client("alpha")
+    wanted = [(await alpha.send_request("beta", f"needle {n}", topic="needle")).json[
+        "message_id"] for n in range(3)]
+    for n in range(205):
+        assert (await alpha.send_request("beta", f"hay {n}")).code == 200
+    found = await alpha.query(topic="needle", limit=3)
+    assert [e["message_id"] for e in found] == wanted[::-1]
+    assert len(await alpha.query(kind="request", limit=100)) == 100
+    assert [e["message_id"] for e in await alpha.query(topic="needle", status="queued",
+                                                       limit=2)] == wanted[:0:-1]
+    assert await alpha.query(status="nonsense") == [] and await alpha.query(kind="note") == []
 
 
 # -- admin ----------------------------------------------------------------------------------

@@ -458,3 +458,36 @@ async def test_a_torn_last_line_is_cut_off_at_start(tmp_path):
     finally:
         await store.close()
     assert all(json.loads(line) for line in lines(tmp_path))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_log_of_an_earlier_broker_loads_without_completion_times(tmp_path):
+    """Snapshots and state records as a broker before completion times wrote them: no
+    ``completedAt``, state records without ``expiresAtTime``. A message keeps the
+    TTL of its snapshot, and has no completion time until it completes."""
+    envelope = {"id": "old", "from": "alpha", "to": "beta", "ts": "2024-04-05T19:14:38.000Z",
+                "type": "message", "body": {"text": "x"}, "replyTo": None, "ack": False,
+                "kind": "request", "rootId": None, "parentId": None, "status": "queued",
+                "attempts": 0, "leaseUntil": None, "leaseId": None, "created": START,
+                "expiresAtTime": START + 600}
+    state = {"op": "state", "id": "old", "status": "done", "attempts": 0, "leaseUntil": None,
+             "leaseId": None, "error": None, "recovery": False, "deliveries": 1,
+             "notBeforeTime": None, "deadReason": None}
+    queued = dict(envelope, id="waiting")
+    (tmp_path / "messages.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"seq": 1, "message": envelope}, state, {"seq": 2, "message": queued})) + "\n")
+    store = open_jsonl(tmp_path)
+    try:
+        old = await store.find("old", START)
+        assert (old.status, old.completed_at, old.expires_at) == (DONE, None, START + 600)
+        (m,) = await store.pull("beta", 1, LEASE, START, RULES)
+        await ack(store, "waiting", "beta", m.lease_id, "completed", None, START + 2, RULES)
+    finally:
+        await store.close()
+    states = [r for r in map(json.loads, lines(tmp_path)) if r.get("op") == "state"]
+    assert states[-1]["completedAt"] == START + 2
+    store = open_jsonl(tmp_path)
+    try:
+        assert (await store.find("waiting", START + 3)).completed_at == START + 2
+    finally:
+        await store.close()

@@ -331,3 +331,60 @@ async def test_what_retention_kept_to_resume_an_agent_survives_restarts(persiste
                 await store.compact()
         finally:
             await store.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_restart_keeps_completion_times_and_the_expired_v2_messages(persistent,
+                                                                           tmp_path):
+    from relay.rules.v2 import transitions
+    from relay.wire.protocol import EXPIRED
+    from relay.wire.v2 import views
+
+    def v2_message(message_id: str) -> delivery.Message:
+        return delivery.Message(id=message_id, sender="alpha", to="beta", created=START,
+                                body_json='{"executionMode":"read","text":"x"}',
+                                kind="request", expires_at=START + 60,
+                                v2=views.v2_meta("read", "", False))
+
+    later = START + 61
+    store = open_backend(persistent, tmp_path)
+    for message_id in ("v2-done", "v2-expired", "v2-revived"):
+        assert await store.add(v2_message(message_id), RULES) is True
+    assert await store.add(new_message("alpha", "beta", START, id="seed-failed"), RULES)
+    leased = {m.id: m for m in await store.pull("beta", 4, LEASE, START, RULES)}
+    await ack(store, "v2-done", "beta", leased["v2-done"].lease_id, "completed", None,
+              START + 1.25, RULES)
+    for message_id in ("v2-expired", "v2-revived"):
+        await ack(store, message_id, "beta", leased[message_id].lease_id, "release", None,
+                  START + 2, RULES)
+    await ack(store, "seed-failed", "beta", leased["seed-failed"].lease_id, "reject", None,
+              START + 3, RULES)
+    assert await store.sweep_expired(START - 1, later, RULES) == 2
+    await store.settle("v2-revived", transitions.requeue("beta"), later, RULES)
+    before = {m: await store.find(m, later, True) for m in
+              ("v2-done", "v2-expired", "v2-revived", "seed-failed")}
+    await store.close()
+
+    for _ in range(2):  # and after a change made after the first restart
+        store = open_backend(persistent, tmp_path)
+        try:
+            after = {m: await store.find(m, later, True) for m in before}
+            for message_id, message in before.items():
+                kept = after[message_id]
+                assert (kept.status, kept.completed_at, kept.expires_at, kept.seq) == (
+                    message.status, message.completed_at, message.expires_at,
+                    message.seq), message_id
+            assert after["v2-done"].completed_at == START + 1.25
+            assert after["seed-failed"].completed_at == START + 3
+            assert (after["v2-expired"].status, after["v2-expired"].completed_at) == (
+                EXPIRED, None)
+            assert after["v2-revived"].expires_at == later + 60
+            assert await store.sweep_expired(START - 1, later, RULES) == 0
+            if before["v2-revived"].status == QUEUED:
+                (m,) = await store.pull("beta", 1, LEASE, later, RULES)
+                await store.settle(m.id, transitions.ack("beta", m.lease_id, "completed",
+                                                         None, RULES), later + 1, RULES)
+                before["v2-revived"] = await store.find("v2-revived", later + 1)
+                assert before["v2-revived"].completed_at == later + 1
+        finally:
+            await store.close()

@@ -232,6 +232,38 @@ def test_migration_8_counts_the_envelope_strings_of_the_pending_messages(dsn):
 
 
 @pytest.mark.postgres
+def test_migration_13_keeps_every_message_without_a_completion_time(dsn):
+    """Messages stored under migration 12 read the same after 13, with no completion
+    time; the expiry sweep then keeps a v2/v3 one past its TTL and removes a seed-wire
+    one, and reads none of them again."""
+    from relay.store import records as ops
+    from relay.wire.protocol import EXPIRED
+    from relay.wire.v2 import views
+
+    with connect(dsn, autocommit=True) as conn:
+        postgres.migrate(conn, target=12)
+        for i, (status, v2) in enumerate([("queued", None), ("queued", "v2"), ("done", "v2"),
+                                          ("failed", None), ("leased", "v2")]):
+            conn.execute(
+                "INSERT INTO relay_messages (id, sender, recipient, ts, type, body, ack, kind,"
+                " status, attempts, created, expires_at, v2) VALUES (%s, 'alpha', 'beta', 't',"
+                " 'message', '{}', false, 'request', %s, 0, %s, %s, %s)",
+                (f"m{i}", status, START, START + 60,
+                 views.v2_meta("read", "", False) if v2 else None))
+        assert postgres.migrate(conn) == 12
+        with conn.transaction():
+            records = _records(conn)
+            found = [records.get(f"m{i}") for i in range(5)]
+            assert [m.status for m in found] == ["queued", "queued", "done", "failed", "leased"]
+            assert all(m.completed_at is None and m.expires_at == START + 60 for m in found)
+            assert ops.expire(records, START - 1, START + 61, RULES, 100) == (4, 4)
+            kept = {f"m{i}": records.get(f"m{i}") for i in range(5)}
+            assert {k: m.status for k, m in kept.items() if m is not None} == {
+                "m1": EXPIRED, "m2": "done", "m4": EXPIRED}
+            assert ops.expire(records, START - 1, START + 62, RULES, 100) == (0, 0)
+
+
+@pytest.mark.postgres
 def test_the_usage_of_a_new_message_counts_its_envelope_strings(dsn):
     with connect(dsn, autocommit=True) as conn:
         postgres.migrate(conn)

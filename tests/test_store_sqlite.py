@@ -340,7 +340,7 @@ def test_a_lease_or_a_settle_leaves_the_id_and_sent_box_indexes_alone():
     db = sqlite3.connect(":memory:")
     db.executescript(backend.schema_script(backend.SCHEMA_VERSION))
     assert written_btrees(db, backend.STATEMENTS["save"][0]) == [
-        "messages", "messages_held", "messages_inbox", "messages_leases",
+        "messages", "messages_expiry", "messages_held", "messages_inbox", "messages_leases",
         "messages_recovery", "messages_sent_failed", "messages_urgent"]
     assert {"messages_outbox", "sqlite_autoindex_messages_1"} <= set(
         written_btrees(db, backend.STATEMENTS["insert"][0]))
@@ -406,6 +406,80 @@ async def test_a_version_3_database_is_upgraded_and_its_sent_box_reads_the_same(
     finally:
         await store.close()
     await backed_up_and_like_a_new_database(tmp_path, 3)
+
+
+V8_COLUMNS = 29  # every column but the completion time (schema 9)
+
+
+def version_8_database(path: str) -> List[Message]:
+    """A database as the schema-8 releases created it: seed-wire and v2/v3 messages in
+    every status, with and without a TTL, a role message held by a member."""
+    from relay.wire.v2 import views
+
+    db = sqlite3.connect(path, isolation_level=None)
+    db.executescript(old_schema(8))
+    db.execute("INSERT INTO version (version) VALUES (8)")
+    messages = []
+    for seq in range(1, 17):
+        v2 = seq % 2 == 0
+        message = new_message("alpha", "beta", START + seq, id=f"v8-{seq}",
+                              kind="request" if seq % 3 else "message",
+                              ttl_seconds=600 if seq % 4 < 2 else None)
+        message.seq = seq
+        message.status = (QUEUED, LEASED, DONE, "failed")[(seq // 2) % 4]
+        if v2:
+            message.v2 = views.v2_meta("continue", f"ref-{seq}", seq % 3 == 0)
+        if message.status == LEASED:
+            message.lease_id, message.lease_until = f"lease-{seq}", int(START + 60) * 1000
+            message.deliveries = 1
+        if seq == 16:
+            message.to, message.holder, message.priority = "role:triage", "dan", 4
+        messages.append(message)
+        row = backend._row(message)[:V8_COLUMNS]
+        db.execute(f"INSERT INTO messages ({', '.join(backend.COLUMNS.split(', ')[:V8_COLUMNS])}) "
+                   f"VALUES ({', '.join('?' * len(row))})", row)
+    db.execute("INSERT INTO peers (agent, last_seen) VALUES ('beta', ?)", (int(START),))
+    db.close()
+    return messages
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_version_8_database_is_upgraded_with_nothing_lost(tmp_path):
+    """Schema 9 adds the completion time (none for the messages stored before) and
+    keeps the v2/v3 messages past their TTL out of the expiry index once expired."""
+    from relay.store.jsonl import snapshot_record
+    from relay.wire.protocol import EXPIRED
+
+    stored = version_8_database(str(tmp_path / "relay.db"))
+    store = open_sqlite(tmp_path)
+    try:
+        (version,) = store.db.execute("SELECT version FROM version").fetchone()
+        assert version == backend.SCHEMA_VERSION
+        for message in stored:
+            found = await store.find(message.id, START, True)
+            assert snapshot_record(found) == snapshot_record(message), message.id
+            assert found.state()[:10] == message.state()[:10], message.id
+            assert found.completed_at is None
+        later = START + 620  # past every TTL
+        swept = await store.sweep_expired(START - 1, later, RULES)
+        ttl = [m for m in stored if m.expires_at is not None]
+        removed = [m for m in ttl if m.v2 is None]
+        kept = [m for m in ttl if m.v2 is not None and m.status in (QUEUED, LEASED)]
+        assert swept == len(removed) + len(kept) and removed and kept
+        for message in ttl:
+            found = await store.find(message.id, later, True)
+            if message.v2 is None:
+                assert found is None, message.id
+            else:
+                assert found.status == (EXPIRED if message in kept else message.status)
+        assert await store.sweep_expired(START - 1, later + 60, RULES) == 0
+        leased = [m for m in stored if m.status == LEASED and m.expires_at is None
+                  and m.to == "beta"][0]
+        await ack(store, leased.id, "beta", leased.lease_id, "completed", None, START + 30)
+        assert (await store.find(leased.id, START + 30)).completed_at == START + 30
+    finally:
+        await store.close()
+    await backed_up_and_like_a_new_database(tmp_path, 8)
 
 
 def test_unopenable_database_names_the_path(tmp_path):
@@ -543,13 +617,15 @@ async def test_an_expiry_sweep_leaves_no_read_open(tmp_path):
 def test_nulls_are_written_into_the_statement_not_bound():
     """A row's None values become NULL literals; the WHERE values stay bound."""
     save = backend.NullsWritten(backend._save_sql)
-    sql, params = save(("done", 2, None, None, "boom", 0, 3, None, None, None, 41), 1)
-    assert params == ["done", 2, "boom", 0, 3, 41]
+    sql, params = save(("done", 2, None, None, "boom", 0, 3, None, None, None, 9.5, None,
+                        41), 1)
+    assert params == ["done", 2, "boom", 0, 3, 9.5, 41]
     assert "lease_until = NULL, lease_id = NULL" in sql and "error = ?" in sql
     assert sql.endswith("WHERE seq = ?")
     assert sql.count("?") == len(params)
-    assert save(("done", 2, None, None, "boom", 0, 3, None, None, None, 42), 1)[0] is sql
-    nothing_null = save(("queued", 0, 1, "l", "e", 1, 0, 1.0, "r", "m", 7), 1)[0]
+    assert save(("done", 2, None, None, "boom", 0, 3, None, None, None, 9.5, None, 42),
+                1)[0] is sql
+    nothing_null = save(("queued", 0, 1, "l", "e", 1, 0, 1.0, "r", "m", 2.0, 3.0, 7), 1)[0]
     assert nothing_null == backend._SAVE_STATE
 
 

@@ -586,8 +586,12 @@ class Broker:
                                  self.clock.seconds(), self.policy.rules)
 
     def requeue(self, agent: Optional[str], message_id: str) -> Deferred:
-        """Put a failed message back (``/v1/requeue``); ``agent`` None is the operator."""
-        return self.store.settle(message_id, delivery.requeue(agent), self.clock.seconds(),
+        """Put a failed message back (``/v1/requeue``); ``agent`` None is the operator,
+        who may also requeue a dead letter of the v2/v3 wire kept past its TTL (it is
+        listed and counted with the others)."""
+        transition = delivery.requeue(agent)
+        return self.store.settle(message_id, transition if agent is not None else
+                                 delivery.Kept(transition), self.clock.seconds(),
                                  self.policy.rules)
 
     def cancel(self, agent: Optional[str], message_id: str, reason: Optional[str]) -> Deferred:
@@ -699,15 +703,20 @@ class Broker:
     def messages_in(self, status: str, limit: int):
         """Fires with the newest ``limit`` messages in ``status`` (``leased`` or
         ``failed``) to any agent, newest first: the ops views of leases in flight
-        and dead letters. Only agents the queue depths show with such messages
-        are read."""
+        and dead letters, as the depths count them (a message of the v2/v3 wire past
+        its TTL is kept, and counted). Only agents the queue depths show with such
+        messages are read."""
         depths = yield self.queue_depths()
         now = self.clock.seconds()
         found: List[Message] = []
+
+        def counted(message: Message) -> bool:
+            return delivery.outlives_ttl(message) or not delivery.expired(message, now)
+
         for depth in depths:
             if getattr(depth, status):
                 found += (yield self.store.query(depth.agent, limit, {"status": status},
-                                                 now, self.policy.rules))
+                                                 now, self.policy.rules, match=counted))
         found.sort(key=lambda m: m.seq, reverse=True)
         return found[:limit]
 

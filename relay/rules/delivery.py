@@ -49,6 +49,7 @@ from typing import (
 from relay.wire import errors
 from relay.wire.protocol import (
     DONE,
+    EXPIRED,
     FAILED,
     LEASED,
     QUEUED,
@@ -100,7 +101,9 @@ class Message:
     for a message sent on the seed wire, else the compact JSON text of what a
     v2/v3 sender set that the seed envelope has no field for
     (:func:`relay.wire.v2.views.v2_meta`): its execution mode, session reference
-    and shared-write grant (WIRE-V2 §3).
+    and shared-write grant (WIRE-V2 §3). ``completed_at`` (epoch seconds) is when
+    it last became done or failed (None before, and for one that expired), shown
+    on the v2 wire as the reference shows it.
     """
 
     __slots__ = (
@@ -134,6 +137,7 @@ class Message:
         "v2",
         "priority",
         "holder",
+        "completed_at",
         "_bytes",
     )
 
@@ -169,6 +173,7 @@ class Message:
         v2: Optional[str] = None,
         priority: int = 0,
         holder: Optional[str] = None,
+        completed_at: Optional[float] = None,
     ) -> None:
         self.seq = seq
         self.id = id
@@ -209,6 +214,7 @@ class Message:
         self.priority = priority
         # REACH §13: the member that leased a role message last (None otherwise).
         self.holder = holder
+        self.completed_at = completed_at
         self._bytes: Optional[int] = None
 
     @property
@@ -282,6 +288,7 @@ class Message:
         other.v2 = self.v2
         other.priority = self.priority
         other.holder = self.holder
+        other.completed_at = self.completed_at
         other._bytes = self._bytes
         return other
 
@@ -438,7 +445,8 @@ class Message:
         return entry
 
     def state(self) -> Tuple[Any, ...]:
-        """The mutable delivery fields, compared to tell whether a transition changed any."""
+        """The mutable delivery fields, compared to tell whether a transition changed any
+        (``expires_at`` last: only a requeue of a message past its TTL changes it)."""
         return (
             self.status,
             self.attempts,
@@ -450,13 +458,15 @@ class Message:
             self.not_before,
             self.dead_reason,
             self.holder,
+            self.completed_at,
+            self.expires_at,
         )
 
     def set_state(self, state: Tuple[Any, ...]) -> None:
         """Take the delivery fields of another copy's :meth:`state`."""
         (self.status, self.attempts, self.lease_until, self.lease_id, self.error,
          self.recovery, self.deliveries, self.not_before, self.dead_reason,
-         self.holder) = state
+         self.holder, self.completed_at, self.expires_at) = state
 
     def __repr__(self) -> str:  # ids and state only: never the body
         return f"<Message seq={self.seq} id={self.id!r} {self.status} attempts={self.attempts}>"
@@ -474,6 +484,16 @@ class WithStored:
 
     other_id: str
     decide: Callable[[Message, Optional[Message], float], Outcome]
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A transition that applies also to a message of the v2/v3 wire past its TTL (kept
+    until retention removes it: :func:`outlives_ttl`): the v2 wire's admin requeue and
+    cancel. To any other transition such a message is unknown (404), as it is to every
+    seed-wire request."""
+
+    transition: Transition
 
 
 @dataclass(frozen=True)
@@ -548,8 +568,9 @@ class Changes:
     ``lapsed`` counts the leases released because their deadline passed.
 
     ``expiring`` holds the ``expiresAt`` times (epoch seconds) of new requests sent
-    with a TTL: the broker sweeps then, so the sender's failure notice is stored
-    when the request expires, not at the next periodic sweep.
+    with a TTL (or revived with one: :func:`revive`): the broker sweeps then, so the
+    sender's failure notice is stored when the request expires, not at the next
+    periodic sweep.
 
     ``events`` holds the agents for which events were recorded (REACH §11): their
     open event streams and webhooks read them; ``hooks`` the agents whose webhook
@@ -608,6 +629,9 @@ def wakes(changes: Changes, before: Optional[Tuple[Any, ...]], after: Message) -
             changes.expiring.add(after.expires_at)
     elif after.status == FAILED and was != FAILED:
         changes.dead.append(after.dead_reason or ATTEMPTS)
+    elif (before[11] != after.expires_at and after.expires_at is not None
+          and after.kind == "request"):
+        changes.expiring.add(after.expires_at)  # revived with a TTL of its own again
     if after.status == QUEUED:
         moved = was != QUEUED or before[7] != after.not_before
         if moved and after.not_before is not None:
@@ -690,8 +714,33 @@ def lease_lapsed(message: Message, now: float) -> bool:
 
 
 def expired(message: Message, now: float) -> bool:
-    """True when ``message`` was sent with a TTL that has run out: it is gone."""
+    """True when ``message`` was sent with a TTL that has run out: it is gone (to the
+    seed wire; see :func:`outlives_ttl`)."""
     return message.expires_at is not None and message.expires_at <= now
+
+
+def outlives_ttl(message: Message) -> bool:
+    """Whether ``message`` is kept after its TTL ran out: a message of the v2/v3 wire is,
+    until retention (``messageTtlDays``) removes it, as the reference keeps its
+    terminal messages (WIRE-V2 §3); a seed-wire one is removed at its expiry
+    (EXTENSIONS §7: gone, its id free again)."""
+    return message.v2 is not None
+
+
+def keep_expired(message: Message) -> None:
+    """queued or leased -> expired: a message of the v2/v3 wire whose TTL ran out before
+    it was processed (a held lease dies). A done or failed one stays as it is."""
+    _end_lease(message)
+    message.status = EXPIRED
+    message.recovery = False
+    message.not_before = None
+
+
+def revive(message: Message, now: float) -> None:
+    """A message put back in its queue after its TTL ran out lives its TTL again from
+    ``now``, so that it may be delivered."""
+    if message.expires_at is not None and message.expires_at <= now:
+        message.expires_at = now + (message.expires_at - message.created)
 
 
 def due(message: Message, now: float) -> bool:
@@ -781,9 +830,10 @@ def _end_lease(message: Message) -> None:
     message.lease_until = None
 
 
-def _fail(message: Message, reason: str, error: Optional[str]) -> None:
+def _fail(message: Message, reason: str, error: Optional[str], now: float) -> None:
     _end_lease(message)
     message.status = FAILED
+    message.completed_at = now
     message.dead_reason = reason
     message.error = error
     message.recovery = False
@@ -799,7 +849,8 @@ def _requeue_after_lease(message: Message, now: float, rules: Rules,
     """A lease ended without completion: queued again, or failed when the message
     has been delivered ``maxDeliveries`` times."""
     if _exhausted(message, rules):
-        _fail(message, DELIVERIES, f"delivered {message.deliveries} times without completion")
+        _fail(message, DELIVERIES, f"delivered {message.deliveries} times without completion",
+              now)
         return _notices(message, now, rules)
     _end_lease(message)
     message.status = QUEUED
@@ -892,15 +943,16 @@ def ack(agent: str, lease_id: str, outcome: str, error: Optional[str], rules: Ru
                 answer = reply_message(message, agent, reply, now)
             _end_lease(message)
             message.status = DONE
+            message.completed_at = now
             message.error = error
         elif outcome == "reject":
-            _fail(message, REJECTED, error if error is not None else "rejected")
+            _fail(message, REJECTED, error if error is not None else "rejected", now)
             notices = _notices(message, now, rules)
         elif outcome == "retry":
             message.attempts += 1
             message.error = error
             if message.attempts > rules.max_attempts:
-                _fail(message, ATTEMPTS, error)
+                _fail(message, ATTEMPTS, error, now)
                 notices = _notices(message, now, rules)
             else:
                 notices = _requeue_after_lease(message, now, rules, retry_after)
@@ -998,6 +1050,7 @@ def requeue(agent: Optional[str]) -> Transition:
         message.error = None
         message.not_before = None
         message.dead_reason = None
+        revive(message, now)  # (the operator's requeue of a v2 message kept past its TTL)
         return Outcome({"ok": True, "status": QUEUED, "attempts": 0})
 
     return transition
@@ -1013,7 +1066,7 @@ def cancel(agent: Optional[str], reason: Optional[str]) -> Transition:
             raise errors.forbidden("only the sender may cancel this message")
         if message.status in (DONE, FAILED):
             raise errors.wrong_state(f"message is already {message.status}")
-        _fail(message, CANCELLED, reason if reason is not None else "cancelled by sender")
+        _fail(message, CANCELLED, reason if reason is not None else "cancelled by sender", now)
         return Outcome({"ok": True, "status": FAILED, "attempts": message.attempts})
 
     return transition

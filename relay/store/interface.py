@@ -76,9 +76,10 @@ class IMessageStore(Interface):
         ``id_conflict`` when ``sent_id`` is a message's id or a copy's id is
         taken; nothing is written then. Members need not have registered."""
 
-    def find(message_id, now):
+    def find(message_id, now, expired=False):
         """Fires with (a copy of) the message of that id, or None (also when its
-        ``ttlSeconds`` ran out by ``now``)."""
+        ``ttlSeconds`` ran out by ``now``; with ``expired``, a message the store keeps
+        past its TTL, :func:`relay.rules.delivery.outlives_ttl`, is found still)."""
 
     def poll(agent, since_id, limit, now, rules):
         """v1.0 poll: fires with ``(messages, cursor)``.
@@ -113,8 +114,9 @@ class IMessageStore(Interface):
         transition is applied as ``decide(message, other, now)``, ``other`` the
         message ``other_id`` as read in the same transaction (None when unknown or
         expired): an ack with a reply, its duplicate rule included, and a v1.0
-        receipt are each one settle. What ``catch_up`` changed is kept also when
-        the transition raises. Fires with the outcome's value.
+        receipt are each one settle. A :class:`relay.rules.delivery.Kept` transition
+        applies also to a message kept past its TTL. What ``catch_up`` changed is
+        kept also when the transition raises. Fires with the outcome's value.
 
         Errbacks with :class:`relay.wire.errors.RelayError`: 404 ``no_such_message``
         for an unknown or expired id, :class:`relay.rules.delivery.IdConflict` when the
@@ -132,12 +134,17 @@ class IMessageStore(Interface):
     def recent(agent, limit, now, rules):
         """Fires with the newest ``limit`` messages to ``agent``, any status."""
 
-    def query(agent, limit, filters, now, rules):
+    def query(agent, limit, filters, now, rules, match=None):
         """Fires with the newest ``limit`` messages of ``agent``'s box that match every
         filter of ``filters``: ``box`` (``inbox``, the default — the messages
         addressed to ``agent``, as the reference broker searches —, ``sent`` or
         ``all``), and ``kind``, ``status``, ``from``, ``to``, ``rootId`` (id or root
-        id), ``parentId`` (parent id or reply-to), each a value or None."""
+        id), ``parentId`` (parent id or reply-to), each a value or None.
+
+        With ``match`` (a predicate on a message), the newest ``limit`` of those for
+        which ``match`` is also true, however many others the store reads on the
+        way (a filter the store has no index for: the v2/v3 wire's); messages past
+        their TTL are handed to ``match`` too, which decides about them."""
 
     def thread(agent, root_id, since_id, limit, now, rules):
         """Fires with ``(messages, cursor)``: the messages whose id or root id is
@@ -153,7 +160,8 @@ class IMessageStore(Interface):
 
     def forget_peers(cutoff):
         """Forget the agents last seen before ``cutoff`` that no stored message is
-        addressed to (they may register again); fires with their names."""
+        addressed to (a message kept as expired does not count; they may register
+        again); fires with their names."""
 
     def space_left():
         """The bytes free where the store writes (an int, at once), or None when the
@@ -172,7 +180,11 @@ class IMessageStore(Interface):
     def sweep_expired(cutoff, now, rules):
         """Remove every message stored before ``cutoff`` or whose ``ttlSeconds`` ran
         out by ``now``, storing the failure notices of requests that expired
-        unprocessed; fires with how many were removed."""
+        unprocessed; fires with how many expired. A message of the v2/v3 wire whose
+        TTL ran out is kept until ``cutoff`` passes it
+        (:func:`relay.rules.delivery.outlives_ttl`): one still queued or leased becomes
+        ``expired`` (:func:`relay.rules.delivery.keep_expired`, counted then), one done or
+        failed stays so."""
 
     def queue_depths(now):
         """Fires with a :class:`QueueDepth` per agent that has messages queued,

@@ -9,14 +9,18 @@ JSON object per line:
     ``leaseId``, ``error``, ``created`` (epoch seconds), ``recovery`` (the
     v1.0 recovery-delivery mark) and the v1.2 bookkeeping when it is not the
     default: ``deliveries``, ``deadReason``, and the times (epoch seconds)
-    ``notBeforeTime``, ``delayUntilTime``, ``expiresAtTime``. A later snapshot
+    ``notBeforeTime``, ``delayUntilTime``, ``expiresAtTime``, ``completedAt``
+    (when it became done or failed; absent in logs of earlier brokers). A message
+    of the v2/v3 wire kept past its TTL has the status ``expired``. A later snapshot
     of the same id replaces the earlier one. This is the reference broker's
     own line format (its v1.0 lines lack the v1.1 fields and default to
     ``queued``), so its files load here; new messages are written this way, so
     it can read ours back (it skips the other records).
 ``{"op": "state", "id": ID, "status", "attempts", "leaseUntil", "leaseId", ...}``
     The delivery state of a message changed (pull, ack, lease lapse, poll, …):
-    also ``error``, ``recovery``, ``deliveries``, ``notBeforeTime``, ``deadReason``.
+    also ``error``, ``recovery``, ``deliveries``, ``notBeforeTime``, ``deadReason``,
+    and when set ``holder``, ``completedAt`` and ``expiresAtTime`` (a record without
+    one of these three leaves it as it was: logs of earlier brokers have none).
 ``{"op": "peer", "agent": NAME, "lastSeen": SECONDS, "card"?}``
     A registration (heartbeat); ``card`` (an object, or null for none) only when
     the registration changed it.
@@ -89,7 +93,7 @@ from relay.wire.protocol import (
     MAX_PRIORITY,
     MESSAGE_KINDS,
     MESSAGE_TYPES,
-    STATUSES,
+    STORED_STATUSES,
     compact_json,
     iso_timestamp,
     parse_card,
@@ -132,7 +136,8 @@ def snapshot_line(message: Message) -> bytes:
                        ("expiresAtTime", message.expires_at),
                        ("sentId", message.sent_id),
                        ("wireV2", message.v2),
-                       ("holder", message.holder)):
+                       ("holder", message.holder),
+                       ("completedAt", message.completed_at)):
         if value is not None:
             extra[key] = value
     # The envelope without its view-only fields (the times are kept as epoch seconds).
@@ -151,13 +156,17 @@ def _plain(message: Message) -> Message:
 def state_record(message: Message) -> Dict[str, Any]:
     """The record of a change of ``message``'s delivery state."""
     (status, attempts, lease_until, lease_id, error, recovery, deliveries, not_before,
-     dead_reason, holder) = message.state()
+     dead_reason, holder, completed_at, expires_at) = message.state()
     record = {"op": "state", "id": message.id, "status": status, "attempts": attempts,
               "leaseUntil": lease_until, "leaseId": lease_id, "error": error,
               "recovery": recovery, "deliveries": deliveries, "notBeforeTime": not_before,
               "deadReason": dead_reason}
     if holder is not None:
         record["holder"] = holder
+    if completed_at is not None:
+        record["completedAt"] = completed_at
+    if expires_at is not None:
+        record["expiresAtTime"] = expires_at
     return record
 
 
@@ -256,7 +265,8 @@ def message_from_snapshot(seq: Any, envelope: Any, now: float) -> Message:
     kind = envelope.get("kind") or "message"
     msg_type = envelope.get("type") or "message"
     body = envelope.get("body")
-    if status not in STATUSES or kind not in MESSAGE_KINDS or msg_type not in MESSAGE_TYPES:
+    if (status not in STORED_STATUSES or kind not in MESSAGE_KINDS
+            or msg_type not in MESSAGE_TYPES):
         raise ValueError("bad enumeration")
     if body is not None and not isinstance(body, dict):
         raise ValueError("body is not an object")
@@ -291,6 +301,7 @@ def message_from_snapshot(seq: Any, envelope: Any, now: float) -> Message:
         v2=_text(envelope.get("wireV2")),
         priority=_priority(envelope.get("priority")),
         holder=_text(envelope.get("holder")),
+        completed_at=_time(envelope.get("completedAt")),
     )
 
 
@@ -303,7 +314,7 @@ def _priority(value: Any) -> int:
 
 def _apply_state(message: Message, record: Dict[str, Any]) -> None:
     status = record["status"]
-    if status not in STATUSES:
+    if status not in STORED_STATUSES:
         raise ValueError("bad status")
     attempts = _int(record["attempts"])
     lease_until = _int(record.get("leaseUntil"), optional=True)
@@ -322,6 +333,10 @@ def _apply_state(message: Message, record: Dict[str, Any]) -> None:
     message.not_before = not_before
     message.dead_reason = dead_reason
     message.holder = _text(record.get("holder"))
+    if "completedAt" in record:
+        message.completed_at = _time(record["completedAt"])
+    if "expiresAtTime" in record:
+        message.expires_at = _time(record["expiresAtTime"])
 
 
 class LoadedLog:

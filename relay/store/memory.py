@@ -15,9 +15,9 @@ from relay.rules import delivery
 from relay.rules.delivery import PENDING, Message
 from relay.rules.events import Event
 from relay.store.interface import QueueDepth
-from relay.store.records import Records, RecordStore, RoleJoins
+from relay.store.records import Match, Records, RecordStore, RoleJoins
 from relay.wire.errors import ConfigError
-from relay.wire.protocol import FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
+from relay.wire.protocol import EXPIRED, FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
 
 # The states whose messages are counted per agent (QueueDepth).
 _COUNTED = (QUEUED, LEASED, FAILED)
@@ -339,6 +339,8 @@ class MemoryRecords(Records):
                 self._count(stored, new[0], 1)
             stored.set_state(new)
             self._index(stored, lease_moved=old[0] != LEASED or old[2:4] != new[2:4])
+            if old[11] != new[11] and stored.expires_at is not None:
+                heapq.heappush(self.expiries, (stored.expires_at, stored.seq))
             self.saved(stored)
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
@@ -448,7 +450,7 @@ class MemoryRecords(Records):
         return heapq.merge(inbox, outbox, reverse=True)
 
     def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
-                now: float) -> List[Message]:
+                now: float, match: Optional[Match] = None) -> List[Message]:
         kind, status, sender = filters.get("kind"), filters.get("status"), filters.get("from")
         recipient = filters.get("to")
         root_id, parent_id = filters.get("rootId"), filters.get("parentId")
@@ -459,7 +461,9 @@ class MemoryRecords(Records):
         else:
             candidates = self._box(agent, box)
         out = []
-        for message in self._live(candidates, now):
+        found = (self._live(candidates, now) if match is None else
+                 (m for m in map(self.by_seq.get, candidates) if m is not None))
+        for message in found:
             in_box = (message.to == agent if box == "inbox" else
                       message.sender == agent if box == "sent" else
                       agent in (message.to, message.sender))
@@ -471,6 +475,7 @@ class MemoryRecords(Records):
                 and (recipient is None or message.to == recipient)
                 and (root_id is None or root_id in (message.id, message.root_id))
                 and (parent_id is None or parent_id in (message.parent_id, message.reply_to))
+                and (match is None or match(message))
             ):
                 out.append(message.copy())
                 if len(out) >= limit:
@@ -495,7 +500,8 @@ class MemoryRecords(Records):
                     break
         return out
 
-    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
+    def expire(self, cutoff: float, now: float, batch: int
+               ) -> Tuple[int, int, List[Message], List[Message]]:
         removed: List[Message] = []
         through = 0
         for message in self.by_seq.values():
@@ -504,20 +510,26 @@ class MemoryRecords(Records):
             removed.append(message)
             through = message.seq
         seen = {m.seq for m in removed}
+        kept: List[Message] = []
         heap = self.expiries
-        while heap and heap[0][0] <= now and len(removed) < batch:
+        while heap and heap[0][0] <= now and len(removed) + len(kept) < batch:
             when, seq = heapq.heappop(heap)
             message = self.by_seq.get(seq)
-            if message is not None and seq not in seen and message.expires_at == when:
+            if message is None or seq in seen or message.expires_at != when:
+                continue
+            if not delivery.outlives_ttl(message):
                 removed.append(message)
                 seen.add(seq)
+            elif message.status in PENDING:
+                kept.append(message.copy())
         for message in removed:
             self._remove(message)
         if removed:
             self.removed(removed, through)
+        counted = sum(1 for m in removed if m.status != EXPIRED)
         unprocessed = [m.copy() for m in removed
-                       if m.kind == REQUEST_KIND and m.status in (QUEUED, LEASED)]
-        return len(removed), unprocessed
+                       if m.kind == REQUEST_KIND and m.status in PENDING]
+        return len(removed), counted, unprocessed, kept
 
     def _remove(self, message: Message) -> None:
         del self.by_seq[message.seq]
@@ -578,8 +590,9 @@ class MemoryRecords(Records):
         return len(self.peer_seen)
 
     def forget(self, cutoff: float) -> List[str]:
+        by_seq = self.by_seq
         gone = [agent for agent, seen in self.peer_seen.items()
-                if seen < cutoff and not any(s in self.by_seq
+                if seen < cutoff and not any(s in by_seq and by_seq[s].status != EXPIRED
                                              for s in self.inbox_seqs.get(agent, ()))]
         for agent in gone:
             del self.peer_seen[agent]

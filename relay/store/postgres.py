@@ -93,11 +93,11 @@ from relay.store.interface import IMessageStore, ISharedLockouts, ISharedNonces,
 from relay.store.records import EXPIRE_BATCH, Records
 from relay.wire import errors
 from relay.wire.errors import ConfigError, RelayError
-from relay.wire.protocol import KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STATUSES
+from relay.wire.protocol import EXPIRED, KEEP_CARD, MAX_CLOCK_SKEW_SECONDS, QUEUED, STORED_STATUSES
 
 log = Logger(namespace="relay.store.postgres")
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 CHANNEL = "relay_changes"
 # The package is not on the index: name the driver itself (the postgres extra).
 INSTALL_HINT = "pip install 'psycopg[binary]>=3.2' in the broker's environment"
@@ -152,7 +152,6 @@ ENVELOPE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("parent_id", "parent_id", "text"),
     ("created", "created", "double precision"),
     ("delay_until", "delay_until", "double precision"),
-    ("expires_at", "expires_at", "double precision"),
     ("via", "via", "text"),
     ("sent_id", "sent_id", "text"),
     ("v2", "v2", "text"),
@@ -169,6 +168,8 @@ STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
     ("not_before", "not_before", "double precision"),
     ("dead_reason", "dead_reason", "text"),
     ("holder", "holder", "text"),
+    ("completed_at", "completed_at", "double precision"),
+    ("expires_at", "expires_at", "double precision"),
 )
 _STORED = ENVELOPE_COLUMNS + STATE_COLUMNS
 COLUMNS = ", ".join(["seq", "version"] + [c for c, _, _ in _STORED])
@@ -221,6 +222,8 @@ _SAVE = (
 _DUE = ("(not_before IS NULL OR not_before <= %(now)s) "
         "AND (expires_at IS NULL OR expires_at > %(now)s)")
 _LIVE = "(expires_at IS NULL OR expires_at > %(now)s)"
+# The condition of relay_messages_expiry besides a TTL (migration 13).
+_EXPIRING = "(v2 IS NULL OR status IN ('queued', 'leased'))"
 _PARENT = "(parent_id = %(parent)s OR reply_to = %(parent)s)"
 # Each queue of the pull (the agent's, its roles': REACH §13) read in the order a
 # pull leases (relay.rules.delivery.rank: higher priority first, then seq) on
@@ -283,11 +286,19 @@ STATEMENTS = {
     "held_due": (f"{_SELECT} WHERE status = 'queued' AND not_before IS NOT NULL "
                  "AND not_before <= %s ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED"),
     # Locked, skipping rows another sweep holds: each expired row is removed (and
-    # its failure notice stored) by one broker.
+    # its failure notice stored) by one broker. A v2/v3 message whose TTL ran out
+    # while queued or leased is read instead, to be kept as expired
+    # (relay_messages_expiry holds no other v2/v3 message: its condition is written
+    # here as it is written there).
     "expire": (
-        "WITH doomed AS (SELECT seq FROM relay_messages WHERE created < %s OR expires_at <= %s "
+        "WITH doomed AS (SELECT seq FROM relay_messages WHERE created < %s OR "
+        f"(expires_at <= %s AND {_EXPIRING} AND v2 IS NULL) "
         "LIMIT %s FOR UPDATE SKIP LOCKED) DELETE FROM relay_messages AS m USING doomed "
         f"WHERE m.seq = doomed.seq RETURNING {_M_COLUMNS}"
+    ),
+    "expire_kept": (
+        f"{_SELECT} WHERE expires_at <= %s AND {_EXPIRING} AND v2 IS NOT NULL "
+        "AND created >= %s LIMIT %s FOR UPDATE SKIP LOCKED"
     ),
     "register": (
         "INSERT INTO relay_peers AS p (agent, last_seen) VALUES (%s, %s) "
@@ -306,7 +317,8 @@ STATEMENTS = {
     "agent_count": "SELECT count(*) FROM relay_peers",
     "forget": (
         "DELETE FROM relay_peers AS p WHERE last_seen < %s AND NOT EXISTS "
-        "(SELECT 1 FROM relay_messages AS m WHERE m.recipient = p.agent) RETURNING agent"
+        "(SELECT 1 FROM relay_messages AS m WHERE m.recipient = p.agent "
+        "AND m.status <> 'expired') RETURNING agent"
     ),
     "forget_usage": "DELETE FROM relay_inbox_usage WHERE recipient = ANY(%s::text[])",
     # Per recipient and state, each part on its state's partial index: never the
@@ -475,17 +487,22 @@ _FILTERS = (("status", "status = %(status)s"), ("from", "sender = %(from)s"),
 # A known status is written into the statement rather than bound: the planner then
 # knows the status and may read an index of that status alone (a sender's dead
 # letters from relay_messages_sent_failed). Any other value is bound and matches nothing.
-_STATUS_CLAUSES = {status: f"status = '{status}'" for status in STATUSES}
+_STATUS_CLAUSES = {status: f"status = '{status}'" for status in STORED_STATUSES}
+# The rows a listing with a match reads at a time (newest first, below the last read).
+MATCH_PAGE = 200
 
 
-def _listing_statement(box: str, filters: Mapping[str, Optional[str]]) -> str:
-    """The SELECT of one box of an agent narrowed by the filters that are set."""
+def _listing_statement(box: str, filters: Mapping[str, Optional[str]],
+                       match: bool = False) -> str:
+    """The SELECT of one box of an agent narrowed by the filters that are set, and to
+    the messages whose TTL has not run out; with ``match``, a page of it below the
+    seq ``before`` instead, whatever the TTL (the match decides)."""
     where = [_BOXES[box]]
     for name, clause in _FILTERS:
         value = filters.get(name)
         if value is not None:
             where.append(_STATUS_CLAUSES.get(value, clause) if name == "status" else clause)
-    where.append(_LIVE)
+    where.append("seq < %(before)s" if match else _LIVE)
     return f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT %(limit)s"
 
 
@@ -650,10 +667,27 @@ class PostgresRecords(Records):
         return self._rows(STATEMENTS["held_due"], (now, limit))
 
     def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
-                now: float) -> List[Message]:
-        params = {name: filters.get(name) for name, _ in _FILTERS}
+                now: float, match: Optional[ops.Match] = None) -> List[Message]:
+        params: Dict[str, Any] = {name: filters.get(name) for name, _ in _FILTERS}
         params.update(agent=agent, limit=limit, now=now)
-        return self._rows(_listing_statement(box, filters), params)
+        if match is None:
+            return self._rows(_listing_statement(box, filters), params)
+        sql = _listing_statement(box, filters, match=True)
+        params.update(limit=MATCH_PAGE, before=2**62)
+        out: List[Message] = []
+        size = 0
+        while len(out) < limit and size <= ops.RESPONSE_BUDGET_BYTES:
+            page = self._rows(sql, params)
+            for message in page:
+                if match(message):
+                    out.append(message)
+                    size += message.size()
+                    if len(out) >= limit:
+                        break
+            if len(page) < MATCH_PAGE:
+                break
+            params["before"] = page[-1].seq
+        return out
 
     def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
                now: float) -> List[Message]:
@@ -661,10 +695,13 @@ class PostgresRecords(Records):
                   "now": now}
         return self._rows(STATEMENTS["thread"], params)
 
-    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
-        """Remove up to ``batch`` messages stored before ``cutoff`` or past their TTL;
-        also returns the removed requests that were still queued or leased."""
+    def expire(self, cutoff: float, now: float, batch: int
+               ) -> Tuple[int, int, List[Message], List[Message]]:
+        """Remove up to ``batch`` messages stored before ``cutoff`` or past their TTL
+        (but return the v2/v3 ones still queued or leased, to be kept)."""
         removed = self._rows(STATEMENTS["expire"], (cutoff, now, batch))
+        room = batch - len(removed)
+        kept = self._rows(STATEMENTS["expire_kept"], (now, cutoff, room)) if room > 0 else []
         deltas: Dict[str, List[int]] = {}
         for message in removed:
             if message.status in delivery.PENDING:
@@ -674,7 +711,9 @@ class PostgresRecords(Records):
         self._usage_changed(deltas)
         unprocessed = [m for m in removed
                        if m.kind == "request" and m.status in ("queued", "leased")]
-        return len(removed), sorted(unprocessed, key=lambda m: m.seq)
+        counted = sum(1 for m in removed if m.status != EXPIRED)
+        return (len(removed), counted, sorted(unprocessed, key=lambda m: m.seq),
+                sorted(kept, key=lambda m: m.seq))
 
     def depths(self, now: float) -> List[QueueDepth]:
         self.cursor.execute(STATEMENTS["depths"], {"now": now})
@@ -1265,8 +1304,8 @@ class PostgresStore:
                   rules: Rules) -> Deferred:
         return self._run(ops.add_group, copies, sender, sent_id, rules)
 
-    def find(self, message_id: str, now: float) -> Deferred:
-        return self._run(ops.find, message_id, now)
+    def find(self, message_id: str, now: float, expired: bool = False) -> Deferred:
+        return self._run(ops.find, message_id, now, expired)
 
     def poll(self, agent: str, since_id: Optional[str], limit: int, now: float,
              rules: Rules) -> Deferred:
@@ -1288,8 +1327,8 @@ class PostgresStore:
         return self._run(ops.recent, agent, limit, now, rules)
 
     def query(self, agent: str, limit: int, filters: Mapping[str, Optional[str]], now: float,
-              rules: Rules) -> Deferred:
-        return self._run(ops.query, agent, limit, filters, now, rules)
+              rules: Rules, match: Optional[ops.Match] = None) -> Deferred:
+        return self._run(ops.query, agent, limit, filters, now, rules, match)
 
     def thread(self, agent: str, root_id: str, since_id: Optional[str], limit: int,
                now: float, rules: Rules) -> Deferred:
@@ -1333,9 +1372,9 @@ class PostgresStore:
         nonces whose window is over."""
         total = 0
         while True:
-            removed = yield self._run(ops.expire, cutoff, now, rules, EXPIRE_BATCH)
-            total += removed
-            if removed < EXPIRE_BATCH:
+            touched, counted = yield self._run(ops.expire, cutoff, now, rules, EXPIRE_BATCH)
+            total += counted
+            if touched < EXPIRE_BATCH:
                 break
         yield self._run(nonce_forget, int(now))
         return total

@@ -47,6 +47,8 @@ WEBHOOK_LEADER = "*"
 RESPONSE_BUDGET_BYTES = 4 * 1024 * 1024
 
 Listener = Callable[[Changes], None]
+# A predicate a listing applies to the messages it reads (Records.listing).
+Match = Callable[[Message], bool]
 
 
 class Raced(Exception):
@@ -129,7 +131,7 @@ class Records:
 
     def forget(self, cutoff: float) -> List[str]:
         """Forget the registered agents last seen before ``cutoff`` that no message is
-        addressed to; returns their names."""
+        addressed to (one kept as expired does not count); returns their names."""
         raise NotImplementedError
 
     def queued(self, agent: str, after_seq: int, limit: int, now: float,
@@ -171,12 +173,16 @@ class Records:
         raise NotImplementedError
 
     def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
-                now: float) -> List[Message]:
+                now: float, match: Optional[Match] = None) -> List[Message]:
         """The newest ``limit`` messages of ``agent``'s ``box`` (``inbox``: to it,
         ``sent``: from it, ``all``: either) matching ``filters`` (``kind``,
-        ``status``, ``from``, ``to``, ``rootId`` — the message's id or root id —,
-        ``parentId`` — its parent id or reply-to —; None matches anything), newest
-        first."""
+        ``status`` — a status of :data:`relay.wire.protocol.STORED_STATUSES` —, ``from``,
+        ``to``, ``rootId`` — the message's id or root id —, ``parentId`` — its parent
+        id or reply-to —; None matches anything), newest first.
+
+        With ``match``, only messages for which ``match(message)`` is true count
+        toward ``limit``, however many others are read on the way; and the messages
+        past their TTL are not left out: ``match`` decides about them too."""
         raise NotImplementedError
 
     def thread(self, agent: str, root_id: str, after_seq: int, limit: int,
@@ -185,10 +191,16 @@ class Records:
         with a sequence after ``after_seq``, oldest first."""
         raise NotImplementedError
 
-    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
+    def expire(self, cutoff: float, now: float, batch: int
+               ) -> Tuple[int, int, List[Message], List[Message]]:
         """Remove up to ``batch`` messages stored before ``cutoff`` or whose TTL ran out
-        by ``now``; returns how many, and the removed requests that were still queued
-        or leased."""
+        by ``now`` — but a message whose TTL ran out and that
+        :func:`relay.rules.delivery.outlives_ttl` is not removed: while queued or leased it is
+        returned (its copy: the caller keeps it as expired), and once done, failed or
+        expired it is left as it is. Returns ``(removed, counted, unprocessed,
+        kept)``: how many were removed, how many of those were not expired already,
+        the removed requests that were still queued or leased, and the returned
+        messages (``removed`` and ``kept`` together at most ``batch``)."""
         raise NotImplementedError
 
     def depths(self, now: float) -> List[QueueDepth]:
@@ -404,9 +416,11 @@ def add_group(records: Records, copies: Sequence[Message], sender: str, sent_id:
     return True, list(copies)
 
 
-def find(records: Records, message_id: str, now: float) -> Optional[Message]:
+def find(records: Records, message_id: str, now: float,
+         expired: bool = False) -> Optional[Message]:
     message = records.get(message_id)
-    if message is None or delivery.expired(message, now):
+    if message is None or (delivery.expired(message, now)
+                           and not (expired and delivery.outlives_ttl(message))):
         return None
     return message
 
@@ -446,9 +460,13 @@ def settle(records: Records, message_id: str,
            transition: Union[Transition, WithStored], now: float, rules: Rules) -> Any:
     """One transition of one message, with what it stores, in one operation; a
     :class:`~relay.rules.delivery.WithStored` transition sees its second message as read in
-    the same operation."""
-    message = records.get(message_id)
-    if message is None or delivery.expired(message, now):
+    the same operation; a :class:`~relay.rules.delivery.Kept` transition applies also to a
+    message kept past its TTL."""
+    kept = isinstance(transition, delivery.Kept)
+    if kept:
+        transition = transition.transition
+    message = find(records, message_id, now, kept)
+    if message is None:
         raise errors.no_such_message()
     before = message.state()
     notices = list(delivery.catch_up(message, now, rules))
@@ -507,7 +525,7 @@ def recent(records: Records, agent: str, limit: int, now: float, rules: Rules) -
 
 
 def query(records: Records, agent: str, limit: int, filters: Mapping[str, Optional[str]],
-          now: float, rules: Rules) -> List[Message]:
+          now: float, rules: Rules, match: Optional[Match] = None) -> List[Message]:
     release_lapsed(records, now, rules)
     box = filters.get("box") or "inbox"
     recipient, sender = filters.get("to"), filters.get("from")
@@ -515,7 +533,9 @@ def query(records: Records, agent: str, limit: int, filters: Mapping[str, Option
         return []  # the inbox holds only messages to ``agent``
     if box == "sent" and sender is not None and sender != agent:
         return []
-    return _budgeted(records.listing(agent, box, limit, filters, now))
+    if match is None:
+        return _budgeted(records.listing(agent, box, limit, filters, now))
+    return _budgeted(records.listing(agent, box, limit, filters, now, match))
 
 
 def thread(records: Records, agent: str, root_id: str, since_id: Optional[str], limit: int,
@@ -548,10 +568,19 @@ def peers(records: Records) -> List[Tuple[str, int, Optional[Dict[str, Any]]]]:
     return records.peers()
 
 
-def expire(records: Records, cutoff: float, now: float, rules: Rules, batch: int) -> int:
-    count, unprocessed = records.expire(cutoff, now, batch)
-    _store_notices(records, delivery.expiry_notices(unprocessed, now, rules), now, rules)
-    return count
+def expire(records: Records, cutoff: float, now: float, rules: Rules,
+           batch: int) -> Tuple[int, int]:
+    """One batch of the expiry sweep: ``(messages removed or kept as expired, of which
+    expired now)``; the failure notices of the requests that expired unprocessed."""
+    removed, counted, unprocessed, kept = records.expire(cutoff, now, batch)
+    notices = delivery.expiry_notices(unprocessed + kept, now, rules)
+    if kept:
+        befores = [m.state() for m in kept]
+        for message in kept:
+            delivery.keep_expired(message)
+        records.save(kept, befores)
+    _store_notices(records, notices, now, rules)
+    return removed + len(kept), counted + len(kept)
 
 
 def read_events(records: Records, agent: str, position: Optional[int],
@@ -669,8 +698,8 @@ class RecordStore:
                   rules: Rules) -> Deferred:
         return self._run(add_group, copies, sender, sent_id, rules)
 
-    def find(self, message_id: str, now: float) -> Deferred:
-        return self._run(find, message_id, now)
+    def find(self, message_id: str, now: float, expired: bool = False) -> Deferred:
+        return self._run(find, message_id, now, expired)
 
     def poll(self, agent: str, since_id: Optional[str], limit: int, now: float,
              rules: Rules) -> Deferred:
@@ -692,8 +721,8 @@ class RecordStore:
         return self._run(recent, agent, limit, now, rules)
 
     def query(self, agent: str, limit: int, filters: Mapping[str, Optional[str]], now: float,
-              rules: Rules) -> Deferred:
-        return self._run(query, agent, limit, filters, now, rules)
+              rules: Rules, match: Optional[Match] = None) -> Deferred:
+        return self._run(query, agent, limit, filters, now, rules, match)
 
     def thread(self, agent: str, root_id: str, since_id: Optional[str], limit: int,
                now: float, rules: Rules) -> Deferred:
@@ -728,9 +757,9 @@ class RecordStore:
         """Removes in batches, one per run, so a large expiry never stalls requests."""
         total = 0
         while True:
-            removed = yield self._run(expire, cutoff, now, rules, EXPIRE_BATCH)
-            total += removed
-            if removed < EXPIRE_BATCH:
+            touched, counted = yield self._run(expire, cutoff, now, rules, EXPIRE_BATCH)
+            total += counted
+            if touched < EXPIRE_BATCH:
                 return total
 
     def queue_depths(self, now: float) -> Deferred:

@@ -63,13 +63,19 @@ from relay.rules.events import Event
 from relay.store import make_data_dir, off_the_reactor
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
-from relay.store.records import RESPONSE_BUDGET_BYTES, Records, RecordStore, RoleJoins
+from relay.store.records import (
+    RESPONSE_BUDGET_BYTES,
+    Match,
+    Records,
+    RecordStore,
+    RoleJoins,
+)
 from relay.wire.errors import ConfigError
-from relay.wire.protocol import FAILED, KEEP_CARD, LEASED, STATUSES
+from relay.wire.protocol import FAILED, KEEP_CARD, LEASED, STATUSES, STORED_STATUSES
 
 log = Logger(namespace="relay.store.sqlite")
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 DB_NAME = "relay.db"
 JSONL_NAME = "messages.jsonl"
 CHECKPOINT_SECONDS = 1.0
@@ -86,7 +92,8 @@ EVENT_TRIM_BATCH = 20_000
 COLUMNS = (
     "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
     "status, attempts, lease_until, lease_id, error, created, recovery, deliveries, "
-    "not_before, dead_reason, delay_until, expires_at, via, sent_id, v2, priority, holder"
+    "not_before, dead_reason, delay_until, expires_at, via, sent_id, v2, priority, holder, "
+    "completed_at"
 )
 _SELECT = f"SELECT {COLUMNS} FROM messages"
 # What a row counts toward its recipient's inbox quota (delivery.Message.stored_bytes):
@@ -97,7 +104,8 @@ _STORED_BYTES = ("(length(CAST(body AS BLOB)) + length(CAST(id AS BLOB)) "
                  "+ ifnull(length(CAST(root_id AS BLOB)), 0) "
                  "+ ifnull(length(CAST(parent_id AS BLOB)), 0))")
 _STATE_COLUMNS = ("status", "attempts", "lease_until", "lease_id", "error", "recovery",
-                  "deliveries", "not_before", "dead_reason", "holder")
+                  "deliveries", "not_before", "dead_reason", "holder", "completed_at",
+                  "expires_at")
 # Variants of _INSERT and _SAVE_STATE kept per pattern of NULL values: at most this many.
 NULL_PATTERNS = 256
 
@@ -194,13 +202,18 @@ STATEMENTS = {
     ],
     "expire": [
         "SELECT seq, created FROM messages WHERE seq > 0 ORDER BY seq LIMIT ?",
-        "SELECT seq FROM messages WHERE expires_at <= ? LIMIT ?",
+        # (the condition of the partial index messages_expiry, as it is written there)
+        "SELECT seq, v2 FROM messages WHERE expires_at <= ? "
+        "AND (v2 IS NULL OR status IN ('queued', 'leased')) LIMIT ?",
         f"{_SELECT} WHERE seq <= ? AND kind = 'request' AND status IN ('queued', 'leased')",
         f"{_SELECT} WHERE seq = ? AND kind = 'request' AND status IN ('queued', 'leased')",
         "INSERT INTO meta (key, value) SELECT 'last_seq', max(seq) FROM messages "
         "WHERE true ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)",
         "DELETE FROM messages WHERE seq <= ?",
         "DELETE FROM messages WHERE seq = ?",
+        # the v2/v3 messages kept as expired, and those of them the age sweep removes
+        f"{_SELECT} WHERE seq = ?",
+        "SELECT count(*) FROM messages WHERE seq <= ? AND status = 'expired'",
     ],
     # the pending (queued or leased) messages whose usage leaves with an expiry
     "expired_usage": [
@@ -264,7 +277,8 @@ LISTINGS = (
     f"SELECT recipient, count(*), sum({_STORED_BYTES}) FROM messages "
     "WHERE status IN ('queued', 'leased') GROUP BY recipient",
     "DELETE FROM peers WHERE last_seen < ? AND NOT EXISTS "
-    "(SELECT 1 FROM messages WHERE recipient = peers.agent) RETURNING agent",
+    "(SELECT 1 FROM messages WHERE recipient = peers.agent AND status <> 'expired') "
+    "RETURNING agent",
     "SELECT agent, state FROM webhooks",
 )
 
@@ -285,10 +299,11 @@ _LISTING_SOURCES = {
 }
 
 
-def _listing_statement(source: str, box: str,
-                       filters: Mapping[str, Optional[str]]) -> Tuple[str, List[str]]:
-    """The SELECT of a listing from ``source`` narrowed to ``box`` and the filters,
-    and the names of its parameters after the source's own."""
+def _listing_statement(source: str, box: str, filters: Mapping[str, Optional[str]],
+                       live: bool = True) -> Tuple[str, List[str]]:
+    """The SELECT of a listing from ``source`` narrowed to ``box`` and the filters (and,
+    when ``live``, to the messages whose TTL has not run out), and the names of its
+    parameters after the source's own."""
     hint, where_source = _LISTING_SOURCES[source]
     where = [clause for clause in (where_source, _BOX[box]) if clause]
     names = ["agent"] * _BOX[box].count("?")
@@ -300,8 +315,9 @@ def _listing_statement(source: str, box: str,
         if filters.get(name) is not None and not (name == "status" and status_in_source):
             where.append(clause)
             names.extend([name] * clause.count("?"))
-    where.append(_LIVE)
-    names.append("now")
+    if live:
+        where.append(_LIVE)
+        names.append("now")
     sql = f"{_SELECT} {hint} WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT ?"
     return " ".join(sql.split()), names
 
@@ -318,7 +334,10 @@ STATEMENTS["listing"] = [
      for source, filters in (("sender", {}), ("sender", {"status": "done"}),
                              ("sender", {"kind": "request"}), ("sender", {"to": "x"}),
                              ("sender_failed", {"status": "failed"}),
-                             ("sender_failed", {"status": "failed", "kind": "request"}))]
+                             ("sender_failed", {"status": "failed", "kind": "request"}))
+] + [_listing_statement(source, box, filters, live=False)[0]  # listings with a match
+     for source, box, filters in (("box", "inbox", {}), ("box", "inbox", {"status": "expired"}),
+                                  ("sender", "sent", {}), ("root", "all", {"rootId": "r"}))]
 
 
 def schema_script(version: int) -> str:
@@ -363,6 +382,7 @@ def _row(message: Message) -> Tuple[Any, ...]:
         message.v2,
         message.priority,
         message.holder,
+        message.completed_at,
     )
 
 
@@ -397,6 +417,7 @@ def _message(row: Sequence[Any]) -> Message:
         v2=row[26],
         priority=row[27],
         holder=row[28],
+        completed_at=row[29],
     )
 
 
@@ -408,9 +429,9 @@ def _newest(parts: List[List[Message]], limit: int) -> List[Message]:
 
 def _state_row(message: Message) -> Tuple[Any, ...]:
     (status, attempts, lease_until, lease_id, error, recovery, deliveries, not_before,
-     dead_reason, holder) = message.state()
+     dead_reason, holder, completed_at, expires_at) = message.state()
     return (status, attempts, lease_until, lease_id, error, int(recovery), deliveries,
-            not_before, dead_reason, holder, message.seq)
+            not_before, dead_reason, holder, completed_at, expires_at, message.seq)
 
 
 class Checkpointer:
@@ -567,6 +588,29 @@ class SQLiteRecords(Records):
                 self.cursor = self.db.cursor()
                 return out
 
+    def _matched(self, sql: str, params: List[Any], limit: int, match: Match
+                 ) -> List[Message]:
+        """The first ``limit`` rows of a listing ``sql`` (its LIMIT unbounded) that
+        ``match``, read a few at a time; stops at the response budget too."""
+        cursor = self.cursor.execute(sql, (*params, -1))
+        out: List[Message] = []
+        total = 0
+        while True:
+            rows = cursor.fetchmany(LISTING_CHUNK)
+            for row in rows:
+                message = _message(row)
+                if match(message):
+                    out.append(message)
+                    total += len(row[6]) + 400
+                    if len(out) >= limit:
+                        break
+            if len(rows) < LISTING_CHUNK:
+                return out
+            if len(out) >= limit or total > RESPONSE_BUDGET_BYTES:
+                self.cursor.close()  # left unfinished: as in _listed
+                self.cursor = self.db.cursor()
+                return out
+
     # -- Records ---------------------------------------------------------------------
 
     def insert(self, message: Message) -> bool:
@@ -692,10 +736,11 @@ class SQLiteRecords(Records):
         return self._select(STATEMENTS["lapsed"][0], delivery.now_ms(now))
 
     def listing(self, agent: str, box: str, limit: int, filters: Mapping[str, Optional[str]],
-                now: float) -> List[Message]:
+                now: float, match: Optional[Match] = None) -> List[Message]:
         """Without a conversation filter the inbox index is read status by status and
         the sent-box index once, and the reads merged; with ``rootId`` (``parentId``)
-        the root (parent and reply-to) index gives the few candidate rows."""
+        the root (parent and reply-to) index gives the few candidate rows. With
+        ``match`` each read goes on until it holds ``limit`` messages that match."""
         if filters.get("rootId") is not None:
             reads = [("id", box, filters["rootId"]), ("root", box, filters["rootId"])]
         elif filters.get("parentId") is not None:
@@ -705,16 +750,21 @@ class SQLiteRecords(Records):
             status = filters.get("status")
             reads = []
             if box in ("inbox", "all"):
+                every = STATUSES if match is None else STORED_STATUSES
                 reads += [("box", "inbox", state)
-                          for state in (STATUSES if status is None else (status,))]
+                          for state in (every if status is None else (status,))]
             if box in ("sent", "all"):
                 reads.append(("sender_failed" if status == FAILED else "sender", "sent", None))
         values = dict(filters, agent=agent, now=now)
         parts = []
         for source, name, key in reads:
-            sql, names = _listing_statement(source, name, filters)
+            sql, names = _listing_statement(source, name, filters, match is None)
             keys = () if key is None else (key,)
-            parts.append(self._listed(sql, *keys, *[values[n] for n in names], limit))
+            params = [*keys, *[values[n] for n in names]]
+            if match is None:
+                parts.append(self._listed(sql, *params, limit))
+            else:
+                parts.append(self._matched(sql, params, limit, match))
         unique = {m.seq: m for part in parts for m in part}
         return [unique[seq] for seq in sorted(unique, reverse=True)][:limit]
 
@@ -730,9 +780,10 @@ class SQLiteRecords(Records):
         for agent, size in self.cursor.execute(sql, (seq,)).fetchall():
             self._pending(agent, -1, -size)
 
-    def expire(self, cutoff: float, now: float, batch: int) -> Tuple[int, List[Message]]:
+    def expire(self, cutoff: float, now: float, batch: int
+               ) -> Tuple[int, int, List[Message], List[Message]]:
         """Remove the oldest messages (in seq order) stored before ``cutoff``, then those
-        whose TTL ran out, up to ``batch`` in all."""
+        whose TTL ran out (or return them, to be kept), up to ``batch`` in all."""
         last = None
         # Its own cursor, closed at once: this scan stops early, and a statement left
         # half-read would hold a read snapshot (and the WAL) until the next request.
@@ -744,18 +795,26 @@ class SQLiteRecords(Records):
                 last = seq
         finally:
             scan.close()
-        removed = 0
+        removed = counted = 0
         unprocessed: List[Message] = []
+        kept: List[Message] = []
         if last is not None:
             unprocessed = self._select(STATEMENTS["expire"][2], last)
             self._forget_usage(STATEMENTS["expired_usage"][0], last)
+            (gone_before,) = self.cursor.execute(STATEMENTS["expire"][8], (last,)).fetchone()
             self._begin()
             self.leased.clear()  # rare: a removed row is never found again
             self.cursor.execute(STATEMENTS["expire"][4])
             removed = self.cursor.execute(STATEMENTS["expire"][5], (last,)).rowcount
+            counted = removed - gone_before
         room = batch - removed
         if room > 0:
-            ttl = [row[0] for row in self.cursor.execute(STATEMENTS["expire"][1], (now, room))]
+            ttl = []
+            for seq, v2 in self.cursor.execute(STATEMENTS["expire"][1], (now, room)).fetchall():
+                if v2 is None:
+                    ttl.append(seq)
+                else:  # kept (as the index holds it: queued or leased)
+                    kept.extend(self._select(STATEMENTS["expire"][7], seq))
             if ttl:
                 for seq in ttl:
                     unprocessed.extend(self._select(STATEMENTS["expire"][3], seq))
@@ -765,7 +824,8 @@ class SQLiteRecords(Records):
                 self.cursor.execute(STATEMENTS["expire"][4])
                 self.cursor.executemany(STATEMENTS["expire"][6], [(seq,) for seq in ttl])
                 removed += len(ttl)
-        return removed, unprocessed
+                counted += len(ttl)
+        return removed, counted, unprocessed, kept
 
     def append_event(self, agent: str, event_type: str, data: str, at: float) -> None:
         self._begin()

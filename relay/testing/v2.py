@@ -8,7 +8,7 @@ import pytest_twisted
 from relay.rules import delivery
 from relay.rules.delivery import Message
 from relay.testing.contract import RULES, Contract, ack, refusal
-from relay.testing.harness import START
+from relay.testing.harness import START, new_message
 from relay.wire.protocol import DONE, QUEUED
 
 
@@ -114,3 +114,114 @@ class Wire2Contract(Contract):
         assert await store.pull("beta", 1, self.LEASE, START, RULES) == []
         error = await refusal(store.settle("r", transitions.cancel("alpha"), START, RULES))
         assert (error.status, error.code) == (404, "no_such_message")
+
+    # -- completion times and the messages kept past their TTL (WIRE-V2 §3) --------
+
+    @pytest_twisted.ensureDeferred
+    async def test_the_time_a_message_completes_or_fails_is_kept(self, store):
+        from relay.rules.v2 import transitions
+
+        await self.send_v2(store, "v2-done")
+        await self.send(store, id="seed-failed", kind="request")
+        await self.send(store, id="waiting")
+        v2, seed = await store.pull("beta", 2, self.LEASE, START, RULES)
+        await store.settle(v2.id, transitions.ack("beta", v2.lease_id, "completed", None,
+                                                  RULES), START + 5.5, RULES)
+        await ack(store, seed.id, "beta", seed.lease_id, "reject", "no", START + 7)
+        assert (await store.find("v2-done", START + 8)).completed_at == START + 5.5
+        assert (await store.find("seed-failed", START + 8)).completed_at == START + 7
+        assert (await store.find("waiting", START + 8)).completed_at is None
+        # a requeue keeps it, as the reference's does; a completion again moves it
+        await store.settle("seed-failed", delivery.requeue("alpha"), START + 9, RULES)
+        (again,) = await store.pull("beta", 1, self.LEASE, START + 9, RULES)
+        assert again.completed_at == START + 7
+        await ack(store, again.id, "beta", again.lease_id, "completed", None, START + 10)
+        assert (await store.find("seed-failed", START + 10)).completed_at == START + 10
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_v2_message_past_its_ttl_is_kept_as_expired(self, store):
+        from relay.store.interface import QueueDepth
+        from relay.wire.protocol import EXPIRED
+
+        later = START + 601  # the v2 messages of send_v2 live 600 s
+        await self.send_v2(store, "v2-queued")
+        await self.send_v2(store, "v2-leased", to="gamma")
+        await self.send_v2(store, "v2-done", to="delta")
+        seed = new_message("alpha", "beta", START, ttl_seconds=600, id="seed", kind="request")
+        assert await store.add(seed, RULES) is True
+        (leased,) = await store.pull("gamma", 1, self.LEASE * 10, START, RULES)
+        (done,) = await store.pull("delta", 1, self.LEASE, START, RULES)
+        await ack(store, done.id, "delta", done.lease_id, "completed", None, START + 1)
+        await store.register("gamma", START)
+        assert await store.sweep_expired(START - 1, later, RULES) == 3  # the done one stays
+        for message_id, status in (("v2-queued", EXPIRED), ("v2-leased", EXPIRED),
+                                   ("v2-done", DONE)):
+            assert await store.find(message_id, later) is None  # gone for the seed wire
+            kept = await store.find(message_id, later, True)
+            assert (kept.status, kept.expires_at) == (status, START + 600), message_id
+        assert (await store.find("v2-leased", later, True)).lease_id is None
+        assert await store.find("seed", later, True) is None  # a seed-wire one is removed
+        assert await store.status(["v2-queued", "seed"], "alpha", later, RULES) == [
+            {"id": "v2-queued", "status": "not_found", "attempts": 0},
+            {"id": "seed", "status": "not_found", "attempts": 0}]
+        assert await store.query("alpha", 10, {"box": "sent"}, later, RULES) == []
+        assert await store.pull("beta", 5, self.LEASE, later, RULES) == []
+        assert await store.queue_depths(later) == [
+            QueueDepth("alpha", queued=3, oldest_queued=later)]  # the three notices
+        notices = await store.pull("alpha", 5, self.LEASE, later, RULES)
+        assert sorted(m.parent_id for m in notices) == ["seed", "v2-leased", "v2-queued"]
+        error = await refusal(ack(store, "v2-queued", "beta", "x", "completed", None, later))
+        assert error.code == "no_such_message"
+        # kept, they are swept no more; an agent no message waits for is forgotten
+        assert await store.sweep_expired(START - 1, later + 60, RULES) == 0
+        assert await store.forget_peers(START + 1) == ["gamma"]
+        # retention removes them with the rest (the expired ones were counted then)
+        assert await store.sweep_expired(START + 1, later + 60, RULES) == 1
+        for message_id in ("v2-queued", "v2-leased", "v2-done"):
+            assert await store.find(message_id, later + 60, True) is None
+
+    @pytest_twisted.ensureDeferred
+    async def test_an_expired_v2_message_requeued_lives_its_ttl_again(self, store):
+        from relay.rules.v2 import transitions
+        from relay.wire.protocol import EXPIRED
+
+        later = START + 601
+        await self.send_v2(store, "late")
+        await store.sweep_expired(START - 1, later, RULES)
+        error = await refusal(store.settle("late", delivery.requeue("beta"), later, RULES))
+        assert error.code == "no_such_message"  # the seed wire's requeue never sees it
+        assert await store.settle("late", transitions.requeue("beta"), later, RULES) == {
+            "ok": True, "message_id": "late"}
+        revived = await store.find("late", later)
+        assert (revived.status, revived.expires_at) == (QUEUED, later + 600)
+        (m,) = await store.pull("beta", 1, self.LEASE, later, RULES)
+        assert (m.id, m.deliveries) == ("late", 1)
+        await store.sweep_expired(START - 1, later + 601, RULES)
+        assert (await store.find("late", later + 601, True)).status == EXPIRED
+        assert await store.settle("late", transitions.cancel("alpha"), later + 602,
+                                  RULES) == {"ok": True, "message_id": "late"}
+        cancelled = await store.find("late", later + 602, True)
+        assert (cancelled.status, cancelled.completed_at) == (DONE, later + 602)
+
+    @pytest_twisted.ensureDeferred
+    async def test_a_listing_with_a_match_reads_on_until_it_has_enough(self, store):
+        for n in range(3):
+            await self.send(store, id=f"hit-{n}", now=START + n)
+        for n in range(250):
+            await self.send(store, id=f"miss-{n}", now=START + 10 + n)
+        await self.send_v2(store, "v2-old", now=START - 1000)
+        await store.sweep_expired(START - 2000, START + 300, RULES)
+
+        def hit(message: Message) -> bool:
+            return message.id.startswith(("hit-", "v2-"))
+
+        found = await store.query("beta", 3, {"box": "all"}, START + 300, RULES,
+                                  match=lambda message: message.id.startswith("hit-"))
+        assert [m.id for m in found] == ["hit-2", "hit-1", "hit-0"]
+        found = await store.query("beta", 10, {"box": "inbox"}, START + 300, RULES, match=hit)
+        assert [m.id for m in found] == ["v2-old", "hit-2", "hit-1", "hit-0"]  # kept, matched
+        found = await store.query("beta", 10, {"box": "inbox", "status": "expired"},
+                                  START + 300, RULES, match=hit)
+        assert [(m.id, m.status) for m in found] == [("v2-old", "expired")]
+        assert [m.id for m in await store.query("beta", 10, {"box": "inbox"}, START + 300,
+                                                RULES)][-1] == "miss-240"

@@ -72,6 +72,11 @@ QUEUED = "queued"
 LEASED = "leased"
 DONE = "done"
 FAILED = "failed"
+# A message of the v2/v3 wire kept after its TTL ran out while queued or leased (the
+# reference's ``expired``, WIRE-V2 §3). Never a seed-wire status: every seed-wire
+# view leaves a message past its TTL out, so no seed-wire client ever sees it.
+EXPIRED = "expired"
+STORED_STATUSES = STATUSES + (EXPIRED,)
 
 AGENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 # REACH §13: the address of a group (``group:NAME``) beside agent names.

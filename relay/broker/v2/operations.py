@@ -23,7 +23,7 @@ from relay.rules.config import AgentConfig, Config, may_send
 from relay.rules.delivery import Message
 from relay.rules.v2 import transitions
 from relay.wire import errors, protocol
-from relay.wire.protocol import FAILED, HEARTBEAT_TTL_SECONDS, LEASED, QUEUED
+from relay.wire.protocol import EXPIRED, FAILED, HEARTBEAT_TTL_SECONDS, LEASED, QUEUED
 from relay.wire.v2 import views
 
 log = Logger(namespace="relay.wire2")
@@ -33,6 +33,8 @@ RECENT_SECONDS = 7 * 86400
 # one store write per agent in this many seconds, not one per request.
 SEEN_REFRESH_SECONDS = 30.0
 MAX_SEEN = 10_000
+# The v2 statuses /v1/admin/status lists.
+STUCK = ("queued", "leased", "failed", "expired")
 _ALL = {"box": "all", "kind": None, "status": None, "from": None, "to": None,
         "rootId": None, "parentId": None}
 
@@ -143,7 +145,7 @@ class Wire2:
                                send.allow_shared_write)
         if not send.parent_id:
             raise errors.bad_request("reply requires parent_id")
-        d = self.store.find(send.parent_id, self._now())
+        d = self.store.find(send.parent_id, self._now(), True)
         d.addCallback(self._reply_to, send)
         return d
 
@@ -255,29 +257,30 @@ class Wire2:
         ttl, rules = self._ttl(), self.broker.policy.rules
         out = []
         for message_id in message_ids:
-            message = yield self.store.find(message_id, now)
+            message = yield self.store.find(message_id, now, True)
             if message is None or agent not in (message.sender, message.to, message.lessee()):
                 out.append(views.not_found(message_id))
                 continue
             delivery.catch_up(message, now, rules)  # a lapsed lease, as a read sees it
-            out.append(views.summary(message, ttl))
+            out.append(views.summary(message, ttl, now))
         return out
 
     def recent(self, agent: str, limit: int) -> Deferred:
         """Fires with the summaries of ``agent``'s newest messages (last 7 days)."""
         now = self._now()
-        d = self.store.query(agent, limit, _ALL, now, self.broker.policy.rules)
-        d.addCallback(self._summaries, now - RECENT_SECONDS, False)
+        d = self.store.query(agent, limit, _ALL, now, self.broker.policy.rules,
+                             match=lambda message: views.visible(message, now))
+        d.addCallback(self._summaries, now, now - RECENT_SECONDS, False)
         return d
 
-    def _summaries(self, messages: Sequence[Message], cutoff: float, body: bool
-                   ) -> List[Dict[str, Any]]:
+    def _summaries(self, messages: Sequence[Message], now: float, cutoff: float,
+                   body: bool) -> List[Dict[str, Any]]:
         ttl = self._ttl()
         out = []
         for message in messages:
             if message.created < cutoff:
                 continue
-            entry = views.summary(message, ttl)
+            entry = views.summary(message, ttl, now)
             if body:
                 entry["body"] = views.shown_body(message)[0]
             out.append(entry)
@@ -285,60 +288,61 @@ class Wire2:
 
     @inlineCallbacks
     def query(self, agent: str, limit: int, query: Query):
-        """Fires with the messages of ``agent`` (either side) matching ``query``,
-        newest first, with their bodies."""
+        """Fires with the newest ``limit`` messages of ``agent`` (either side) matching
+        ``query``, newest first, with their bodies: the store reads on until it has
+        ``limit`` of them or none is left."""
         now = self._now()
         rules = self.broker.policy.rules
+
+        def matches(message: Message) -> bool:
+            return (views.visible(message, now)
+                    and (query.root_id is None
+                         or (message.root_id or message.id) == query.root_id)
+                    and (query.origin is None or message.sender == query.origin)
+                    and (query.target is None or message.to == query.target)
+                    and (query.kind is None or views.kind_of(message) == query.kind)
+                    and (query.status is None or views.status_of(message, now) == query.status)
+                    and (query.topic is None or query.topic in views.topic_of(message))
+                    and (query.since is None or message.created >= query.since))
+
         if query.message_id is not None:
-            found = yield self.store.find(query.message_id, now)
+            found = yield self.store.find(query.message_id, now, True)
             candidates = [found] if found is not None and agent in (found.sender,
                                                                     found.to) else []
+            found = [message for message in candidates if matches(message)]
         else:
-            status = views.seed_status(query.status) if query.status else None
-            if query.status and status is None:
-                return []
-            filters = dict(_ALL, status=status, rootId=query.root_id,
-                           **{"from": query.origin, "to": query.target},
-                           kind="reply" if query.kind == "reply" else None)
-            candidates = yield self.store.query(agent, protocol.MAX_LIMIT, filters, now, rules)
-        out = []
-        for message in candidates:
-            if query.root_id is not None and (message.root_id or message.id) != query.root_id:
-                continue
-            if query.origin is not None and message.sender != query.origin:
-                continue
-            if query.target is not None and message.to != query.target:
-                continue
-            if query.kind is not None and views.kind_of(message) != query.kind:
-                continue
-            if query.status is not None and views.status_of(message) != query.status:
-                continue
-            if query.topic is not None and query.topic not in views.topic_of(message):
-                continue
-            if query.since is not None and message.created < query.since:
-                continue
-            out.append(message)
-            if len(out) >= limit:
-                break
-        return self._summaries(out, float("-inf"), True)
+            if (query.status is not None and query.status not in views.STATUSES) or (
+                    query.kind is not None and query.kind not in ("request", "reply")):
+                return []  # matches nothing
+            # What the store has an index for narrows its reads; ``matches`` decides.
+            filters = dict(_ALL, status=views.stored_status(query.status or ""),
+                           rootId=query.root_id, kind="reply" if query.kind == "reply" else None,
+                           **{"from": query.origin, "to": query.target})
+            found = yield self.store.query(agent, limit, filters, now, rules, match=matches)
+        return self._summaries(found, now, float("-inf"), True)
 
     @inlineCallbacks
     def stuck(self, agent: str, limit: int):
-        """Fires with the unfinished messages to ``agent`` (queued, leased, failed; last
-        7 days), newest first, each with a ``body_preview``."""
+        """Fires with the unfinished messages to ``agent`` (queued, leased, failed,
+        expired; last 7 days), newest first, each with a ``body_preview``."""
         now = self._now()
         rules = self.broker.policy.rules
+
+        def unfinished(message: Message) -> bool:
+            return views.visible(message, now) and views.status_of(message, now) in STUCK
+
         found: List[Message] = []
-        for status in (QUEUED, LEASED, FAILED):
+        for status in (QUEUED, LEASED, FAILED, EXPIRED):
             found += yield self.store.query(agent, limit, dict(_ALL, box="inbox",
-                                                               status=status), now, rules)
+                                                               status=status), now, rules,
+                                            match=unfinished)
         found.sort(key=lambda m: m.seq, reverse=True)
         ttl = self._ttl()
         out = []
         for message in found:
             if message.created < now - RECENT_SECONDS:
                 continue
-            entry = views.summary(message, ttl)
+            entry = views.summary(message, ttl, now)
             entry["body_preview"] = views.shown_body(message)[0][:120]
             out.append(entry)
             if len(out) >= limit:

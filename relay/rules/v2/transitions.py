@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Optional
 
 from relay.rules import delivery
-from relay.rules.delivery import Message, Outcome, Rules, Transition
+from relay.rules.delivery import Kept, Message, Outcome, Rules, Transition
 from relay.wire import errors
-from relay.wire.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.wire.protocol import DONE, LEASED, QUEUED
 from relay.wire.v2 import views
 
 OUTCOMES = ("completed", "retry")
@@ -67,33 +67,37 @@ def renew(agent: str, lease_token: str, lease_seconds: float) -> Transition:
     return transition
 
 
-def requeue(agent: str, admin: bool = False) -> Transition:
+def requeue(agent: str, admin: bool = False) -> Kept:
     """``POST /v1/admin/requeue``: the recipient of an unfinished request puts it back
-    in its queue (leased or failed -> queued, its attempts reset); 404 in any other
-    state. An ``admin`` (``security.admin_agents``) may requeue any message, a
-    completed one too."""
-    states = (LEASED, FAILED, DONE) if admin else (LEASED, FAILED)
+    in its queue (leased, failed or expired -> queued, its attempts reset); 404 in
+    any other state. An ``admin`` (``security.admin_agents``) may requeue any message,
+    a completed one too. A message past its TTL lives its TTL again from now
+    (:func:`relay.rules.delivery.revive`), so that it is delivered: the reference's keeps
+    its deadline and expires again at once."""
+    states = ("leased", "failed", "expired", "completed") if admin else (
+        "leased", "failed", "expired")
 
     def transition(message: Message, now: float) -> Outcome:
         if not admin and (message.lessee() != agent or views.kind_of(message) != "request"
                           or message.status == DONE):
             raise errors.forbidden("only the receiving agent may requeue an unfinished request")
-        if message.status not in states:
+        if views.status_of(message, now) not in states:
             raise errors.no_such_message("message is not in a requeue-able state")
         message.status = QUEUED
         message.lease_id = message.lease_until = None
         message.attempts = message.deliveries = 0
         message.not_before = message.dead_reason = None
         message.error = message.error or "requeued by operator"
+        delivery.revive(message, now)
         return Outcome({"ok": True, "message_id": message.id})
 
-    return transition
+    return Kept(transition)
 
 
-def cancel(agent: str, admin: bool = False) -> Transition:
+def cancel(agent: str, admin: bool = False) -> Kept:
     """``POST /v1/admin/cancel``: the sender of a request marks it ``completed`` so it
     is never delivered (a held lease dies); 404 once it is completed. An ``admin``
-    may cancel any message."""
+    may cancel any message. An expired one too, as the reference does."""
 
     def transition(message: Message, now: float) -> Outcome:
         if not admin and (message.sender != agent or views.kind_of(message) != "request"):
@@ -101,10 +105,11 @@ def cancel(agent: str, admin: bool = False) -> Transition:
         if message.status == DONE:
             raise errors.no_such_message("message is not in a cancellable state")
         message.status = DONE
+        message.completed_at = now
         message.lease_id = message.lease_until = None
         message.not_before = message.dead_reason = None
         message.recovery = False
         message.error = message.error or "cancelled by operator"
         return Outcome({"ok": True, "message_id": message.id})
 
-    return transition
+    return Kept(transition)

@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any, Dict, Optional, Tuple
 
-from relay.wire.protocol import DONE, FAILED, LEASED, QUEUED
+from relay.wire.protocol import DONE, EXPIRED, FAILED, LEASED, QUEUED
 from relay.wire.v2.canonical import canonical_text
 
 # A relay.rules.delivery.Message; not imported, since relay.rules.delivery imports this module.
@@ -36,9 +36,10 @@ TEXT, CONTEXT, TOPIC, MODE, SESSION_REF = ("text", "context", "topic", "executio
                                            "sessionRef")
 _PLAIN_KEYS = frozenset((TEXT, CONTEXT, TOPIC))
 _V2_KEYS = _PLAIN_KEYS | {MODE, SESSION_REF}
-# The seed-wire statuses as v2 names them.
-_STATUS = {QUEUED: "queued", LEASED: "leased", DONE: "completed", FAILED: "failed"}
-EXPIRED_ERROR = "expired unprocessed"
+# The stored statuses as v2 names them.
+_STATUS = {QUEUED: "queued", LEASED: "leased", DONE: "completed", FAILED: "failed",
+           EXPIRED: "expired"}
+STATUSES = tuple(_STATUS.values())
 
 
 def canonical_json(value: Any) -> str:
@@ -117,19 +118,32 @@ def kind_of(message: Message) -> str:
     return "reply" if message.kind == "reply" else "request"
 
 
-def status_of(message: Message) -> str:
-    """The v2 status of a stored message."""
-    if message.status == FAILED and message.error == EXPIRED_ERROR:
+def status_of(message: Message, now: float) -> str:
+    """The v2 status of a stored message at ``now``: ``expired`` once its TTL ran out
+    while it was queued or leased (kept so by the sweep, or about to be)."""
+    status = message.status
+    if status in (QUEUED, LEASED) and message.expires_at is not None \
+            and message.expires_at <= now:
         return "expired"
-    return _STATUS.get(message.status, message.status)
+    return _STATUS.get(status, status)
 
 
-def seed_status(status: str) -> Optional[str]:
-    """The seed-wire status a v2 status filter names (None: no such status)."""
-    for seed, name in _STATUS.items():
+def stored_status(status: str) -> Optional[str]:
+    """The stored status every message of the v2 status ``status`` has (None: no one
+    status; ``expired`` is also a queued or leased message past its TTL)."""
+    if status == "expired":
+        return None
+    for stored, name in _STATUS.items():
         if name == status:
-            return seed
-    return FAILED if status == "expired" else None
+            return stored
+    return None
+
+
+def visible(message: Message, now: float) -> bool:
+    """Whether a v2 read shows the stored ``message`` at ``now``: a message past its TTL
+    only when it is kept (a v2/v3 message, :func:`relay.rules.delivery.outlives_ttl`); a
+    seed-wire one is gone on both wires."""
+    return message.v2 is not None or message.expires_at is None or message.expires_at > now
 
 
 def expires_at(message: Message, default_ttl: float) -> float:
@@ -169,20 +183,20 @@ def public_view(message: Message, viewer: str, default_ttl: float) -> Dict[str, 
     return out
 
 
-def summary(message: Message, default_ttl: float) -> Dict[str, Any]:
-    """The bodiless entry of ``/v1/status`` and ``/v1/recent``."""
+def summary(message: Message, default_ttl: float, now: float) -> Dict[str, Any]:
+    """The bodiless entry of ``/v1/status`` and ``/v1/recent`` at ``now``;
+    ``completed_at`` (epoch seconds) is when it last became done or failed."""
     return {
         "message_id": message.id,
         "origin": message.sender,
         "target": message.to,
         "kind": kind_of(message),
-        "status": status_of(message),
+        "status": status_of(message, now),
         "attempts": message.deliveries,
         "last_error": (message.error or "")[:MAX_ERROR_CHARS],
         "created_at": message.created,
         "expires_at": expires_at(message, default_ttl),
-        # Completion times are not kept by the shared store.
-        "completed_at": None,
+        "completed_at": message.completed_at,
         "topic": topic_of(message),
     }
 
