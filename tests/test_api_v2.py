@@ -81,7 +81,11 @@ async def test_healthz_signed_adds_the_roster(broker):
     reply = await alpha.health(signed=True)
     assert reply.code == 200
     assert reply.json["agents"] == ["alpha", "beta"]
-    assert reply.json["queues"]["beta"]["leased"] == 1
+    assert reply.json["queues"] == {
+        "alpha": {"queued": 0, "leased": 0, "completed": 0, "failed": 0, "expired": 0,
+                  "oldest_queued_at": None},
+        "beta": {"queued": 0, "leased": 1, "completed": 0, "failed": 0, "expired": 0,
+                 "oldest_queued_at": None}}
     assert set(reply.json["last_pull_at"]) == {"beta"}
     assert reply.json["counters"] == {"messages_created": 1, "pulls": 1}
     assert_error(await broker.client("alpha", secret="nope").health(signed=True), 401,
@@ -412,6 +416,26 @@ async def test_an_expired_request_reads_expired_on_v2_and_is_gone_on_the_seed_wi
     assert (await beta.ack(late, lease_token=again["lease_token"])).code == 200
     (entry,) = await alpha.status(late)
     assert (entry["status"], entry["completed_at"]) == ("completed", START + 61)
+
+
+@pytest_twisted.ensureDeferred
+async def test_healthz_counts_each_agents_messages_in_every_state(broker):
+    alpha, beta = broker.client("alpha"), broker.client("beta")
+    ids = [(await alpha.send_request("beta", f"m{n}", ttl_seconds=60)).json["message_id"]
+           for n in range(4)]
+    first, _, _ = await beta.pull(limit=3)
+    assert (await beta.ack(ids[0], lease_token=first["lease_token"])).code == 200
+    assert (await beta.ack(ids[1], outcome="retry")).code == 200
+    broker.advance(61)
+    for message_id in ids[1:]:
+        await swept(broker, alpha, delivery.notice_id(message_id))
+    reply = await alpha.health(signed=True)
+    # ids[0] completed; ids[1] (released), ids[2] (leased), ids[3] (queued) expired
+    assert reply.json["queues"]["beta"] == {"queued": 0, "leased": 0, "completed": 1,
+                                            "failed": 0, "expired": 3,
+                                            "oldest_queued_at": None}
+    assert reply.json["queues"]["alpha"]["queued"] == 3  # the notices
+    assert reply.json["counters"] == {"messages_created": 4, "pulls": 1}
 
 
 @pytest_twisted.ensureDeferred

@@ -691,8 +691,11 @@ class Broker:
         ``GET /messages`` ``wait``)."""
         return self.waiters.count()
 
-    def queue_depths(self) -> Deferred:
-        """Fires with the store's :class:`relay.store.interface.QueueDepth` list."""
+    def queue_depths(self, settled: Optional[Sequence[str]] = None) -> Deferred:
+        """Fires with the store's :class:`relay.store.interface.QueueDepth` list (with
+        ``settled``, of those agents, counting their done and expired messages too)."""
+        if settled is not None:
+            return self.store.queue_depths(self.clock.seconds(), settled)
         return self.store.queue_depths(self.clock.seconds())
 
     def health(self) -> Deferred:

@@ -34,7 +34,7 @@ class QueueDepth:
     """One recipient's backlog (:meth:`IMessageStore.queue_depths`): messages by
     state (``queued`` without the ``delayed`` ones), and when its oldest queued
     message that is not delayed was stored (epoch seconds; None when there is
-    none)."""
+    none); ``done`` and ``expired`` only when asked for (``settled``)."""
 
     agent: str
     queued: int = 0
@@ -42,6 +42,8 @@ class QueueDepth:
     failed: int = 0
     delayed: int = 0
     oldest_queued: Optional[float] = None
+    done: int = 0
+    expired: int = 0
 
 
 class IMessageStore(Interface):
@@ -186,13 +188,18 @@ class IMessageStore(Interface):
         ``expired`` (:func:`relay.rules.delivery.keep_expired`, counted then), one done or
         failed stays so."""
 
-    def queue_depths(now):
+    def queue_depths(now, settled=None):
         """Fires with a :class:`QueueDepth` per agent that has messages queued,
         leased, delayed (queued and held back past ``now``) or failed, sorted by
         agent; ``queued`` does not count the delayed ones. Answered from indexes
         or counters the store keeps, never by reading every message (metrics ask
         for it at each scrape). Leases are counted as stored: one past its
-        deadline counts as leased until a sweep or a read releases it."""
+        deadline counts as leased until a sweep or a read releases it.
+
+        With ``settled`` (agent names), the depths of those agents alone, one each
+        (its ``oldest_queued`` and counts 0 when it has no message), counting also
+        its ``done`` and ``expired`` messages: the roster of a signed v2
+        ``/healthz``, which may read those agents' messages, not the metrics."""
 
     def health():
         """Fires with None while the store accepts writes, else a short reason

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
+from dataclasses import replace
 from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from relay.rules import delivery
@@ -17,10 +18,12 @@ from relay.rules.events import Event
 from relay.store.interface import QueueDepth
 from relay.store.records import Match, Records, RecordStore, RoleJoins
 from relay.wire.errors import ConfigError
-from relay.wire.protocol import EXPIRED, FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
+from relay.wire.protocol import DONE, EXPIRED, FAILED, KEEP_CARD, LEASED, QUEUED, REQUEST_KIND
 
-# The states whose messages are counted per agent (QueueDepth).
-_COUNTED = (QUEUED, LEASED, FAILED)
+# The states whose messages are counted per agent (QueueDepth); the settled ones are
+# reported only when asked for.
+_COUNTED = (QUEUED, LEASED, FAILED, DONE, EXPIRED)
+_UNSETTLED = (QUEUED, LEASED, FAILED)
 
 
 def _has(seqs: List[int], seq: int) -> bool:
@@ -551,21 +554,27 @@ class MemoryRecords(Records):
                     if not seqs:
                         del index[key]
 
-    def depths(self, now: float) -> List[QueueDepth]:
+    def depths(self, now: float, settled: Optional[Sequence[str]] = None
+               ) -> List[QueueDepth]:
         self._promote(now)
         out = []
-        for agent in sorted(self.depth):
-            counts = self.depth[agent]
+        for agent in sorted(self.depth) if settled is None else settled:
+            counts = self.depth.get(agent, {})
+            if settled is None and not any(status in counts for status in _UNSETTLED):
+                continue
             held = self.held.get(agent, 0)
             queue = self.queued_seqs.get(agent)
-            out.append(QueueDepth(
+            depth = QueueDepth(
                 agent,
                 queued=counts.get(QUEUED, 0) - held,
                 leased=counts.get(LEASED, 0),
                 failed=counts.get(FAILED, 0),
                 delayed=held,
                 oldest_queued=self.by_seq[queue[0]].created if queue else None,
-            ))
+            )
+            if settled is not None:
+                depth = replace(depth, done=counts.get(DONE, 0), expired=counts.get(EXPIRED, 0))
+            out.append(depth)
         return out
 
     def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:

@@ -331,6 +331,12 @@ STATEMENTS = {
         "UNION ALL SELECT recipient, 'failed', false, count(*), NULL FROM relay_messages "
         "WHERE status = 'failed' GROUP BY 1"
     ),
+    # Some agents' messages in every state (the signed v2 /healthz), from the inbox index.
+    "depths_settled": (
+        "SELECT recipient, status, coalesce(status = 'queued' AND not_before > %(now)s, "
+        "false), count(*), min(created) FILTER (WHERE status = 'queued') "
+        "FROM relay_messages WHERE recipient = ANY(%(agents)s) GROUP BY 1, 2, 3"
+    ),
     "peers": "SELECT agent, last_seen, card FROM relay_peers ORDER BY agent",
     "notify": "SELECT pg_notify(%s, %s)",
     # REACH §11. An agent's events are written under its transaction lock, taken
@@ -715,9 +721,14 @@ class PostgresRecords(Records):
         return (len(removed), counted, sorted(unprocessed, key=lambda m: m.seq),
                 sorted(kept, key=lambda m: m.seq))
 
-    def depths(self, now: float) -> List[QueueDepth]:
-        self.cursor.execute(STATEMENTS["depths"], {"now": now})
-        found: Dict[str, Dict[str, Any]] = {}
+    def depths(self, now: float, settled: Optional[Sequence[str]] = None
+               ) -> List[QueueDepth]:
+        if settled is None:
+            self.cursor.execute(STATEMENTS["depths"], {"now": now})
+        else:
+            self.cursor.execute(STATEMENTS["depths_settled"], {"now": now,
+                                                              "agents": list(settled)})
+        found: Dict[str, Dict[str, Any]] = {agent: {"agent": agent} for agent in settled or ()}
         for agent, status, held, count, oldest in self.cursor.fetchall():
             entry = found.setdefault(agent, {"agent": agent})
             if status == "queued" and held:
@@ -1402,8 +1413,8 @@ class PostgresStore:
     def lead_webhooks(self, owner: str, now: float, hold: float) -> Deferred:
         return self._run(ops.lead_webhooks, owner, now, hold)
 
-    def queue_depths(self, now: float) -> Deferred:
-        return self._run(ops.depths, now)
+    def queue_depths(self, now: float, settled: Optional[Sequence[str]] = None) -> Deferred:
+        return self._run(ops.depths, now, settled)
 
     def health(self) -> Deferred:
         """None while operations reach the database; the reason once one did not

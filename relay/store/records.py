@@ -203,10 +203,13 @@ class Records:
         messages (``removed`` and ``kept`` together at most ``batch``)."""
         raise NotImplementedError
 
-    def depths(self, now: float) -> List[QueueDepth]:
+    def depths(self, now: float, settled: Optional[Sequence[str]] = None
+               ) -> List[QueueDepth]:
         """A :class:`QueueDepth` per agent with messages queued, leased, delayed
         (queued with ``not_before`` after ``now``) or failed, sorted by agent; from
-        indexes or counters, never a scan of every message."""
+        indexes or counters, never a scan of every message. With ``settled``, one
+        for each of those agents, counting their done and expired messages too
+        (which may read them)."""
         raise NotImplementedError
 
     def register(self, agent: str, now: float, card: Any) -> None:
@@ -643,8 +646,11 @@ def lead_webhooks(records: Records, owner: str, now: float, hold: float) -> bool
     return True
 
 
-def depths(records: Records, now: float) -> List[QueueDepth]:
-    return records.depths(now)
+def depths(records: Records, now: float,
+           settled: Optional[Sequence[str]] = None) -> List[QueueDepth]:
+    if settled is None:
+        return records.depths(now)
+    return records.depths(now, sorted(set(settled)))
 
 
 # -- the store ---------------------------------------------------------------------------
@@ -762,8 +768,8 @@ class RecordStore:
             if touched < EXPIRE_BATCH:
                 return total
 
-    def queue_depths(self, now: float) -> Deferred:
-        return self._run(depths, now)
+    def queue_depths(self, now: float, settled: Optional[Sequence[str]] = None) -> Deferred:
+        return self._run(depths, now, settled)
 
     def events(self, agent: str, position: Optional[int], limit: int) -> Deferred:
         return self._run(read_events, agent, position, limit)

@@ -265,6 +265,9 @@ STATEMENTS = {
         "AND not_before > ?",
         "SELECT created FROM messages WHERE recipient = ? AND status = 'queued' "
         "AND (not_before IS NULL OR not_before <= ?) ORDER BY seq LIMIT 1",
+        # the counts with the settled messages too (the signed v2 /healthz)
+        "SELECT status, count(*) FROM messages WHERE recipient = ? "
+        "AND status IN ('queued', 'leased', 'failed', 'done', 'expired') GROUP BY status",
     ],
 }
 
@@ -888,17 +891,25 @@ class SQLiteRecords(Records):
         else:
             self.cursor.execute(STATEMENTS["webhooks"][0], (agent, state))
 
-    def depths(self, now: float) -> List[QueueDepth]:
-        next_recipient, counts, delayed, oldest = STATEMENTS["depths"]
+    def depths(self, now: float, settled: Optional[Sequence[str]] = None
+               ) -> List[QueueDepth]:
+        next_recipient, counts, delayed, oldest, every = STATEMENTS["depths"]
         out = []
         agent = ""
+        named = iter(settled or ())
         while True:
-            rows = self.cursor.execute(next_recipient, (agent,)).fetchall()
-            if not rows:
-                return out
-            agent = rows[0][0]
+            if settled is None:
+                rows = self.cursor.execute(next_recipient, (agent,)).fetchall()
+                if not rows:
+                    return out
+                agent = rows[0][0]
+            else:
+                agent = next(named, None)
+                if agent is None:
+                    return out
+                counts = every
             by_status = dict(self.cursor.execute(counts, (agent,)).fetchall())
-            if not by_status:
+            if not by_status and settled is None:
                 continue
             held = 0
             if by_status.get("queued"):
@@ -911,6 +922,8 @@ class SQLiteRecords(Records):
                 failed=by_status.get("failed", 0),
                 delayed=held,
                 oldest_queued=first[0][0] if first else None,
+                done=by_status.get("done", 0),
+                expired=by_status.get("expired", 0),
             ))
 
     def register(self, agent: str, now: float, card: Any = KEEP_CARD) -> None:

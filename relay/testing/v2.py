@@ -181,6 +181,28 @@ class Wire2Contract(Contract):
             assert await store.find(message_id, later + 60, True) is None
 
     @pytest_twisted.ensureDeferred
+    async def test_the_depths_of_named_agents_count_their_settled_messages(self, store):
+        from relay.store.interface import QueueDepth
+
+        later = START + 601
+        await self.send_v2(store, "expires")
+        await self.send(store, id="done", now=START + 1)
+        await self.send(store, id="failed", now=START + 2)
+        await self.send(store, id="waits", now=START + 3)
+        await self.send(store, id="later", now=START + 4, delay_seconds=5000)
+        leased = {m.id: m for m in await store.pull("beta", 3, self.LEASE, START, RULES)}
+        await ack(store, "done", "beta", leased["done"].lease_id, "completed", None, START)
+        await ack(store, "failed", "beta", leased["failed"].lease_id, "reject", None, START)
+        await ack(store, "expires", "beta", leased["expires"].lease_id, "release", None, START)
+        await store.sweep_expired(START - 1, later, RULES)
+        unsettled = QueueDepth("beta", queued=1, failed=1, delayed=1, oldest_queued=START + 3)
+        assert (await store.queue_depths(later))[-1] == unsettled
+        assert await store.queue_depths(later, ["beta", "nobody"]) == [
+            QueueDepth("beta", queued=1, failed=1, delayed=1, oldest_queued=START + 3, done=1,
+                       expired=1),
+            QueueDepth("nobody")]
+
+    @pytest_twisted.ensureDeferred
     async def test_an_expired_v2_message_requeued_lives_its_ttl_again(self, store):
         from relay.rules.v2 import transitions
         from relay.wire.protocol import EXPIRED

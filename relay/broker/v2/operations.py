@@ -368,16 +368,19 @@ class Wire2:
         @inlineCallbacks
         def roster():
             peers = yield self.store.peers()
-            depths = yield self.broker.queue_depths()
             now = self._now()
             online = {name for name, seen, _ in peers if now - seen < HEARTBEAT_TTL_SECONDS}
             agents = sorted(online | set(configured))
-            queues = {name: {"queued": 0, "leased": 0, "failed": 0,
-                             "oldest_queued_at": None} for name in agents}
+            depths = yield self.broker.queue_depths(settled=agents)
+            # The reference's queueStats: each agent's messages by status (a delayed
+            # message is queued), and when its oldest queued one was stored.
+            queues = {name: {"queued": 0, "leased": 0, "completed": 0, "failed": 0,
+                             "expired": 0, "oldest_queued_at": None} for name in agents}
             for depth in depths:
                 if depth.agent in queues:
-                    queues[depth.agent] = {"queued": depth.queued, "leased": depth.leased,
-                                           "failed": depth.failed,
+                    queues[depth.agent] = {"queued": depth.queued + depth.delayed,
+                                           "leased": depth.leased, "completed": depth.done,
+                                           "failed": depth.failed, "expired": depth.expired,
                                            "oldest_queued_at": depth.oldest_queued}
             document.update(agents=agents, queues=queues,
                             last_pull_at=dict(self.last_pull_at),
