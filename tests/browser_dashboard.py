@@ -12,6 +12,7 @@ unlocked from it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -51,6 +52,25 @@ def page(tmp_path):
             context.close()
 
 
+def v2_pull(broker, agent: str):
+    """``POST /v1/pull`` on the v2 wire (WIRE-V2), signed as the reference's clients sign."""
+    import json
+    import time
+    import urllib.request
+
+    from relay.wire.v2.canonical import canonical_body
+    from relay.wire.v2.signing import signed_headers
+
+    raw = canonical_body({"agent": agent})
+    headers = signed_headers(broker.secret, agent, "POST", "/v1/pull", raw,
+                             timestamp=int(time.time()))
+    headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(broker.url + "/v1/pull", data=raw, headers=headers,
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
 def row(page, table: str, text: str):
     return page.locator(f"#{table} tbody tr", has_text=text)
 
@@ -82,6 +102,10 @@ def test_the_dashboard_follows_the_broker(broker, page, tmp_path):
         assert broker.request("alpha", "POST", "/messages", {"to": "beta", "id": f"b{i}"})[0] == 201
     expect(page.locator("#t-sent")).to_have_text("3", timeout=WAIT_MS)
     expect(page.locator("#t-queued")).to_have_text("3")
+    expect(page.locator("#t-seedwire")).to_have_text(re.compile(r"^[1-9][0-9]*$"))
+    expect(page.locator("#t-v2wire")).to_have_text("0")
+    assert v2_pull(broker, "gamma") == {"messages": []}
+    expect(page.locator("#t-v2wire")).to_have_text("1", timeout=WAIT_MS)
     expect(row(page, "pairs", "alpha")).to_contain_text("3")
 
     code, pulled = broker.request("beta", "POST", "/v1/pull", {"limit": 1})

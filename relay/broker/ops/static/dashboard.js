@@ -107,6 +107,9 @@ function showBroker(overview) {
   $("t-groupsends").textContent = sum(t.groupSends);
   $("t-groupsends").title = pairs(t.groupSends) || "";
   $("t-waiting").textContent = t.pullWaiting;
+  const wires = t.requestsByWire || {};
+  $("t-seedwire").textContent = wires.seed || 0;
+  $("t-v2wire").textContent = wires.v2 || 0;
   const refused = [
     ["t-ratelimited", t.rateLimited || 0], ["t-sendsrefused", sum(t.sendsRefused)],
     ["t-authfailures", sum(t.authFailures)], ["t-lockouts", t.lockouts],
