@@ -118,8 +118,8 @@ class Report:
                         "outcome", c.acked, OUTCOMES)
         yield _labelled("relay_messages_dead_lettered", "Messages that became failed, by reason.",
                         "reason", c.dead_lettered, DEAD_REASONS)
-        yield _counter("relay_messages_expired", "Messages removed by the messageTtlDays sweep.",
-                       c.expired)
+        yield _counter("relay_messages_expired", "Messages that outlived messageTtlDays or their "
+                       "ttlSeconds (removed, or kept as expired).", c.expired)
         yield _counter("relay_lease_expirations", "Leases released because their deadline "
                        "passed.", c.lease_expirations)
         yield GaugeMetricFamily("relay_pull_waiting", "Long-poll requests waiting (/v1/pull "
