@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
 from twisted.internet.interfaces import IReactorTime
@@ -142,12 +142,15 @@ class Broker:
         # What the operations completed add up to (/metrics, the dashboard).
         self.counters = counters if counters is not None else Counters()
         # When requests sent with a TTL expire (epoch seconds, on a half-second
-        # grid): the expiry sweep then stores their failure notices on time.
+        # grid): the expiry sweep then stores their failure notices on time. A heap,
+        # and its times as a set (a TTL of an hour is 7,200 times a send looks up).
         self._expiries: List[float] = []
+        self._expiring: Set[float] = set()
         self._expiry_call: Any = None
         # When delays end (epoch seconds, on a half-second grid): the store then
         # records the message events of the messages they held back.
         self._releases: List[float] = []
+        self._releasing: Set[float] = set()
         self._release_call: Any = None
         # REACH §13: role -> the agents that joined it through a card registered here
         # (waking them for the role's queue; the store decides what they may lease)
@@ -208,8 +211,9 @@ class Broker:
         """Run the expiry sweep at ``when`` (rounded up to the next half second, so a
         burst of requests shares one sweep)."""
         when = math.ceil(when * 2) / 2
-        if self._stopped or when in self._expiries:
+        if self._stopped or when in self._expiring:
             return
+        self._expiring.add(when)
         heapq.heappush(self._expiries, when)
         self._schedule_expiry()
 
@@ -229,7 +233,7 @@ class Broker:
         self._expiry_call = None
         now = self.clock.seconds()
         while self._expiries and self._expiries[0] <= now:
-            heapq.heappop(self._expiries)
+            self._expiring.discard(heapq.heappop(self._expiries))
         d = self.sweep_expired()
         d.addErrback(lambda failure: log.error("expiry sweep failed: {kind}",
                                                kind=failure.type.__name__))
@@ -238,8 +242,9 @@ class Broker:
     def _release_at(self, when: float) -> None:
         """Release the delays ending at ``when`` (rounded up to the next half second)."""
         when = math.ceil(when * 2) / 2
-        if self._stopped or when in self._releases:
+        if self._stopped or when in self._releasing:
             return
+        self._releasing.add(when)
         heapq.heappush(self._releases, when)
         self._schedule_release()
 
@@ -259,7 +264,7 @@ class Broker:
         self._release_call = None
         now = self.clock.seconds()
         while self._releases and self._releases[0] <= now:
-            heapq.heappop(self._releases)
+            self._releasing.discard(heapq.heappop(self._releases))
         d = self.store.release_due(now, self.policy.rules)
         d.addErrback(lambda failure: log.error("delay release failed: {kind}",
                                                kind=failure.type.__name__))
@@ -757,7 +762,9 @@ class Broker:
             if call is not None and call.active():
                 call.cancel()
         self._expiries.clear()
+        self._expiring.clear()
         self._releases.clear()
+        self._releasing.clear()
         self.waiters.stop()
         if self.streams is not None:
             self.streams.stop()
