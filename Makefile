@@ -58,7 +58,7 @@ $(CI_STAMP): $(STAMP)
 ## test-ops: fuzz a running broker from docs/openapi.yaml, drive the dashboard and the inbox in
 ## headless chromium (needs /usr/bin/chromium: apt-get install chromium)
 test-ops: $(CI_STAMP)
-	$(BIN)/python -m pytest -q tests/fuzz_openapi.py tests/browser_dashboard.py tests/browser_inbox.py
+	$(BIN)/python -m pytest -q tests/processes/fuzz_openapi.py tests/processes/browser_dashboard.py tests/processes/browser_inbox.py
 
 $(PYPY_STAMP): setup.cfg pyproject.toml
 	$(PYPY) -m venv $(PYPY_VENV)
@@ -102,7 +102,7 @@ $(DIST_STAMP): $(STAMP)
 dist: $(DIST_STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
-	$(BIN)/python tests/check_dist.py dist
+	$(BIN)/python tests/support/check_dist.py dist
 
 ## bench: the benchmark suite (prints figures; not part of the tests)
 bench: $(STAMP)

@@ -222,7 +222,7 @@ def two_brokers(tmp_path):
     import pytest_twisted
     from twisted.internet import reactor as _reactor
 
-    from tests.http_support import Broker as _Broker
+    from tests.support.api import Broker as _Broker
 
     dsn = reset_postgres()
     stores = [open_backend("postgres", tmp_path / name) for name in ("a", "b")]

@@ -277,7 +277,7 @@ def certificate_options(
     )
     try:
         # Clients may not renegotiate: OpenSSL refuses it by default, and
-        # tests/test_tls.py pins that (setting the option here would change the
+        # tests/site/test_tls.py pins that (setting the option here would change the
         # context after Twisted has made a connection of it, which pyOpenSSL refuses).
         options.getContext()
     except SSL.Error as e:

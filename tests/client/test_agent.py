@@ -1,0 +1,771 @@
+"""The agent runtime against the in-memory broker, driven by a Clock; the ``--exec``
+handler with real processes; the twistd plugin options. The receipt store itself is
+tested in test_receipts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import pytest_twisted
+from treq.testing import StubTreq
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+
+from relay.agent.exec_handler import ExecFailed, ExecHandler, exec_input
+from relay.agent.receipts import ReceiptStore, legacy_receipts_path, receipts_path
+from relay.agent.runtime import AgentService, reply_body
+from relay.client.client import RelayClient
+from relay.testing import SECRET as TEST_SECRET
+from relay.wire.errors import RelayError
+from tests.support.client import SeenAsV11, relay_stub
+
+
+def test_reply_body_shapes() -> None:
+    assert reply_body({"a": 1}) == {"a": 1}
+    assert reply_body("hi") == {"text": "hi"}
+    assert reply_body(b"hi") == {"text": "hi"}
+    assert reply_body(None) == {}
+    assert reply_body([1, 2]) == {"result": [1, 2]}
+
+
+# -- a broker, two clients and a runtime ------------------------------------------
+
+
+class World:
+    """An in-memory broker, the requester ``alpha`` and helpers to run ``worker``.
+
+    With ``v11`` every client sees a v1.1 broker with long polling
+    (:class:`SeenAsV11`): the runtime then falls back to receipts, held leases and
+    the v1.1 outcomes.
+    """
+
+    def __init__(self, tmp_path: Path, v11: bool = False, **broker: Any) -> None:
+        from relay.testing import make_api
+
+        self.api, _, self.clock = make_api(**broker)
+        resource = self.api.resource()
+        self.stub = relay_stub(SeenAsV11(resource, long_poll=True) if v11 else resource, self.clock)
+        self.home = tmp_path
+        self.alpha = self.client("alpha")
+
+    def client(self, agent: str) -> RelayClient:
+        return RelayClient("http://127.0.0.1:19121", agent, TEST_SECRET, clock=self.clock,
+                           http=self.stub)
+
+    def runtime(
+        self, handler: Any, client: Optional[RelayClient] = None, **kwargs: Any
+    ) -> AgentService:
+        client = client or self.client("worker")
+        receipts = ReceiptStore.for_agent(client.agent, self.home, self.clock)
+        return AgentService(client, handler, clock=self.clock, receipts=receipts, **kwargs)
+
+    def settle(self, seconds: float = 0.0) -> None:
+        """Let in-memory HTTP exchanges finish, then move the clock on."""
+        for _ in range(5):
+            self.stub.flush()
+        if seconds:
+            self.clock.advance(seconds)
+            for _ in range(5):
+                self.stub.flush()
+
+    def run(self, coroutine: Any) -> Any:
+        """The result of a client call that completes without the clock moving."""
+        d = defer.ensureDeferred(coroutine)
+        self.settle()
+        results: List[Any] = []
+        d.addBoth(results.append)
+        assert results, "client call did not complete"
+        if isinstance(results[0], Failure):
+            results[0].raiseException()
+        return results[0]
+
+    def request(self, text: str, **fields: Any) -> str:
+        self.run(self.alpha.register())
+        return self.run(self.alpha.send("worker", {"text": text}, kind="request", **fields))["id"]
+
+    def status(self, message_id: str) -> Tuple[str, int]:
+        (entry,) = self.run(self.alpha.status([message_id]))["messages"]
+        return entry["status"], entry["attempts"]
+
+    def replies(self) -> List[Dict[str, Any]]:
+        answer = self.run(self.alpha.query(kind="reply"))
+        return answer["messages"]
+
+
+class Recorder:
+    """A handler that records calls and answers with upper-case text."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: List[str] = []
+        self.fail = fail
+
+    def __call__(self, message: Dict[str, Any]) -> Any:
+        self.calls.append(message["id"])
+        if self.fail:
+            raise RuntimeError("handler is broken")
+        return message["body"]["text"].upper()
+
+
+def start(world: World, service: AgentService) -> None:
+    service.startService()
+    world.settle()
+
+
+def stop(world: World, service: AgentService) -> None:
+    d = service.stopService()
+    world.settle()
+    assert d.called
+
+
+def test_request_reply_done(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    handler = Recorder()
+    service = world.runtime(handler)
+    start(world, service)
+    peers = world.run(world.alpha.peers())["peers"]
+    assert [p["agent"] for p in peers] == ["worker"]
+
+    request = world.request("hello", root_id="root-1")
+    world.settle()
+    assert handler.calls == [request]
+    assert world.status(request)[0] == "done"
+    (reply,) = world.replies()
+    assert reply["body"] == {"text": "HELLO"}
+    assert (reply["from"], reply["to"], reply["kind"]) == ("worker", "alpha", "reply")
+    assert (reply["replyTo"], reply["parentId"], reply["rootId"]) == (request, request, "root-1")
+    stop(world, service)
+
+
+def test_root_id_defaults_to_the_request_id(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    service = world.runtime(Recorder())
+    start(world, service)
+    request = world.request("x")
+    world.settle()
+    (reply,) = world.replies()
+    assert reply["rootId"] == request
+    stop(world, service)
+
+
+def test_handler_failure_retries_then_fails_after_max_attempts(tmp_path: Path) -> None:
+    """On a v1.1 broker the lease is held for the retry delay, then acked ``retry``."""
+    world = World(tmp_path, v11=True, maxAttempts=3)
+    handler = Recorder(fail=True)
+    service = world.runtime(handler, retry_delay=5.0)
+    start(world, service)
+    request = world.request("boom")
+    world.settle()
+    assert handler.calls == [request]
+    assert world.status(request) == ("leased", 0)  # held for the retry delay
+    world.settle(4.9)
+    assert world.status(request) == ("leased", 0)
+    world.settle(0.1)
+    assert len(handler.calls) == 2  # handed back with retry, leased again at once
+    assert world.status(request) == ("leased", 1)
+    for _ in range(4):
+        world.settle(5)
+    # spec 5.1: retry gives attempts+1 and "> maxAttempts -> failed"
+    assert handler.calls == [request] * 4
+    assert world.status(request) == ("failed", 4)
+    # no answer: only the broker's failure notice (EXTENSIONS.md §4)
+    (notice,) = world.replies()
+    assert notice["body"]["relayNotice"]["event"] == "failed"
+    assert notice["parentId"] == request
+    stop(world, service)
+
+
+class FailsWithItsOwnWords:
+    def __call__(self, message: Dict[str, Any]) -> Any:
+        raise ValueError("the model refused:\nquota exceeded")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_handler_failure_is_logged_with_its_message_not_the_body(
+    tmp_path: Path, debug: bool
+) -> None:
+    from twisted.logger import capturedLogs, formatEvent
+
+    world = World(tmp_path)
+    service = world.runtime(FailsWithItsOwnWords(), retry_delay=0, debug=debug)
+    with capturedLogs() as events:
+        start(world, service)
+        request = world.request("secret-body-marker")
+        world.settle()
+        stop(world, service)
+    text = "\n".join(formatEvent(e) + str(e.get("log_failure", "")) for e in events)
+    assert (
+        f"agent worker: handler failed for {request}: ValueError: the model refused: quota "
+        "exceeded; asking for a retry"
+    ) in text
+    assert "secret-body-marker" not in text
+    tracebacks = [e for e in events if e.get("log_failure") is not None]
+    assert bool(tracebacks) == debug
+    assert world.run(world.alpha.status([request]))["messages"][0]["error"] == (
+        "the model refused:\nquota exceeded"
+    )
+
+
+def test_a_refused_reply_holds_the_lease_before_the_retry(tmp_path: Path) -> None:
+    """A reply the broker refuses (here the ACL; often a requester that has not
+    registered yet) does not burn the request's attempts at once (v1.1: a held lease)."""
+    world = World(tmp_path, v11=True, agents={"worker": {"allowed_targets": ["nobody"]}})
+    service = world.runtime(Recorder(), retry_delay=5.0)
+    start(world, service)
+    request = world.request("hello")
+    world.settle()
+    assert world.status(request) == ("leased", 0)
+    world.settle(5)
+    assert world.status(request) == ("leased", 1)  # retried once, leased again
+    stopped = service.stopService()
+    world.settle()  # the runtime cuts the delay short, hands the request back, stops
+    assert stopped.called
+    assert world.status(request) == ("queued", 2)
+
+
+def test_deferred_handler(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    pending: List[defer.Deferred] = []
+
+    def deferred_handler(message: Dict[str, Any]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        pending.append(d)
+        return d
+
+    service = world.runtime(deferred_handler)
+    start(world, service)
+    request = world.request("later")
+    world.settle()
+    assert world.status(request)[0] == "leased"
+    pending[0].callback({"answer": 42})
+    world.settle()
+    assert world.status(request)[0] == "done"
+    assert world.replies()[0]["body"] == {"answer": 42}
+    stop(world, service)
+
+
+def test_coroutine_handler(tmp_path: Path) -> None:
+    async def coroutine_handler(message: Dict[str, Any]) -> str:
+        return "from a coroutine"
+
+    world = World(tmp_path)
+    service = world.runtime(coroutine_handler)
+    start(world, service)
+    world.request("x")
+    world.settle()
+    assert world.replies()[0]["body"] == {"text": "from a coroutine"}
+    stop(world, service)
+
+
+class LosesAcks(RelayClient):
+    """A client whose completed acks never reach the broker."""
+
+    def ack_outcome(self, message_id: str, lease_id: str, outcome: str, error: Any = None,
+                    **extensions: Any) -> Any:
+        if outcome == "completed":
+            return defer.fail(RelayError(0, "connection_error", "lost"))
+        return super().ack_outcome(message_id, lease_id, outcome, error, **extensions)
+
+
+def test_restart_after_lost_ack_replays_the_reply_without_running_the_handler(
+    tmp_path: Path,
+) -> None:
+    """The receipts of a v1.1 broker (with v1.2 the reply is in the ack itself)."""
+    world = World(tmp_path, v11=True)
+    handler = Recorder()
+    lossy = LosesAcks("http://127.0.0.1:19121", "worker", TEST_SECRET, clock=world.clock,
+                      http=world.stub)
+    first = world.runtime(handler, client=lossy, lease_seconds=60)
+    start(world, first)
+    request = world.request("once", ack=True)
+    world.settle()
+    assert handler.calls == [request]
+    assert world.status(request)[0] == "leased"
+    stop(world, first)
+
+    # the lease lapses; a new process (new ReceiptStore from the same file) starts
+    world.settle(61)
+    world.run(world.api.broker.sweep_leases())
+    assert world.status(request)[0] == "queued"
+    handler_after_restart = Recorder()
+    second = world.runtime(handler_after_restart)
+    start(world, second)
+    world.settle()
+    assert handler_after_restart.calls == []
+    assert world.status(request)[0] == "done"
+    replies = world.replies()
+    assert len(replies) == 1  # the replay reused the reply id: the broker saw a duplicate
+    assert replies[0]["body"] == {"text": "ONCE"}
+    receipts = [
+        m
+        for m in world.run(world.alpha.recv())["messages"]
+        if m.get("type") == "ack" and m.get("replyTo") == request
+    ]
+    assert len(receipts) == 1  # the v1.0 receipt went out once, not once per delivery
+    stop(world, second)
+
+
+@pytest.mark.parametrize("v11", [False, True])
+def test_a_receipt_from_the_old_json_file_is_replayed_after_an_upgrade(
+    tmp_path: Path, v11: bool
+) -> None:
+    """A request answered by an earlier release, whose ack was lost, is not run again,
+    whatever the broker offers now."""
+    world = World(tmp_path, v11=v11)
+    world.run(world.client("worker").register())
+    request = world.request("answered before the upgrade")
+    earlier = {
+        "id": "reply-before-upgrade",
+        "to": "alpha",
+        "body": {"text": "EARLIER"},
+        "replyTo": request,
+        "parentId": request,
+        "rootId": request,
+    }
+    legacy = legacy_receipts_path("worker", tmp_path)
+    legacy.write_text(
+        json.dumps({"version": 1, "receipts": {request: {"at": world.clock.seconds(),
+                                                         "reply": earlier}}}),
+        encoding="utf-8",
+    )
+    handler = Recorder()
+    service = world.runtime(handler)
+    assert not legacy.exists()
+    start(world, service)
+    world.settle()
+    assert handler.calls == []
+    assert world.status(request)[0] == "done"
+    (reply,) = world.replies()
+    assert (reply["id"], reply["body"]) == ("reply-before-upgrade", {"text": "EARLIER"})
+    stop(world, service)
+
+
+def test_receipts_and_replies_are_surfaced_not_run(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    handler = Recorder()
+    seen: Dict[str, List[str]] = {"receipt": [], "reply": []}
+    service = world.runtime(
+        handler,
+        client=world.client("alpha"),
+        on_receipt=lambda m: seen["receipt"].append(m["replyTo"]),
+        on_reply=lambda m: seen["reply"].append(m["parentId"]),
+    )
+    worker = world.client("worker")
+    world.run(worker.register())
+    start(world, service)
+    sent = world.run(world.alpha.send("worker", {"text": "please ack"}, ack=True))["id"]
+    world.run(worker.ack(sent))
+    answer = world.run(
+        worker.send("alpha", {"text": "answer"}, kind="reply", reply_to=sent, parent_id=sent)
+    )
+    world.settle()
+    assert handler.calls == []
+    assert seen == {"receipt": [sent], "reply": [sent]}
+    assert world.status(answer["id"])[0] == "done"
+    stop(world, service)
+
+
+def test_concurrency_limits_requests_in_flight(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    pending: List[defer.Deferred] = []
+
+    def handler(message: Dict[str, Any]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        pending.append(d)
+        return d
+
+    service = world.runtime(handler, concurrency=2)
+    start(world, service)
+    requests = [world.request(f"r{i}") for i in range(3)]
+    world.settle(1)
+    assert len(pending) == 2
+    assert [world.status(r)[0] for r in requests].count("leased") == 2
+    pending[0].callback("done")
+    world.settle(1)
+    assert len(pending) == 3
+    for d in pending[1:]:
+        d.callback("done")
+    world.settle()
+    assert [world.status(r)[0] for r in requests] == ["done"] * 3
+    stop(world, service)
+
+
+def test_shutdown_stops_pulling_and_waits_for_in_flight_handlers(tmp_path: Path) -> None:
+    world = World(tmp_path)
+    pending: List[defer.Deferred] = []
+
+    def handler(message: Dict[str, Any]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        pending.append(d)
+        return d
+
+    service = world.runtime(handler, shutdown_grace=30)
+    start(world, service)
+    first = world.request("first")
+    world.settle()
+    stopping = service.stopService()
+    world.settle()
+    assert not stopping.called
+    second = world.request("second")
+    world.settle(5)
+    assert world.status(second)[0] == "queued"  # no more leasing after stop
+    pending[0].callback("finished")
+    world.settle()
+    assert stopping.called
+    assert world.status(first)[0] == "done"
+
+
+def test_shutdown_gives_up_after_the_grace_period(tmp_path: Path) -> None:
+    """On a v1.1 broker the unfinished request's lease lapses (v1.2: it is released)."""
+    world = World(tmp_path, v11=True)
+    service = world.runtime(lambda message: defer.Deferred(), shutdown_grace=30)
+    start(world, service)
+    request = world.request("stuck")
+    world.settle()
+    stopping = service.stopService()
+    world.settle(29)
+    assert not stopping.called
+    world.settle(1)
+    assert stopping.called
+    assert world.status(request)[0] == "leased"  # its lease lapses at the broker
+
+
+def test_protocol_mismatch_is_fatal(tmp_path: Path) -> None:
+    clock = Clock()
+    from twisted.web.resource import Resource
+
+    class OtherBroker(Resource):
+        isLeaf = True
+
+        def render(self, request: Any) -> bytes:
+            return b'{"protocol": "2.0"}'
+
+    client = RelayClient("http://x", "worker", "s", clock=clock, http=StubTreq(OtherBroker()))
+    fatal: List[RelayError] = []
+    service = AgentService(
+        client,
+        Recorder(),
+        clock=clock,
+        receipts=ReceiptStore(tmp_path / "r.sqlite3", clock),
+        on_fatal=fatal.append,
+    )
+    service.startService()
+    assert [e.code for e in fatal] == ["protocol_mismatch"]
+    assert not clock.getDelayedCalls()
+    assert service.stopService().called
+
+
+# -- the --exec handler (real processes, bounded) -------------------------------
+
+
+def test_exec_input_is_text_or_json() -> None:
+    assert exec_input({"body": {"text": "plain"}}) == b"plain"
+    assert json.loads(exec_input({"body": {"n": 1}})) == {"n": 1}
+
+
+@pytest_twisted.inlineCallbacks
+@pytest.mark.process
+def test_exec_handler_reads_stdin_and_replies_with_stdout() -> Any:
+    from twisted.internet import reactor
+
+    handler = ExecHandler(
+        'tr a-z A-Z; echo " $RELAY_FROM $RELAY_KIND"', reactor=reactor, timeout=10
+    )
+    text = yield handler({"id": "m1", "from": "alpha", "kind": "request", "body": {"text": "hi"}})
+    assert text == "HI alpha request"
+
+
+@pytest_twisted.inlineCallbacks
+@pytest.mark.process
+def test_exec_handler_non_zero_exit_fails() -> Any:
+    from twisted.internet import reactor
+
+    handler = ExecHandler("cat >/dev/null; exit 3", reactor=reactor, timeout=10)
+    with pytest.raises(ExecFailed, match="status 3"):
+        yield handler({"id": "m", "body": {"text": "x"}})
+
+
+@pytest_twisted.inlineCallbacks
+@pytest.mark.process
+def test_a_failed_command_is_named_with_its_status_and_last_error_lines() -> Any:
+    """It used to be "command exited with status 127", the error output discarded."""
+    from twisted.internet import reactor
+
+    handler = ExecHandler("cat >/dev/null; seq 1 8 >&2; printf 'no\\033 such tool: frob\\n' >&2;"
+                          " exit 127", reactor=reactor, timeout=10)
+    with pytest.raises(ExecFailed) as info:
+        yield handler({"id": "m", "body": {"text": "x"}})
+    assert str(info.value).startswith("command `cat >/dev/null; seq 1 8 >&2;")
+    assert str(info.value).endswith(" exited with status 127")
+    assert info.value.error_output == ("5", "6", "7", "8", "no\\x1b such tool: frob")
+
+
+def test_the_agent_logs_a_failed_command_s_error_output_as_its_own_words(
+    tmp_path: Path
+) -> None:
+    from twisted.logger import capturedLogs, formatEvent
+
+    def handler(message: Dict[str, Any]) -> Any:
+        raise ExecFailed("command `frob` exited with status 127", ("sh: frob: not found",))
+
+    world = World(tmp_path)
+    service = world.runtime(handler, retry_delay=0)
+    with capturedLogs() as events:
+        start(world, service)
+        request = world.request("secret-body-marker")
+        world.settle()
+        stop(world, service)
+    text = "\n".join(formatEvent(e) for e in events)
+    assert (f"agent worker: handler failed for {request}: ExecFailed: command `frob` exited "
+            "with status 127; asking for a retry") in text
+    assert f"agent worker: {request}: the command's error output: sh: frob: not found" in text
+    assert "secret-body-marker" not in text
+    error = world.run(world.alpha.status([request]))["messages"][0]["error"]
+    assert error == "command `frob` exited with status 127"  # the output stays in the log
+
+
+@pytest_twisted.inlineCallbacks
+@pytest.mark.process
+def test_exec_handler_times_out() -> Any:
+    from twisted.internet import reactor
+
+    handler = ExecHandler("exec sleep 30", reactor=reactor, timeout=0.3)
+    with pytest.raises(ExecFailed, match="timed out"):
+        yield handler({"id": "m", "body": {"text": "x"}})
+
+
+@pytest_twisted.inlineCallbacks
+@pytest.mark.process
+def test_exec_script_as_an_agent(tmp_path: Path) -> Any:
+    """A small script runs per request; the reply is its stdout; exit 1 means retry."""
+    from twisted.internet import reactor
+
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import sys\n"
+        "text = sys.stdin.read()\n"
+        "if text == 'fail':\n"
+        "    sys.exit(1)\n"
+        "print(text[::-1])\n",
+        encoding="utf-8",
+    )
+    world = World(tmp_path)
+    handler = ExecHandler(f"{sys.executable} {script}", reactor=reactor, timeout=20)
+    service = world.runtime(handler, retry_delay=0)
+    start(world, service)
+    good = world.request("stressed")
+    bad = world.request("fail")
+    for _ in range(400):
+        world.settle()
+        if world.status(good)[0] == "done" and world.status(bad)[0] == "failed":
+            break
+        yield _sleep(reactor, 0.025)
+    assert world.status(good)[0] == "done"
+    answers = [r["body"] for r in world.replies() if "relayNotice" not in r["body"]]
+    assert answers == [{"text": "desserts"}]
+    assert world.status(bad) == ("failed", 4)
+    d = service.stopService()
+    world.settle()
+    yield d
+
+
+def _sleep(reactor: Any, seconds: float) -> defer.Deferred:
+    from twisted.internet.task import deferLater
+
+    return deferLater(reactor, seconds)
+
+
+# -- the twistd plugin ----------------------------------------------------------------
+
+
+def refused(argv: List[str], capsys: pytest.CaptureFixture) -> str:
+    """The one line ``twistd relay-agent`` prints for options it cannot start with."""
+    from relay.agent import tap as agent_tap
+
+    with pytest.raises(SystemExit) as info:
+        agent_tap.Options().parseOptions(argv)
+    assert info.value.code == 78  # EX_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("relay-agent: error: "), err
+    assert err.endswith(" (see `twistd relay-agent --help`)\n")
+    return err
+
+
+def test_plugin_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from relay.agent import tap as agent_tap
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("DSH_RELAY_SECRET", raising=False)
+    options = agent_tap.Options()
+    options.parseOptions(
+        ["--agent", "worker", "--secret", "s", "--exec", "cat", "--concurrency", "3"]
+    )
+    assert options.settings.agent == "worker"
+    assert options["concurrency"] == 3
+    for flag in ("--broker", "--url"):
+        named = agent_tap.Options()
+        named.parseOptions(["--agent", "w", "--secret", "s", "--exec", "cat", flag, "http://b:5"])
+        assert named.settings.broker_url == "http://b:5"
+    assert "exactly one" in refused(["--agent", "w", "--secret", "s"], capsys)
+    assert "exactly one" in refused(
+        ["--agent", "w", "--secret", "s", "--exec", "cat", "--handler", "json:dumps"], capsys
+    )
+    assert "no agent" in refused(["--secret", "s", "--exec", "cat"], capsys)
+    loaded = agent_tap.Options()
+    loaded.parseOptions(["--agent", "w", "--secret", "s", "--handler", "json:dumps"])
+    assert loaded.handler is json.dumps
+
+
+@pytest.fixture
+def importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A working directory of its own; the modules a test imports are forgotten after it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    "spec, source, message",
+    [
+        ("nosuch:answer", None,
+         "cannot load handler 'nosuch:answer': No module named 'nosuch' (looked in {cwd} and "
+         "the installed packages)"),
+        ("nosuch.deeper:answer", None, "No module named 'nosuch'"),
+        ("myhandlers:answer", "import numpy_that_is_missing\n",
+         "importing myhandlers failed: No module named 'numpy_that_is_missing'"),
+        ("myhandlers:answer", "1 / 0\n",
+         "importing myhandlers failed: ZeroDivisionError: division by zero"),
+        ("myhandlers:answer", "def answer(:\n",
+         "importing myhandlers failed: SyntaxError: "),
+        ("myhandlers:other", "def answer(m):\n    return 'x'\n",
+         "module myhandlers has no 'other'"),
+        ("myhandlers:answer", "answer = 3\n", "answer is not callable"),
+        ("myhandlers", None, "expected MODULE:CALLABLE"),
+    ],
+)
+def test_handler_problems_are_one_line(
+    importing: Path,
+    capsys: pytest.CaptureFixture,
+    spec: str,
+    source: Optional[str],
+    message: str,
+) -> None:
+    tmp_path = importing
+    if source is not None:
+        (tmp_path / "myhandlers.py").write_text(source, encoding="utf-8")
+    err = refused(["--agent", "w", "--secret", "s", "--handler", spec], capsys)
+    assert message.format(cwd=tmp_path) in err
+
+
+def test_a_handler_in_the_working_directory_is_found(importing: Path) -> None:
+    from relay.agent import tap as agent_tap
+
+    tmp_path = importing
+    (tmp_path / "cwd_handlers.py").write_text("def answer(m):\n    return 'hi'\n")
+    options = agent_tap.Options()
+    options.parseOptions(["--agent", "w", "--secret", "s", "--handler", "cwd_handlers:answer"])
+    assert options.handler({"body": {}}) == "hi"
+
+
+def test_make_service_builds_an_agent_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.agent import tap as agent_tap
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    options = agent_tap.Options()
+    options.parseOptions(
+        ["--agent", "worker", "--secret", "s", "--broker", "http://127.0.0.1:1", "--exec", "cat"]
+    )
+    service = agent_tap.makeService(options)
+    assert isinstance(service, AgentService)
+    assert service.client.agent == "worker"
+    assert service.receipts.path == receipts_path("worker", tmp_path)
+    assert isinstance(service.handler, ExecHandler)
+    assert service.use_events
+    options = agent_tap.Options()
+    options.parseOptions(["--agent", "worker", "--secret", "s", "--exec", "cat", "--no-events"])
+    assert not agent_tap.makeService(options).use_events
+
+
+@pytest.mark.parametrize(
+    "given, nodaemon, chosen",
+    [
+        ("twistd.pid", True, ""),  # the foreground: no pid file
+        ("twistd.pid", False, "relay-agent-w.pid"),  # detached: its own
+        ("/run/relay/w.pid", True, "/run/relay/w.pid"),  # asked for: kept
+        ("", False, ""),
+    ],
+)
+def test_the_agent_chooses_its_own_pid_file(
+    given: str, nodaemon: bool, chosen: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from twisted.scripts.twistd import ServerOptions
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    argv = (["--nodaemon"] if nodaemon else []) + [f"--pidfile={given}", "relay-agent"]
+    options = ServerOptions()
+    options.parseOptions(argv + ["--agent", "w", "--secret", "s", "--exec", "cat"])
+    assert options["pidfile"] == (os.path.abspath(chosen) if chosen else "")
+    broker = ServerOptions()
+    broker.parseOptions((["--nodaemon"] if nodaemon else []) + [f"--pidfile={given}", "relay"])
+    expected = chosen.replace("relay-agent-w.pid", "relay.pid")
+    assert broker["pidfile"] == (os.path.abspath(expected) if expected else "")
+
+
+@pytest.mark.process
+def test_a_second_signal_stops_a_stopping_agent_at_once_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """Stopping waits for the handler (and, with the broker down, for its ack's
+    retries); a second SIGTERM used to log ReactorNotRunning's traceback."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.support.processes import BrokerProcess
+
+    broker = BrokerProcess(str(tmp_path)).start()
+    twistd = Path(sys.executable).parent / "twistd"
+    env = dict(os.environ, HOME=str(tmp_path))
+    log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
+    agent = subprocess.Popen(
+        [str(twistd), "-n", "--pidfile=", "relay-agent", "--broker", broker.url, "--agent",
+         "w", "--secret", broker.secret, "--exec", "exec sleep 60", "--shutdown-grace", "60"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        assert broker.request("a", "POST", "/register", {})[0] == 200
+        deadline = time.monotonic() + 30
+        while broker.request("a", "POST", "/messages", {"id": "q1", "to": "w",
+                                                        "kind": "request"})[0] not in (200, 201):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        while broker.request("a", "POST", "/v1/status", {"messageIds": ["q1"]})[1][
+                "messages"][0]["status"] != "leased":
+            assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
+            time.sleep(0.2)
+        broker.stop()
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert agent.poll() is None, "the first signal waits for the handler"
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(10)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        broker.stop()
+        log.close()
+    output = (tmp_path / "agent.log").read_text()
+    assert "a second Ctrl-C or SIGTERM stops it at once" in output
+    assert "Traceback" not in output and "ReactorNotRunning" not in output, output

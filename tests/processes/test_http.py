@@ -1,0 +1,110 @@
+"""The HTTP layer over real sockets: body limits, slow clients, form bodies."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests.support.processes import BrokerProcess
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    b = BrokerProcess(str(tmp_path_factory.mktemp("http")), requestReadSeconds=2).start()
+    yield b
+    b.kill()
+
+
+def raw_exchange(broker, data: bytes, timeout: float = 10.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=timeout) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if b"\r\n\r\n" in b"".join(chunks):
+                head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+                length = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")]
+                if length and len(body) >= length[0]:
+                    break
+        return b"".join(chunks)
+
+
+def status_and_body(response: bytes):
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+def test_declared_oversize_body_gets_the_uniform_400(broker):
+    size = 1024 * 1024 + 1
+    request = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % size) + b"x" * size
+    status, body = status_and_body(raw_exchange(broker, request))
+    assert status == 400 and body["error"]["code"] == "bad_request"
+
+
+def test_chunked_oversize_body_gets_the_uniform_400(broker):
+    chunk = b"y" * 65536
+    parts = [b"POST /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    for _ in range(17):
+        parts.append(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    parts.append(b"0\r\n\r\n")
+    status, body = status_and_body(raw_exchange(broker, b"".join(parts)))
+    assert status == 400 and body["error"]["code"] == "bad_request"
+
+
+def test_exactly_one_mebibyte_is_not_too_large(broker):
+    size = 1024 * 1024
+    request = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % size
+               ) + b" " * size
+    status, body = status_and_body(raw_exchange(broker, request))
+    assert status == 401, "an unsigned body of the maximum size reaches authentication"
+
+
+def test_form_bodies_are_not_parsed(broker):
+    body = b"--b\r\nContent-Disposition: form-data; name=x\r\n\r\n"
+    request = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               b"Content-Type: multipart/form-data; boundary=b\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    status, reply = status_and_body(raw_exchange(broker, request))
+    assert status == 401 and reply["error"]["code"] == "unauthenticated"
+
+
+def test_a_trickling_client_is_timed_out_without_blocking_others(broker):
+    slow = socket.create_connection(("127.0.0.1", broker.port), timeout=60)
+    slow.sendall(b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    try:
+        started = time.monotonic()
+        status, info = broker.request("alpha", "GET", "/")
+        assert status == 200 and time.monotonic() - started < 5
+        deadline = time.monotonic() + 10
+        received = b""
+        slow.settimeout(1)
+        while time.monotonic() < deadline:
+            try:
+                slow.sendall(b"X")
+            except OSError:
+                break
+            try:
+                chunk = slow.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 408"), received[:100]
+    finally:
+        slow.close()

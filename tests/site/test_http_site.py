@@ -1,0 +1,215 @@
+"""The broker's site (relay/broker/site.py) on twisted.web: requests in pieces, pipelined
+or trickled, large answers to slow readers, and idle keep-alive connections."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from typing import List, Optional, Tuple
+
+import pytest
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from relay.broker.site import RelaySite
+from relay.testing import SECRET, START, make_api
+from relay.wire.signing import sign
+from tests.support.processes import BrokerProcess
+
+PEER = IPv4Address("TCP", "127.0.0.1", 40000)
+HOST = IPv4Address("TCP", "127.0.0.1", 19121)
+
+
+def signed(method: str, path: str, body: Optional[dict] = None, agent: str = "alpha",
+           extra: bytes = b"") -> bytes:
+    raw = b"" if body is None else json.dumps(body).encode()
+    signature = sign(SECRET, method, path, int(START), raw).encode()
+    length = b"Content-Length: %d\r\n" % len(raw) if body is not None else b""
+    return (b"%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: %s\r\n"
+            b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\n%s%s\r\n%s"
+            % (method.encode(), path.encode(), agent.encode(), int(START), signature,
+               length, extra, raw))
+
+
+# -- the same answers either way ---------------------------------------------
+
+def relay_site(timeout: float = 60.0) -> Tuple[RelaySite, Clock]:
+    clock = Clock()
+    clock.advance(START)
+    api, _, _ = make_api(clock, rateLimitLoopback=10**9)
+    api.broker.store.register("beta", START)
+    clock.advance(0)
+    return RelaySite(api.resource(), reactor=clock, timeout=timeout), clock
+
+
+def exchange(requests: List[bytes], split: bool) -> List[bytes]:
+    """Every request on one fresh keep-alive connection, each whole in one read or
+    (``split``) in two: the answers with their Date and lease ids masked."""
+    site, clock = relay_site()
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    answers = []
+    for raw in requests:
+        if split:
+            channel.dataReceived(raw[:17])
+            channel.dataReceived(raw[17:])
+        else:
+            channel.dataReceived(raw)
+        clock.advance(0)
+        answer = re.sub(rb"Date: [^\r]+", b"Date: -", transport.value())
+        answers.append(re.sub(rb'"leaseId":"[^"]+"', b'"leaseId":"-"', answer))
+        transport.clear()
+    return answers
+
+
+EXCHANGES = [
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"HEAD / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    signed("POST", "/register", {"agent": "alpha"}),
+    signed("POST", "/messages", {"id": "m-1", "to": "beta", "body": {"text": "hi"}}),
+    signed("POST", "/messages", {"id": "m-1", "to": "beta", "body": {"text": "hi"}}),
+    signed("POST", "/messages", {"id": "m-2", "to": "beta", "body": {"t": "\u00e9"}},
+           extra=b"cookie: a=b\r\ncontent-type: application/json\r\n"),
+    signed("GET", "/peers"),
+    signed("GET", "/messages?limit=1", agent="beta"),
+    signed("POST", "/v1/pull", {"agent": "beta", "limit": 1}, agent="beta"),
+    signed("POST", "/v1/ack", {"messageId": "m-1", "leaseId": "nope", "outcome": "completed"},
+           agent="beta"),
+    signed("POST", "/messages", {"id": "m-3", "to": "beta"}, agent="nobody"),
+    b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 3\r\n\r\n{x}",
+    b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /peers HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+    b"GET /%ff HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    signed("POST", "/messages/gone%2D1/ack", {"status": "ok"}, agent="beta"),
+    signed("POST", "/v1/%70ull", {"limit": 1}, agent="beta"),
+    signed("DELETE", "/messages"),
+    signed("GET", "/peers", extra=b"X-Relay-Agent: beta\r\n"),
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+]
+
+
+def test_a_request_in_pieces_is_answered_as_one_arriving_whole() -> None:
+    whole = exchange(EXCHANGES, split=False)
+    split = exchange(EXCHANGES, split=True)
+    for request, mine, theirs in zip(EXCHANGES, whole, split):
+        assert mine == theirs, request
+    assert whole[3].startswith(b"HTTP/1.1 201 Created\r\n")
+    assert whole[-1].endswith(b"\r\n\r\n" + whole[0].split(b"\r\n\r\n", 1)[1])
+    assert b"Connection: close" in whole[-1]
+
+
+def test_pipelined_and_trickled_requests_are_answered_in_order() -> None:
+    first = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    second = signed("GET", "/peers")
+    site, clock = relay_site()
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    channel.dataReceived(first + second + first[:5])
+    channel.dataReceived(first[5:])
+    clock.advance(0)
+    channel.dataReceived(second)  # whole again, after the pipelined ones
+    clock.advance(0)
+    answers = transport.value().split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200"] * 4
+    assert b'"peers"' in answers[1] and b'"peers"' in answers[3]
+
+
+# -- over a real socket --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    b = BrokerProcess(str(tmp_path_factory.mktemp("one-read"))).start()
+    yield b
+    b.kill()
+
+
+@pytest.mark.process
+def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
+    """What the socket does not take at once is queued after it, so a slow reader
+    still gets every byte in order."""
+    assert broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
+    assert broker.request("alpha", "POST", "/register", {"agent": "alpha"})[0] == 200
+    for i in range(40):
+        body = {"id": f"big-{i}", "to": "beta", "body": {"text": f"{i:04d}" * 5000}}
+        assert broker.request("alpha", "POST", "/messages", body)[0] == 201
+    raw = json.dumps({"agent": "beta", "limit": 50}).encode()
+    ts = int(time.time())
+    request = (b"POST /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: beta\r\n"
+               b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\nContent-Length: %d\r\n\r\n%s"
+               % (ts, sign(broker.secret, "POST", "/v1/pull", ts, raw).encode(), len(raw), raw))
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", broker.port))
+        s.sendall(request)
+        time.sleep(0.5)  # the broker's first send fills what the socket holds
+        s.settimeout(10)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+        assert length > 800_000
+        while len(body) < length:
+            chunk = s.recv(65536)
+            assert chunk, "the connection closed before the answer was whole"
+            body += chunk
+    messages = json.loads(body)["messages"]
+    assert [m["id"] for m in messages] == [f"big-{i}" for i in range(40)]
+    assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))
+
+
+# -- idle connections: one timestamp per channel, checked by the reaper -----------
+
+def idle_site(timeout: float = 60.0) -> Tuple[RelaySite, Clock]:
+    site, clock = relay_site(timeout)
+    site.startFactory()
+    return site, clock
+
+
+def connect(site: RelaySite) -> Tuple[object, StringTransport]:
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    return channel, transport
+
+
+def test_an_idle_keep_alive_connection_closes_after_the_idle_time() -> None:
+    site, clock = idle_site(60.0)
+    channel, transport = connect(site)
+    clock.advance(30)
+    channel.dataReceived(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert transport.value().startswith(b"HTTP/1.1 200")
+    clock.pump([0.5] * 118)  # 59 s after the answer
+    assert not transport.disconnecting, "each answer starts the idle time again"
+    clock.pump([0.5] * 4)
+    assert transport.disconnecting
+    site.stopFactory()
+
+
+def test_a_waiting_long_poll_is_not_idle() -> None:
+    site, clock = idle_site(5.0)
+    channel, transport = connect(site)
+    channel.dataReceived(signed("POST", "/v1/pull", {"agent": "beta", "waitSeconds": 20},
+                                agent="beta"))
+    clock.pump([0.5] * 30)  # 15 s: the pull is still waiting, past the idle time
+    assert transport.value() == b"" and not transport.disconnecting
+    clock.pump([0.5] * 12)  # answered empty at 20 s; idle from then on
+    assert transport.value().startswith(b"HTTP/1.1 200") and not transport.disconnecting
+    clock.pump([0.5] * 12)
+    assert transport.disconnecting
+    site.stopFactory()
+
+
+def test_twisteds_own_idle_timer_is_not_used() -> None:
+    site, clock = idle_site(60.0)
+    before = len(clock.getDelayedCalls())
+    channel, _ = connect(site)
+    for _ in range(3):
+        channel.dataReceived(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert len(clock.getDelayedCalls()) == before, "no timer per connection or request"
+    site.stopFactory()
