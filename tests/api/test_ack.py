@@ -1,151 +1,188 @@
-"""The delivery extensions v1.2 (EXTENSIONS.md) at the HTTP level, in memory.
+"""``POST /v1/ack``: the checks of a lease (seed §5.1), the four outcomes and
+``retryAfterSeconds`` (EXTENSIONS.md §2), failure notices (§4), the reply in the ack
+(§6) and its priority (REACH §14); and the ack of the v2/v3 wire (WIRE-V2).
 
-Each test names the section it covers; time is a ``task.Clock``.
+In memory, time on a ``task.Clock``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import json
 
 import pytest
 import pytest_twisted
 
+from relay.rules import delivery
 from relay.rules.delivery import notice_id
 from relay.testing import START
-from relay.wire.protocol import iso_timestamp
-from tests.support.api import Broker, assert_error
+from tests.support.api import (
+    Broker,
+    ack,
+    assert_error,
+    assert_json_headers,
+    lease,
+    leased_one,
+    logged_store,
+    two_agents,
+)
+from tests.support.teams import ack_as
+from tests.support.v2 import assert_v2_error, leased_request
 
-V11_FIELDS = {"id", "from", "to", "ts", "type", "body", "replyTo", "ack", "kind", "rootId",
-              "parentId", "status", "attempts", "leaseUntil"}
-
-
-async def two_agents(**broker) -> Broker:
-    b = Broker(**broker)
-    await b.register("alpha", "beta")
-    return b
-
-
-async def lease(b: Broker, **fields) -> Dict[str, Any]:
-    await b.message("alpha", "beta", **fields)
-    (leased,) = await b.pull("beta", limit=1)
-    return leased
-
-
-async def ack(b: Broker, leased: Dict[str, Any], outcome: str, agent: str = "beta", **extra):
-    body = {"messageId": leased["id"], "leaseId": leased["leaseId"], "outcome": outcome}
-    body.update(extra)
-    return await b.post(agent, "/v1/ack", body)
-
-
-# -- capabilities ---------------------------------------------------------------------------
+# -- v1.1: completed and retry, and the checks of a lease (seed §5.1) ----------------------
 
 
 @pytest_twisted.ensureDeferred
-async def test_capabilities_are_advertised_as_listed():
-    b = Broker(maxDeliveries=7, notifyFailures=False, messageTtlDays=2)
-    capabilities = (await b.get(None, "/")).json["capabilities"]
-    assert {key: capabilities[key] for key in (
-        "leaseRenew", "ackOutcomes", "retryAfter", "deadLetters", "replyInAck", "pullFilter",
-        "threads", "messageTtl", "delayedDelivery", "peerCards", "signedNonce")} == {
-        "leaseRenew": True,
-        "ackOutcomes": ["completed", "retry", "release", "reject"],
-        "retryAfter": {"maxSeconds": 43200},
-        "deadLetters": {"maxDeliveries": 7, "failureNotices": False},
-        "replyInAck": True,
-        "pullFilter": True,
-        "threads": True,
-        "messageTtl": {"maxSeconds": 172800},
-        "delayedDelivery": {"maxSeconds": 86400},
-        "peerCards": True,
-        "signedNonce": {"required": False},
-    }
-    assert capabilities["leaseDelivery"] is True  # the v1.1 keys stay
-    required = Broker(security={"requireNonce": True})
-    assert (await required.get(None, "/")).json["capabilities"]["signedNonce"] == {
-        "required": True}
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_message_without_extension_fields_has_the_v11_fields_everywhere():
+async def test_ack_completed_is_done():
     b = await two_agents()
-    await b.message("alpha", "beta", id="plain", kind="request")
-    views = [(await b.poll("beta"))[0][0],
-             (await b.post("beta", "/v1/recent", {})).json["messages"][0],
-             (await b.post("beta", "/v1/messages/query", {})).json["messages"][0],
-             (await b.post("alpha", "/v1/thread", {"rootId": "plain"})).json["messages"][0]]
-    for view in views:
-        assert set(view) == V11_FIELDS, view
-    (leased,) = await b.pull("beta")
-    assert set(leased) == V11_FIELDS | {"leaseId"}
-
-
-# -- §1 renew --------------------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_renew():
-    b = await two_agents()
-    leased = await lease(b)
-    b.clock.advance(100)
-    reply = await b.post("beta", "/v1/lease/renew", {"messageId": leased["id"],
-                                                     "leaseId": leased["leaseId"],
-                                                     "leaseSeconds": 30})
+    m = await leased_one(b)
+    reply = await b.post("beta", "/v1/ack",
+                         {"messageId": m["id"], "leaseId": m["leaseId"], "outcome": "completed"})
     assert reply.code == 200
-    assert reply.json == {"ok": True, "leaseId": leased["leaseId"],
-                          "leaseUntil": int((START + 130) * 1000)}
-    reply = await b.post("beta", "/v1/lease/renew", {"messageId": leased["id"],
-                                                     "leaseId": leased["leaseId"]})
-    assert reply.json["leaseUntil"] == int((START + 100 + 600) * 1000), "broker.leaseSeconds"
-    (entry,) = await b.status("alpha", leased["id"])
-    assert (entry["attempts"], entry["deliveries"]) == (0, 1)
+    assert_json_headers(reply)
+    assert reply.json == {"ok": True, "status": "done", "attempts": 0}
+    assert (await b.status("alpha", m["id"]))[0]["status"] == "done"
+    b.clock.advance(10**6)
+    assert await b.pull("beta") == []
+    assert (await b.poll("beta"))[0] == []
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_waiting_pull_wakes_at_the_renewed_deadline_not_the_old_one():
+async def test_ack_retry_requeues_then_fails_after_max_attempts():
+    b = await two_agents()
+    msg_id = await b.message("alpha", "beta")
+    for attempt in range(1, 5):
+        (m,) = await b.pull("beta")
+        reply = await b.post("beta", "/v1/ack", {"messageId": msg_id, "leaseId": m["leaseId"],
+                                                 "outcome": "retry", "error": f"e{attempt}"})
+        assert reply.code == 200
+        expected = "failed" if attempt == 4 else "queued"
+        assert reply.json == {"ok": True, "status": expected, "attempts": attempt}
+        assert m["attempts"] == attempt - 1
+    assert await b.pull("beta") == []
+    (entry,) = await b.status("alpha", msg_id)
+    assert entry["status"] == "failed" and entry["attempts"] == 4
+    assert entry["error"] == "e4", "the error of the last ack is reported by /v1/status"
+    (stored,) = (await b.post("beta", "/v1/recent", {})).json["messages"]
+    assert "error" not in stored, "the ack's error is not an envelope field"
+
+
+@pytest_twisted.ensureDeferred
+async def test_max_attempts_is_configurable():
+    b = Broker(maxAttempts=1)
+    await b.register("alpha", "beta")
+    msg_id = await b.message("alpha", "beta")
+    statuses = []
+    for _ in range(2):
+        (m,) = await b.pull("beta")
+        reply = await b.post("beta", "/v1/ack",
+                             {"messageId": msg_id, "leaseId": m["leaseId"], "outcome": "retry"})
+        statuses.append(reply.json["status"])
+    assert statuses == ["queued", "failed"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"leaseId": "l", "outcome": "completed"},
+        {"messageId": "", "leaseId": "l", "outcome": "completed"},
+        {"messageId": 5, "leaseId": "l", "outcome": "completed"},
+        {"messageId": "m", "outcome": "completed"},
+        {"messageId": "m", "leaseId": "", "outcome": "completed"},
+        {"messageId": "m", "leaseId": None, "outcome": "completed"},
+        {"messageId": "m", "leaseId": 7, "outcome": "completed"},
+        {"messageId": "m", "leaseId": "l"},
+        {"messageId": "m", "leaseId": "l", "outcome": "done"},
+        {"messageId": "m", "leaseId": "l", "outcome": None},
+        {"messageId": "m", "leaseId": "l", "outcome": "completed", "error": 5},
+        [],
+        "m",
+    ],
+    ids=lambda body: json.dumps(body),
+)
+@pytest_twisted.ensureDeferred
+async def test_ack_malformed_is_400(body):
     b = await two_agents()
     await b.message("alpha", "beta", id="m")
-    (leased,) = await b.pull("beta", leaseSeconds=5)
-    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 20})
-    reply = await b.post("beta", "/v1/lease/renew", {"messageId": "m",
-                                                     "leaseId": leased["leaseId"],
-                                                     "leaseSeconds": 15})
-    assert reply.code == 200
-    b.advance(5.5)
-    assert not waiting.called, "the old deadline is no deadline any more"
-    b.advance(10)
-    (again,) = (await waiting).json["messages"]
-    assert again["id"] == "m" and again["leaseId"] != leased["leaseId"]
+    (m,) = await b.pull("beta")
+    if isinstance(body, dict) and body.get("leaseId") == "l":
+        body["leaseId"] = m["leaseId"]
+    assert_error(await b.post("beta", "/v1/ack", body), 400, "bad_request")
+    assert (await b.status("alpha", "m"))[0]["status"] == "leased"
 
 
-@pytest.mark.parametrize("seconds", [0, 86401, 30.0, 3e1, 30.5, "30", True, [], {}])
 @pytest_twisted.ensureDeferred
-async def test_renew_lease_seconds_must_be_an_integer_in_range(seconds):
+async def test_ack_unknown_message_is_404():
     b = await two_agents()
-    leased = await lease(b)
-    reply = await b.post("beta", "/v1/lease/renew", {"messageId": leased["id"],
-                                                     "leaseId": leased["leaseId"],
-                                                     "leaseSeconds": seconds})
-    assert_error(reply, 400, "bad_request")
-    assert "leaseSeconds" in reply.json["error"]["message"]
+    reply = await b.post("beta", "/v1/ack",
+                         {"messageId": "nope", "leaseId": "l", "outcome": "completed"})
+    assert_error(reply, 404, "no_such_message")
 
 
 @pytest_twisted.ensureDeferred
-async def test_renew_checks_in_order():
+async def test_ack_by_someone_else_is_403():
     b = await two_agents()
     await b.register("gamma")
-    leased = await lease(b)
-    body = {"messageId": leased["id"], "leaseId": leased["leaseId"]}
-    assert_error(await b.post("beta", "/v1/lease/renew", {"leaseId": "x"}), 400, "bad_request")
-    assert_error(await b.post("beta", "/v1/lease/renew", dict(body, messageId="nope")),
-                 404, "no_such_message")
-    assert_error(await b.post("gamma", "/v1/lease/renew", body), 403, "forbidden")
-    assert_error(await b.post("beta", "/v1/lease/renew", dict(body, leaseId="other")),
-                 409, "lease_mismatch")
-    b.clock.advance(600)
-    assert_error(await b.post("beta", "/v1/lease/renew", body), 409, "not_leased")
+    m = await leased_one(b)
+    for agent in ("alpha", "gamma"):
+        reply = await b.post(agent, "/v1/ack", {"messageId": m["id"], "leaseId": m["leaseId"],
+                                                "outcome": "completed"})
+        assert_error(reply, 403, "forbidden")
+    assert (await b.status("alpha", m["id"]))[0]["status"] == "leased"
 
 
-# -- §2 outcomes -----------------------------------------------------------------------------
+@pytest_twisted.ensureDeferred
+async def test_ack_of_a_queued_message_is_409_not_leased():
+    b = await two_agents()
+    msg_id = await b.message("alpha", "beta")
+    reply = await b.post("beta", "/v1/ack",
+                         {"messageId": msg_id, "leaseId": "l", "outcome": "completed"})
+    assert_error(reply, 409, "not_leased")
+
+
+@pytest_twisted.ensureDeferred
+async def test_ack_with_the_wrong_lease_is_409_lease_mismatch():
+    b = await two_agents()
+    m = await leased_one(b)
+    reply = await b.post("beta", "/v1/ack",
+                         {"messageId": m["id"], "leaseId": "forged", "outcome": "completed"})
+    assert_error(reply, 409, "lease_mismatch")
+    assert (await b.status("alpha", m["id"]))[0]["status"] == "leased"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_dead_lease_cannot_ack():
+    b = await two_agents()
+    old = await leased_one(b, leaseSeconds=10)
+    b.clock.advance(10)
+    body = {"messageId": old["id"], "leaseId": old["leaseId"], "outcome": "completed"}
+    assert_error(await b.post("beta", "/v1/ack", body), 409, "not_leased")
+    (new,) = await b.pull("beta")
+    assert_error(await b.post("beta", "/v1/ack", body), 409, "lease_mismatch")
+    body["leaseId"] = new["leaseId"]
+    assert (await b.post("beta", "/v1/ack", body)).json["status"] == "done"
+
+
+@pytest.mark.parametrize("first", ["completed", "retry-to-failed"])
+@pytest_twisted.ensureDeferred
+async def test_terminal_messages_are_never_revived(first):
+    b = Broker(maxAttempts=0)
+    await b.register("alpha", "beta")
+    m = await leased_one(b, leaseSeconds=5)
+    outcome = "completed" if first == "completed" else "retry"
+    body = {"messageId": m["id"], "leaseId": m["leaseId"], "outcome": outcome}
+    status = (await b.post("beta", "/v1/ack", body)).json["status"]
+    assert status == ("done" if first == "completed" else "failed")
+    for again in ("completed", "retry"):
+        reply = await b.post("beta", "/v1/ack", dict(body, outcome=again))
+        assert_error(reply, 409, "not_leased")
+    b.clock.advance(10**6)
+    assert await b.pull("beta") == []
+    assert (await b.poll("beta"))[0] == []
+    assert (await b.post("alpha", "/messages", {"id": m["id"], "to": "beta"})).code == 200
+    assert (await b.status("alpha", m["id"]))[0]["status"] == status
+
+
+# -- v1.2: release, reject, retry after (EXTENSIONS.md §2) ---------------------------------
 
 
 @pytest_twisted.ensureDeferred
@@ -198,56 +235,7 @@ async def test_bad_ack_fields_are_400_and_change_nothing(outcome, extra):
     assert entry["status"] == "leased"
 
 
-# -- §3 deliveries and dead letters ----------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_max_deliveries_makes_a_dead_letter():
-    b = await two_agents(maxDeliveries=2, leaseSeconds=10)
-    msg_id = await b.message("alpha", "beta", kind="request")
-    for _ in range(2):
-        assert len(await b.pull("beta")) == 1
-        b.clock.advance(10)
-    assert await b.pull("beta") == []
-    dead = (await b.post("beta", "/v1/messages/query", {"status": "failed"})).json["messages"]
-    assert [m["id"] for m in dead] == [msg_id]
-    (entry,) = await b.status("alpha", msg_id)
-    assert entry["error"] == "delivered 2 times without completion"
-    (notice,) = await b.pull("alpha")
-    assert notice["body"]["relayNotice"]["error"] == "delivered 2 times without completion"
-
-
-@pytest_twisted.ensureDeferred
-async def test_requeue_and_cancel():
-    b = await two_agents()
-    await b.register("gamma")
-    leased = await lease(b)
-    await ack(b, leased, "reject")
-    for body in ({}, {"messageId": 5}, {"messageId": ""}):
-        assert_error(await b.post("alpha", "/v1/requeue", body), 400, "bad_request")
-    assert_error(await b.post("alpha", "/v1/requeue", {"messageId": "nope"}), 404,
-                 "no_such_message")
-    assert_error(await b.post("gamma", "/v1/requeue", {"messageId": leased["id"]}), 403,
-                 "forbidden")
-    reply = await b.post("beta", "/v1/requeue", {"messageId": leased["id"]})
-    assert (reply.code, reply.json) == (200, {"ok": True, "status": "queued", "attempts": 0})
-    assert_error(await b.post("alpha", "/v1/requeue", {"messageId": leased["id"]}), 409,
-                 "wrong_state")
-    (again,) = await b.pull("beta")
-    assert_error(await b.post("beta", "/v1/cancel", {"messageId": again["id"]}), 403,
-                 "forbidden")
-    assert_error(await b.post("alpha", "/v1/cancel", {"messageId": again["id"],
-                                                      "reason": "x" * 1001}), 400, "bad_request")
-    reply = await b.post("alpha", "/v1/cancel", {"messageId": again["id"], "reason": "obsolete"})
-    assert (reply.code, reply.json) == (200, {"ok": True, "status": "failed", "attempts": 0})
-    assert_error(await ack(b, again, "completed"), 409, "not_leased")
-    assert_error(await b.post("alpha", "/v1/cancel", {"messageId": again["id"]}), 409,
-                 "wrong_state")
-    (entry,) = await b.status("alpha", again["id"])
-    assert entry["error"] == "obsolete"
-
-
-# -- §4 failure notices ---------------------------------------------------------------------
+# -- v1.2: failure notices (EXTENSIONS.md §4) ----------------------------------------------
 
 
 @pytest_twisted.ensureDeferred
@@ -270,98 +258,7 @@ async def test_a_rejected_request_leaves_one_notice_in_both_threads():
         assert notice_id("q1") in [m["id"] for m in thread]
 
 
-# -- §5 conversations -------------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_await_reply_with_a_long_pull_by_parent():
-    b = await two_agents()
-    request_id = await b.message("alpha", "beta", kind="request")
-    waiting = b.post("alpha", "/v1/pull", {"parentId": request_id, "waitSeconds": 20})
-    await b.message("beta", "alpha", body={"text": "unrelated"})
-    b.advance(1)
-    assert not waiting.called, "a message that does not answer does not end the wait"
-    (request,) = await b.pull("beta")
-    reply = await ack(b, request, "completed", reply={"id": "answer", "body": {"text": "42"}})
-    assert reply.json == {"ok": True, "status": "done", "attempts": 0, "replyId": "answer",
-                          "duplicate": False}
-    b.flush()
-    got = (await waiting).json["messages"]
-    assert [m["id"] for m in got] == ["answer"] and got[0]["body"] == {"text": "42"}
-    other = await b.pull("alpha")
-    assert [m["body"] for m in other] == [{"text": "unrelated"}], "untouched by the pull"
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_long_pull_by_parent_ends_with_the_failure_notice():
-    b = await two_agents()
-    request_id = await b.message("alpha", "beta", kind="request")
-    waiting = b.post("alpha", "/v1/pull", {"parentId": request_id, "waitSeconds": 20})
-    (request,) = await b.pull("beta")
-    await ack(b, request, "reject")
-    b.flush()
-    (notice,) = (await waiting).json["messages"]
-    assert notice["body"]["relayNotice"]["event"] == "failed"
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_long_pull_by_parent_ends_with_the_expiry_notice_when_the_ttl_runs_out():
-    """§4, §7: the notice of a request that expired unprocessed is stored when it
-    expires, not at the next periodic sweep (a minute away, beyond any wait)."""
-    b = await two_agents()
-    reply = await b.post("alpha", "/messages", {"to": "beta", "kind": "request",
-                                                "ttlSeconds": 3})
-    request_id = reply.json["id"]
-    waiting = b.post("alpha", "/v1/pull", {"parentId": request_id, "waitSeconds": 20})
-    b.advance(2.9)
-    assert not waiting.called
-    b.advance(0.6)
-    (notice,) = (await waiting).json["messages"]
-    assert notice["body"]["relayNotice"] == {
-        "event": "expired", "messageId": request_id, "attempts": 0, "deliveries": 0,
-        "error": "expired unprocessed"}
-
-
-@pytest_twisted.ensureDeferred
-async def test_thread_paging():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="root", kind="request")
-    for i in range(3):
-        await b.message("beta", "alpha", id=f"r{i}", rootId="root", parentId="root")
-    page = (await b.post("alpha", "/v1/thread", {"rootId": "root", "limit": 2})).json
-    assert ([m["id"] for m in page["messages"]], page["count"], page["cursor"]) == (
-        ["root", "r0"], 2, "r0")
-    page = (await b.post("alpha", "/v1/thread", {"rootId": "root", "since": "r0"})).json
-    assert ([m["id"] for m in page["messages"]], page["cursor"]) == (["r1", "r2"], "r2")
-    page = (await b.post("alpha", "/v1/thread", {"rootId": "root", "limit": 0})).json
-    assert page["count"] == 1, "limit is clamped as everywhere"
-    page = (await b.post("alpha", "/v1/thread", {"rootId": "unknown"})).json
-    assert page == {"messages": [], "count": 0, "cursor": None}
-    for body in ({}, {"rootId": 5}, {"rootId": "root", "since": 5}):
-        assert_error(await b.post("alpha", "/v1/thread", body), 400, "bad_request")
-
-
-@pytest_twisted.ensureDeferred
-async def test_query_box_and_conversation_filters():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="q", kind="request", rootId="c")
-    await b.message("beta", "alpha", id="a", parentId="q", rootId="c", kind="reply")
-
-    async def ids(agent, **body):
-        reply = await b.post(agent, "/v1/messages/query", body)
-        assert reply.code == 200, reply
-        return [m["id"] for m in reply.json["messages"]]
-
-    assert await ids("alpha") == ["a"]
-    assert await ids("alpha", box="sent") == ["q"]
-    assert await ids("alpha", box="all") == ["a", "q"]
-    assert await ids("alpha", box="all", rootId="c") == ["a", "q"]
-    assert await ids("beta", box="all", parentId="q") == ["a"]
-    assert_error(await b.post("alpha", "/v1/messages/query", {"box": "outbox"}), 400,
-                 "bad_request")
-
-
-# -- §6 reply in the ack -----------------------------------------------------------------------
+# -- v1.2: the reply in the ack (EXTENSIONS.md §6) -----------------------------------------
 
 
 @pytest_twisted.ensureDeferred
@@ -396,167 +293,6 @@ async def test_the_routing_acl_applies_to_the_reply():
     assert_error(await ack(b, leased, "completed", reply={"body": {}}), 403, "forbidden")
     (entry,) = await b.status("alpha", leased["id"])
     assert entry["status"] == "leased"
-
-
-# -- §7 TTL and delay -----------------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_ttl():
-    b = await two_agents(messageTtlDays=1)
-    reply = await b.post("alpha", "/messages", {"to": "beta", "ttlSeconds": 30, "kind": "request"})
-    assert reply.code == 201
-    msg_id = reply.json["id"]
-    (message,), _ = await b.poll("beta")
-    assert message["expiresAt"] == iso_timestamp(START + 30)
-    (entry,) = await b.status("alpha", msg_id)
-    assert entry["expiresAt"] == int((START + 30) * 1000)
-    b.clock.advance(30)
-    assert await b.pull("beta") == []
-    (entry,) = await b.status("alpha", msg_id)
-    assert entry["status"] == "not_found"
-    await b.broker.sweep_expired()
-    (notice,) = await b.pull("alpha")
-    assert notice["body"]["relayNotice"]["event"] == "expired"
-
-
-@pytest.mark.parametrize(("ttl", "days"), [(0, 7), (-1, 7), (1.5, 7), (30.0, 7), ("30", 7),
-                                           (86401, 1), (1, 0)])
-@pytest_twisted.ensureDeferred
-async def test_ttl_seconds_range(ttl, days):
-    b = await two_agents(messageTtlDays=days)
-    reply = await b.post("alpha", "/messages", {"to": "beta", "ttlSeconds": ttl})
-    assert_error(reply, 400, "bad_request")
-    assert "ttlSeconds" in reply.json["error"]["message"]
-
-
-@pytest_twisted.ensureDeferred
-async def test_delay():
-    b = await two_agents()
-    reply = await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": 120, "id": "d"})
-    assert reply.code == 201
-    assert await b.pull("beta") == []
-    (view,) = (await b.post("beta", "/v1/recent", {})).json["messages"]
-    assert view["notBefore"] == iso_timestamp(START + 120)
-    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 20})
-    b.advance(19)
-    assert not waiting.called
-    b.advance(1)
-    assert (await waiting).json["messages"] == []
-    b.clock.advance(99)  # START + 119
-    pulls = []
-    store_pull = b.store.pull
-    b.store.pull = lambda *args: pulls.append(args) or store_pull(*args)
-    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 20})
-    for _ in range(9):
-        b.advance(0.1)
-    assert not waiting.called and len(pulls) == 1, "no busy loop while the delay runs"
-    b.advance(0.15)  # the delay runs out: the waiting pull wakes then, not at its deadline
-    (leased,) = (await waiting).json["messages"]
-    assert leased["id"] == "d" and "notBefore" not in leased
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_requeued_delayed_message_shows_no_not_before():
-    """§10: requeue clears ``notBefore`` — from the envelope in every view, as from
-    ``/v1/status``: the message is due at once."""
-    b = await two_agents()
-    await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": 300, "id": "d",
-                                        "kind": "request"})
-    await b.post("alpha", "/v1/cancel", {"messageId": "d"})
-    (view,) = (await b.post("alpha", "/v1/messages/query", {"box": "sent"})).json["messages"]
-    assert "notBefore" not in view  # failed: never due
-    reply = await b.post("alpha", "/v1/requeue", {"messageId": "d"})
-    assert reply.json == {"ok": True, "status": "queued", "attempts": 0}
-    (entry,) = await b.status("alpha", "d")
-    assert "notBefore" not in entry
-    for agent, path, body in (("beta", "/v1/recent", {}), ("alpha", "/v1/thread", {"rootId": "d"}),
-                              ("alpha", "/v1/messages/query", {"box": "sent"})):
-        (view,) = (await b.post(agent, path, body)).json["messages"]
-        assert "notBefore" not in view, path
-    (polled,), _ = await b.poll("beta")
-    assert polled["id"] == "d" and "notBefore" not in polled
-    (leased,) = await b.pull("beta")
-    assert leased["id"] == "d" and "notBefore" not in leased
-
-
-@pytest.mark.parametrize("delay", [-1, 86401, 1.5, "5", True])
-@pytest_twisted.ensureDeferred
-async def test_delay_seconds_range(delay):
-    b = await two_agents()
-    assert_error(await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": delay}),
-                 400, "bad_request")
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_zero_delay_and_null_fields_are_no_extension():
-    b = await two_agents()
-    await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": 0, "ttlSeconds": None})
-    (message,), _ = await b.poll("beta")
-    assert set(message) == V11_FIELDS
-
-
-# -- §8 peer cards --------------------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_peer_cards():
-    b = await two_agents()
-    card = {"description": "reviews Python diffs", "skills": ["review", "python"]}
-    assert (await b.post("beta", "/register", {"card": card})).code == 200
-    peers = (await b.get("alpha", "/peers")).json["peers"]
-    assert peers == [{"agent": "alpha", "online": True, "lastSeen": int(START)},
-                     {"agent": "beta", "online": True, "lastSeen": int(START), "card": card}]
-    b.clock.advance(10)
-    await b.post("beta", "/register", {})
-    assert (await b.get("alpha", "/peers")).json["peers"][1]["card"] == card
-    await b.post("beta", "/register", {"card": None})
-    assert "card" not in (await b.get("alpha", "/peers")).json["peers"][1]
-
-
-@pytest.mark.parametrize("card", [
-    [], "text", 5, {"name": "x"}, {"description": 5}, {"description": "é" * 2001},
-    {"skills": "python"}, {"skills": [1]}, {"skills": ["x" * 101]}, {"skills": ["s"] * 51},
-])
-@pytest_twisted.ensureDeferred
-async def test_a_bad_card_is_400_and_changes_nothing(card):
-    b = await two_agents()
-    await b.post("beta", "/register", {"card": {"skills": ["kept"]}})
-    b.clock.advance(30)
-    assert_error(await b.post("beta", "/register", {"card": card}), 400, "bad_request")
-    (_, beta) = (await b.get("alpha", "/peers")).json["peers"]
-    assert beta["card"] == {"skills": ["kept"]} and beta["lastSeen"] == int(START)
-
-
-@pytest_twisted.ensureDeferred
-async def test_card_lengths_count_code_points():
-    b = await two_agents()
-    card = {"description": "☃" * 2000, "skills": ["é" * 100] * 50}
-    assert (await b.post("beta", "/register", {"card": card})).code == 200
-
-
-def logged_store():
-    """A memory store that notes the store operations requests make (``operations``)."""
-    from relay.store.memory import MemoryStore
-
-    class Logged(MemoryStore):
-        def __init__(self) -> None:
-            super().__init__()
-            self.operations: list = []
-
-        def find(self, *args, **kwargs):
-            self.operations.append("find")
-            return super().find(*args, **kwargs)
-
-        def add(self, *args, **kwargs):
-            self.operations.append("add")
-            return super().add(*args, **kwargs)
-
-        def settle(self, *args, **kwargs):
-            self.operations.append("settle")
-            return super().settle(*args, **kwargs)
-
-    return Logged()
 
 
 @pytest_twisted.ensureDeferred
@@ -601,3 +337,104 @@ async def test_a_reply_is_refused_on_a_nearly_full_disk_but_a_retry_is_still_a_d
     assert "disk is nearly full" in refused.json["error"]["message"]
     assert b.broker.counters.refused == {"disk_full": 1}
     assert (await b.store.find("next", START)).status == "leased", "nothing was settled"
+
+
+# -- v1.3: the priority of a reply (REACH §14) ---------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reply_in_an_ack_sets_its_own_priority(role_broker):
+    await role_broker.register("beta")
+    await role_broker.message("alpha", "beta", id="q", kind="request", priority=2)
+    (leased,) = await role_broker.pull("beta")
+    reply = await ack_as(role_broker, "beta", leased, reply={"id": "r", "priority": 10})
+    assert_error(reply, 400, "bad_request")
+    assert "reply.priority" in reply.json["error"]["message"]
+    assert (await ack_as(role_broker, "beta", leased, reply={"id": "r", "priority": 6})).code == 200
+    (answer,) = await role_broker.pull("alpha")
+    assert answer["id"] == "r" and answer["priority"] == 6
+
+
+# -- the v2/v3 wire (WIRE-V2) --------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_ack_with_and_without_the_lease_token(v2_broker):
+    alpha, beta, request_id, message = await leased_request(v2_broker)
+    assert_v2_error(await beta.ack(request_id, lease_token="stale"), 409, "lease_mismatch")
+    assert_v2_error(await alpha.ack(request_id), 403, "forbidden")
+    assert_v2_error(await beta.ack("unknown-id"), 403, "forbidden")
+    assert_v2_error(await beta.ack(""), 400, "bad_request")
+    assert_v2_error(await beta.ack(request_id, outcome="maybe"), 400, "bad_request")
+    assert_v2_error(await beta.ack(request_id, agent="alpha"), 403, "forbidden")
+    reply = await beta.ack(request_id, lease_token=message["lease_token"])
+    assert (reply.code, reply.json) == (200, {"ok": True})
+    assert_v2_error(await beta.ack(request_id), 400, "bad_request")  # not leased any more
+    assert_v2_error(await beta.ack(request_id, lease_token=message["lease_token"]), 409,
+                    "lease_mismatch")
+    (entry,) = await alpha.status(request_id)
+    assert entry["status"] == "completed"
+
+
+@pytest_twisted.ensureDeferred
+async def test_retry_requeues_then_fails_with_a_notice(v2_brokers):
+    broker = v2_brokers(maxDeliveries=2)
+    alpha, beta, request_id, message = await leased_request(broker)
+    assert (await beta.ack(request_id, outcome="retry", error="e" * 400)).code == 200
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["last_error"]) == ("queued", "e" * 300)
+    (again,) = await beta.pull()
+    assert (await beta.ack(request_id, outcome="retry", error="gave up")).code == 200
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["attempts"]) == ("failed", 2)
+    (notice,) = await alpha.pull()
+    assert notice["message_id"] == delivery.notice_id(request_id)
+    assert notice["kind"] == "reply" and notice["parent_id"] == request_id
+    assert notice["body"].startswith("[Relay] Your relay message was not delivered")
+    assert "attempts: 2/2" in notice["body"] and "hello" in notice["body"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_retry_fails_a_request_pulled_max_attempts_times(v2_brokers):
+    """The reference's rule (store-v2.js; its lifecycle test with maxAttempts 1): the
+    pull counted the attempt, so a retry of a message pulled maxAttempts times fails it."""
+    broker = v2_brokers(maxAttempts=1)
+    alpha, beta, request_id, _ = await leased_request(broker)
+    assert (await beta.ack(request_id, outcome="retry", error="no")).code == 200
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["attempts"]) == ("failed", 1)
+    (notice,) = await alpha.pull()
+    assert "attempts: 1/1" in notice["body"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_third_retry_fails_by_default(v2_brokers):
+    broker = v2_brokers()
+    alpha, beta, request_id, _ = await leased_request(broker)
+    for _ in range(2):
+        assert (await beta.ack(request_id, outcome="retry")).code == 200
+        (entry,) = await alpha.status(request_id)
+        assert entry["status"] == "queued"
+        (again,) = await beta.pull()
+        assert again["message_id"] == request_id
+    assert (await beta.ack(request_id, outcome="retry")).code == 200
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["attempts"]) == ("failed", 3)
+    (notice,) = await alpha.pull()
+    assert "attempts: 3/3" in notice["body"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_notify_failed_to_sender_false_sends_v2_senders_no_notice(v2_brokers):
+    broker = v2_brokers(maxDeliveries=1, notifyFailedToSender=False)
+    alpha = broker.client("alpha")
+    await alpha.send_request("beta", "from v2")
+    await broker.register("gamma", "beta")
+    seed_request = await broker.message("gamma", "beta", kind="request",
+                                        body={"text": "from seed"})
+    beta = broker.client("beta")
+    for message in await beta.pull():
+        assert (await beta.ack(message["message_id"], outcome="retry")).code == 200
+    assert await alpha.pull() == []
+    (seed_notice,) = await broker.pull("gamma")  # broker.notifyFailures still holds
+    assert seed_notice["body"]["relayNotice"]["messageId"] == seed_request

@@ -1,96 +1,24 @@
-"""GET /v1/events (REACH §11): the pure rules, and the streams through the HTTP API
-in memory (time is a task.Clock)."""
+"""``GET /v1/events`` (REACH §11): the streams of an agent's events in order, resuming by
+``since`` or ``Last-Event-ID``, resets, keepalives, the limits, slow readers and clients
+that go away; the events a v2/v3 send makes.
+
+In memory, time on a ``task.Clock``. The rules that make the events are
+tests/rules/test_events.py.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any, Dict, List, Tuple
 
-import pytest
 import pytest_twisted
 from twisted.internet.task import Clock
 
 from relay.broker.loopback import connect, disconnect
 from relay.rules import events
-from relay.rules.delivery import Message
 from relay.testing import SECRET, START, build_site, make_config
-from relay.wire.protocol import DONE, LEASED, QUEUED
 from relay.wire.signing import sign
 from tests.support.api import Broker, assert_error
-
-# -- pure -------------------------------------------------------------------------------
-
-
-def message(**state: Any) -> Message:
-    m = Message("m1", "alpha", "beta", START, body={"text": "secret body"}, kind="request",
-                root_id="r", parent_id="p")
-    for key, value in state.items():
-        setattr(m, key, value)
-    return m
-
-
-def test_a_new_message_is_a_message_event_for_its_recipient_without_its_body():
-    (event,) = events.derive(None, message(), START)
-    assert event[:2] == ("beta", "message")
-    assert json.loads(event[2]) == {"id": "m1", "from": "alpha", "to": "beta",
-                                    "kind": "request", "rootId": "r", "parentId": "p"}
-    assert "secret body" not in event[2]
-
-
-def test_a_status_change_is_a_status_event_for_the_sender():
-    before = message().state()
-    leased = message(status=LEASED, deliveries=1, lease_until=1, lease_id="l")
-    assert events.derive(before, leased, START) == [
-        ("alpha", "status", '{"id":"m1","to":"beta","status":"leased","attempts":0,'
-                            '"deliveries":1}')]
-    done = message(status=DONE, attempts=1, deliveries=1, error="e")
-    assert json.loads(events.derive(leased.state(), done, START)[0][2])["error"] == "e"
-    # back in the queue: the recipient may pull it again, the sender sees "queued"
-    back = message(status=QUEUED, deliveries=1)
-    assert [e[:2] for e in events.derive(leased.state(), back, START)] == [
-        ("beta", "message"), ("alpha", "status")]
-    # a renewal changes no status
-    renewed = message(status=LEASED, deliveries=1, lease_until=2, lease_id="l")
-    assert events.derive(leased.state(), renewed, START) == []
-
-
-def test_a_delayed_message_is_a_message_event_when_its_delay_ends():
-    held = message(not_before=START + 60)
-    assert events.derive(None, held, START) == []
-    assert events.derive(None, held, START + 60)[0][1] == "message"
-    released = message()  # the store clears not_before once the delay ended
-    assert [e[:2] for e in events.derive(held.state(), released, START + 61)] == [
-        ("beta", "message")]
-    # a retry after a delay: the sender sees "queued" at once, the recipient later
-    leased = message(status=LEASED, deliveries=1, lease_until=1, lease_id="l")
-    retried = message(status=QUEUED, attempts=1, deliveries=1, not_before=START + 30)
-    assert [e[:2] for e in events.derive(leased.state(), retried, START)] == [
-        ("alpha", "status")]
-
-
-@pytest.mark.parametrize(("text", "position"), [
-    (None, None), ("", None), ("  ", None), ("0", 0), ("42", 42), ("-1", -1), ("x", -1),
-    ("1" * 21, -1), ("٣", -1), ("1.5", -1),
-])
-def test_the_resume_position(text, position):
-    assert events.parse_event_id(text) == position
-
-
-def test_resume_refuses_unknown_and_trimmed_positions():
-    assert events.resume(None, 5, 10) is None
-    assert events.resume(5, 5, 10) is None
-    assert events.resume(10, 5, 10) is None
-    assert events.resume(11, 5, 10) == "unknown event id"
-    assert events.resume(-1, 0, 10) == "unknown event id"
-    assert "eventRetentionSeconds" in events.resume(4, 5, 10)
-
-
-def test_sse_records():
-    assert events.sse_record(7, "message", '{"a":1}') == b'id: 7\nevent: message\ndata: {"a":1}\n\n'
-    assert events.reset_record(9, "why") == b'id: 9\nevent: reset\ndata: {"reason":"why"}\n\n'
-
-
-# -- through the API ----------------------------------------------------------------------
 
 
 def records(raw: bytes) -> Tuple[int, List[Dict[str, Any]]]:
@@ -109,6 +37,37 @@ def records(raw: bytes) -> Tuple[int, List[Dict[str, Any]]]:
     return keepalives, out
 
 
+class FakeRequest:
+    """What a stream uses of a request, recorded."""
+
+    def __init__(self) -> None:
+        from twisted.web.http_headers import Headers
+
+        self.responseHeaders = Headers()
+        self.written: List[bytes] = []
+        self.producer: Any = None
+
+    def setResponseCode(self, code: int) -> None:
+        self.code = code
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        assert streaming and self.producer is None
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
+
+def json_data(event):
+    import json
+
+    return json.loads(event.data)
+
+
+# -- v1.3 (REACH §11) ----------------------------------------------------------------------
 
 
 @pytest_twisted.ensureDeferred
@@ -283,30 +242,6 @@ async def test_a_delayed_message_reaches_the_stream_when_it_becomes_deliverable(
     b.flush()
 
 
-class FakeRequest:
-    """What a stream uses of a request, recorded."""
-
-    def __init__(self) -> None:
-        from twisted.web.http_headers import Headers
-
-        self.responseHeaders = Headers()
-        self.written: List[bytes] = []
-        self.producer: Any = None
-
-    def setResponseCode(self, code: int) -> None:
-        self.code = code
-
-    def write(self, data: bytes) -> None:
-        self.written.append(data)
-
-    def registerProducer(self, producer: Any, streaming: bool) -> None:
-        assert streaming and self.producer is None
-        self.producer = producer
-
-    def unregisterProducer(self) -> None:
-        self.producer = None
-
-
 @pytest_twisted.ensureDeferred
 async def test_a_client_that_reads_slowly_pauses_its_stream_without_losing_events():
     b = Broker()
@@ -324,14 +259,6 @@ async def test_a_client_that_reads_slowly_pauses_its_stream_without_losing_event
     assert [r["data"]["id"] for r in got] == ids
     b.broker.stop()
     assert request.producer is None, "unregistered when the stream ends"
-
-
-@pytest_twisted.ensureDeferred
-async def test_the_capability():
-    b = Broker(eventRetentionSeconds=120)
-    reply = await b.get(None, "/")
-    assert reply.json["capabilities"]["events"] == {"retentionSeconds": 120,
-                                                    "keepaliveSeconds": 15}
 
 
 @pytest_twisted.ensureDeferred
@@ -406,3 +333,16 @@ async def test_a_stream_whose_present_cannot_be_read_is_503():
     done.addErrback(failure.append)
     assert failure and failure[0].value.status == 503
     assert request.written == [] and b.broker.event_streams() == {}
+
+
+# -- the v2/v3 wire (WIRE-V2) --------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_v2_messages_are_events_of_their_recipient(v2_brokers):
+    broker = v2_brokers()
+    alpha = broker.client("alpha")
+    sent = (await alpha.send_request("beta", "evented")).json["message_id"]
+    page = await broker.store.events("beta", 0, 10)
+    assert [json_data(e)["id"] for e in page.events] == [sent]
+    assert "evented" not in repr([e.data for e in page.events])  # ids, never bodies

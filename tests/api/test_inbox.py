@@ -1,7 +1,8 @@
-"""The human inbox (REACH §15) on the server side: ``agents.<name>.human`` in config
-and in ``/peers``, and the static page under ``/inbox/`` with its headers.
+"""``GET /inbox/`` (REACH §15): the static page of a person's inbox, unsigned, with its
+strict headers, no other file, and nothing loaded from elsewhere.
 
-The page itself runs in a real browser in tests/processes/browser_inbox.py.
+In memory. The page itself runs in a real browser in tests/processes/browser_inbox.py;
+``agents.<name>.human`` in config is tests/rules/test_config.py.
 """
 
 from __future__ import annotations
@@ -12,93 +13,21 @@ from importlib import resources
 
 import pytest
 import pytest_twisted
-import yaml
 
 from relay.broker.inbox import CONTENT_SECURITY_POLICY
-from relay.broker.operations import Policy
-from relay.rules.config import ConfigError, parse_config
-from relay.testing import SECRET, make_config
-from tests.processes.test_security import get, raw_request
-from tests.support.api import Broker, assert_error
-from tests.support.processes import BrokerProcess
+from tests.support.api import assert_error
+from tests.support.teams import human_broker
 
-ALICE = "alice-secret-0123456789"
-HUMAN = "human-secret-0123456789"
 STATIC = resources.files("relay.broker.inbox").joinpath("static")
 
-
-def human_broker() -> Broker:
-    broker = Broker(config=make_config(agents={
-        "alpha": {"secret": ALICE}, "dana": {"secret": HUMAN, "human": True}}))
-    broker.secrets.update(alpha=ALICE, dana=HUMAN)
-    return broker
-
-
-# -- config -----------------------------------------------------------------------------
-
-
-def test_human_is_read_from_the_agent_entry():
-    config = make_config(agents={"alpha": {"secret": ALICE},
-                                 "dana": {"secret": HUMAN, "human": True},
-                                 "erin": {"secret": "erin-secret-0123456789", "human": False}})
-    assert [name for name, agent in config.agents.items() if agent.human] == ["dana"]
-
-
-@pytest.mark.parametrize("entry, key, reason", [
-    ({"secret": HUMAN, "human": "yes"}, "agents.dana.human", "must be true or false"),
-    ({"secret": HUMAN, "human": 1}, "agents.dana.human", "must be true or false"),
-    ({"human": True}, "agents.dana.secret", "its own secret"),
-])
-def test_a_bad_human_entry_stops_the_start_with_its_key(entry, key, reason):
-    with pytest.raises(ConfigError) as caught:
-        parse_config({"broker": {"secret": SECRET, "storage": "memory"},
-                      "agents": {"dana": entry}}, "/tmp")
-    assert caught.value.key == key and reason in str(caught.value)
-
-
-def test_a_human_may_sign_with_a_keyring_instead_of_a_secret():
-    config = make_config(agents={"alpha": {"secret": ALICE},
-                                 "dana": {"human": True, "keys": {"k1": {"secret": HUMAN}}}})
-    assert config.agents["dana"].human and config.agents["dana"].keys
-
-
-def test_a_human_with_the_shared_secret_only_is_refused():
-    """A person signs in with a secret of their own: the shared ``broker.secret``
-    (which every agent holds) would let any agent read and answer as them."""
-    with pytest.raises(ConfigError) as caught:
-        parse_config(yaml.safe_load(f"""
-broker: {{secret: {SECRET}, storage: memory}}
-agents: {{dana: {{human: true}}}}
-"""), "/tmp")
-    assert caught.value.key == "agents.dana.secret"
-
-
-# -- the wire ---------------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_peers_marks_humans_and_only_them():
-    broker = human_broker()
-    await broker.register("alpha", "dana")
-    reply = await broker.get("alpha", "/peers")
-    assert reply.code == 200
-    entries = {entry["agent"]: entry for entry in reply.json["peers"]}
-    assert entries["dana"]["human"] is True
-    assert "human" not in entries["alpha"]
-
-
-@pytest_twisted.ensureDeferred
-async def test_capabilities_name_the_inbox():
-    reply = await human_broker().get(None, "/")
-    assert reply.json["capabilities"]["humans"] == {"inbox": "/inbox/"}
-
-
-# -- the page ---------------------------------------------------------------------------
 
 PAGE_FILES = [("/inbox/", "index.html", "text/html; charset=utf-8"),
               ("/inbox/inbox.js", "inbox.js", "text/javascript; charset=utf-8"),
               ("/inbox/inbox.css", "inbox.css", "text/css; charset=utf-8"),
               ("/inbox/icon.svg", "icon.svg", "image/svg+xml")]
+
+
+# -- v1.3 (REACH §15) ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("path, filename, content_type", PAGE_FILES)
@@ -174,35 +103,3 @@ async def test_the_page_loads_nothing_from_elsewhere_and_runs_no_inline_script()
     assert "innerHTML" not in script and "insertAdjacentHTML" not in script
     assert "localStorage" not in script and "document.cookie" not in script
     assert "eval(" not in script and "new Function" not in script
-
-
-# -- the Host rule, over a real listener -------------------------------------------------
-
-
-@pytest.mark.process
-def test_the_page_obeys_the_host_rule(tmp_path):
-    broker = BrokerProcess(str(tmp_path)).start()
-    try:
-        port = broker.port
-        answer = raw_request(port, (f"GET /inbox/ HTTP/1.1\r\nHost: localhost:{port}\r\n"
-                                    "Connection: close\r\n\r\n").encode("latin-1"))
-        head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200 ")
-        assert body == STATIC.joinpath("index.html").read_bytes()
-        assert b"\r\ncontent-length: %d\r\n" % len(body) in head.lower()
-        for path in ("/inbox/", "/inbox/inbox.js", "/inbox"):
-            code, body = get(port, path, f"attacker.example:{port}")
-            assert code == 403 and body["error"]["code"] == "forbidden", path
-    finally:
-        broker.stop()
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_reload_makes_and_unmakes_people():
-    broker = human_broker()
-    await broker.register("alpha", "dana")
-    broker.broker.configure(Policy.from_config(make_config(agents={
-        "alpha": {"secret": ALICE, "human": True}, "dana": {"secret": HUMAN}})))
-    reply = await broker.get("alpha", "/peers")
-    assert [(p["agent"], p.get("human")) for p in reply.json["peers"]] == [
-        ("alpha", True), ("dana", None)]

@@ -1,35 +1,35 @@
-"""The v1.1 HTTP API (spec §5.1, §6): leases, acks, status, recent, query, ACLs,
-v1.0 recovery delivery and long polls. Time is a ``task.Clock``; no sleeps.
+"""``POST /v1/pull``: leases (seed §5.1), the limit and ``leaseSeconds``, the long pull
+and what wakes it, ``maxDeliveries`` (EXTENSIONS.md §3), the pull by parent that waits
+for an answer (§5), priorities and role queues (REACH §13, §14); and the pull of the
+v2/v3 wire (WIRE-V2).
+
+In memory, time on a ``task.Clock``; the roles in memory and on SQLite, and on one
+PostgreSQL database shared by two brokers.
 """
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import pytest_twisted
 
 from relay.testing import START
-from relay.wire.protocol import MAX_STATUS_IDS
-from tests.support.api import Broker, assert_error, assert_json_headers
+from tests.conftest import open_backend
+from tests.support.api import (
+    Broker,
+    ack,
+    answered,
+    assert_error,
+    assert_json_headers,
+    leased_one,
+    two_agents,
+)
+from tests.support.teams import ROLE_TEAM, ROLES, TeamBroker, ack_as
+from tests.support.v2 import assert_v2_error, leased_request
 
 START_MS = 1_712_345_678_000
 
 
-async def two_agents(**broker) -> Broker:
-    b = Broker(**broker)
-    await b.register("alpha", "beta")
-    return b
-
-
-async def leased_one(b: Broker, **pull):
-    msg_id = await b.message("alpha", "beta")
-    (leased,) = await b.pull("beta", **pull)
-    assert leased["id"] == msg_id
-    return leased
-
-
-# -- POST /v1/pull -------------------------------------------------------------------
+# -- v1.1: leases (seed §5.1) --------------------------------------------------------------
 
 
 @pytest_twisted.ensureDeferred
@@ -126,388 +126,7 @@ async def test_leased_message_is_not_pulled_or_polled_again_until_expiry():
     assert again["attempts"] == 0, "an expired lease is not a retry"
 
 
-# -- POST /v1/ack ---------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_ack_completed_is_done():
-    b = await two_agents()
-    m = await leased_one(b)
-    reply = await b.post("beta", "/v1/ack",
-                         {"messageId": m["id"], "leaseId": m["leaseId"], "outcome": "completed"})
-    assert reply.code == 200
-    assert_json_headers(reply)
-    assert reply.json == {"ok": True, "status": "done", "attempts": 0}
-    assert (await b.status("alpha", m["id"]))[0]["status"] == "done"
-    b.clock.advance(10**6)
-    assert await b.pull("beta") == []
-    assert (await b.poll("beta"))[0] == []
-
-
-@pytest_twisted.ensureDeferred
-async def test_ack_retry_requeues_then_fails_after_max_attempts():
-    b = await two_agents()
-    msg_id = await b.message("alpha", "beta")
-    for attempt in range(1, 5):
-        (m,) = await b.pull("beta")
-        reply = await b.post("beta", "/v1/ack", {"messageId": msg_id, "leaseId": m["leaseId"],
-                                                 "outcome": "retry", "error": f"e{attempt}"})
-        assert reply.code == 200
-        expected = "failed" if attempt == 4 else "queued"
-        assert reply.json == {"ok": True, "status": expected, "attempts": attempt}
-        assert m["attempts"] == attempt - 1
-    assert await b.pull("beta") == []
-    (entry,) = await b.status("alpha", msg_id)
-    assert entry["status"] == "failed" and entry["attempts"] == 4
-    assert entry["error"] == "e4", "the error of the last ack is reported by /v1/status"
-    (stored,) = (await b.post("beta", "/v1/recent", {})).json["messages"]
-    assert "error" not in stored, "the ack's error is not an envelope field"
-
-
-@pytest_twisted.ensureDeferred
-async def test_max_attempts_is_configurable():
-    b = Broker(maxAttempts=1)
-    await b.register("alpha", "beta")
-    msg_id = await b.message("alpha", "beta")
-    statuses = []
-    for _ in range(2):
-        (m,) = await b.pull("beta")
-        reply = await b.post("beta", "/v1/ack",
-                             {"messageId": msg_id, "leaseId": m["leaseId"], "outcome": "retry"})
-        statuses.append(reply.json["status"])
-    assert statuses == ["queued", "failed"]
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"leaseId": "l", "outcome": "completed"},
-        {"messageId": "", "leaseId": "l", "outcome": "completed"},
-        {"messageId": 5, "leaseId": "l", "outcome": "completed"},
-        {"messageId": "m", "outcome": "completed"},
-        {"messageId": "m", "leaseId": "", "outcome": "completed"},
-        {"messageId": "m", "leaseId": None, "outcome": "completed"},
-        {"messageId": "m", "leaseId": 7, "outcome": "completed"},
-        {"messageId": "m", "leaseId": "l"},
-        {"messageId": "m", "leaseId": "l", "outcome": "done"},
-        {"messageId": "m", "leaseId": "l", "outcome": None},
-        {"messageId": "m", "leaseId": "l", "outcome": "completed", "error": 5},
-        [],
-        "m",
-    ],
-    ids=lambda body: json.dumps(body),
-)
-@pytest_twisted.ensureDeferred
-async def test_ack_malformed_is_400(body):
-    b = await two_agents()
-    await b.message("alpha", "beta", id="m")
-    (m,) = await b.pull("beta")
-    if isinstance(body, dict) and body.get("leaseId") == "l":
-        body["leaseId"] = m["leaseId"]
-    assert_error(await b.post("beta", "/v1/ack", body), 400, "bad_request")
-    assert (await b.status("alpha", "m"))[0]["status"] == "leased"
-
-
-@pytest_twisted.ensureDeferred
-async def test_ack_unknown_message_is_404():
-    b = await two_agents()
-    reply = await b.post("beta", "/v1/ack",
-                         {"messageId": "nope", "leaseId": "l", "outcome": "completed"})
-    assert_error(reply, 404, "no_such_message")
-
-
-@pytest_twisted.ensureDeferred
-async def test_ack_by_someone_else_is_403():
-    b = await two_agents()
-    await b.register("gamma")
-    m = await leased_one(b)
-    for agent in ("alpha", "gamma"):
-        reply = await b.post(agent, "/v1/ack", {"messageId": m["id"], "leaseId": m["leaseId"],
-                                                "outcome": "completed"})
-        assert_error(reply, 403, "forbidden")
-    assert (await b.status("alpha", m["id"]))[0]["status"] == "leased"
-
-
-@pytest_twisted.ensureDeferred
-async def test_ack_of_a_queued_message_is_409_not_leased():
-    b = await two_agents()
-    msg_id = await b.message("alpha", "beta")
-    reply = await b.post("beta", "/v1/ack",
-                         {"messageId": msg_id, "leaseId": "l", "outcome": "completed"})
-    assert_error(reply, 409, "not_leased")
-
-
-@pytest_twisted.ensureDeferred
-async def test_ack_with_the_wrong_lease_is_409_lease_mismatch():
-    b = await two_agents()
-    m = await leased_one(b)
-    reply = await b.post("beta", "/v1/ack",
-                         {"messageId": m["id"], "leaseId": "forged", "outcome": "completed"})
-    assert_error(reply, 409, "lease_mismatch")
-    assert (await b.status("alpha", m["id"]))[0]["status"] == "leased"
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_dead_lease_cannot_ack():
-    b = await two_agents()
-    old = await leased_one(b, leaseSeconds=10)
-    b.clock.advance(10)
-    body = {"messageId": old["id"], "leaseId": old["leaseId"], "outcome": "completed"}
-    assert_error(await b.post("beta", "/v1/ack", body), 409, "not_leased")
-    (new,) = await b.pull("beta")
-    assert_error(await b.post("beta", "/v1/ack", body), 409, "lease_mismatch")
-    body["leaseId"] = new["leaseId"]
-    assert (await b.post("beta", "/v1/ack", body)).json["status"] == "done"
-
-
-@pytest.mark.parametrize("first", ["completed", "retry-to-failed"])
-@pytest_twisted.ensureDeferred
-async def test_terminal_messages_are_never_revived(first):
-    b = Broker(maxAttempts=0)
-    await b.register("alpha", "beta")
-    m = await leased_one(b, leaseSeconds=5)
-    outcome = "completed" if first == "completed" else "retry"
-    body = {"messageId": m["id"], "leaseId": m["leaseId"], "outcome": outcome}
-    status = (await b.post("beta", "/v1/ack", body)).json["status"]
-    assert status == ("done" if first == "completed" else "failed")
-    for again in ("completed", "retry"):
-        reply = await b.post("beta", "/v1/ack", dict(body, outcome=again))
-        assert_error(reply, 409, "not_leased")
-    b.clock.advance(10**6)
-    assert await b.pull("beta") == []
-    assert (await b.poll("beta"))[0] == []
-    assert (await b.post("alpha", "/messages", {"id": m["id"], "to": "beta"})).code == 200
-    assert (await b.status("alpha", m["id"]))[0]["status"] == status
-
-
-# -- POST /v1/status --------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_status_entries_and_visibility():
-    b = await two_agents()
-    await b.register("gamma")
-    msg_id = await b.message("alpha", "beta", id="req", kind="request")
-    reply = await b.post("alpha", "/v1/status", {"messageIds": [msg_id, "unknown"]})
-    assert reply.code == 200
-    assert_json_headers(reply)
-    (entry, missing) = reply.json["messages"]
-    assert entry == {"id": "req", "status": "queued", "attempts": 0, "ts": entry["ts"],
-                     "from": "alpha", "to": "beta", "kind": "request", "deliveries": 0}
-    assert missing == {"id": "unknown", "status": "not_found", "attempts": 0}
-    assert (await b.status("beta", "req"))[0]["status"] == "queued"
-    assert await b.status("gamma", "req") == [
-        {"id": "req", "status": "not_found", "attempts": 0}
-    ], "a third agent cannot see the message"
-
-
-@pytest_twisted.ensureDeferred
-async def test_status_uses_the_first_200_ids():
-    b = await two_agents()
-    ids = [f"id{i}" for i in range(MAX_STATUS_IDS + 50)]
-    reply = await b.post("alpha", "/v1/status", {"messageIds": ids})
-    assert [e["id"] for e in reply.json["messages"]] == ids[:MAX_STATUS_IDS]
-
-
-@pytest.mark.parametrize("body", [{}, {"messageIds": "a"}, {"messageIds": None},
-                                  {"messageIds": {"a": 1}}, []])
-@pytest_twisted.ensureDeferred
-async def test_status_needs_an_array(body):
-    b = await two_agents()
-    assert_error(await b.post("alpha", "/v1/status", body), 400, "bad_request")
-
-
-@pytest_twisted.ensureDeferred
-async def test_status_sees_an_expired_lease_without_a_pull():
-    b = await two_agents()
-    m = await leased_one(b, leaseSeconds=30)
-    b.clock.advance(30)
-    (entry,) = await b.status("alpha", m["id"])
-    assert entry["status"] == "queued"
-
-
-# -- POST /v1/recent, /v1/messages/query ------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_recent_is_my_inbox_newest_first_any_status_read_only():
-    b = await two_agents()
-    ids = [await b.message("alpha", "beta", id=f"m{i}") for i in range(4)]
-    await b.message("beta", "alpha", id="outgoing")
-    (leased,) = await b.pull("beta", limit=1)
-    reply = await b.post("beta", "/v1/recent", {"limit": 3})
-    assert reply.code == 200
-    assert_json_headers(reply)
-    assert reply.json["count"] == 3
-    assert [m["id"] for m in reply.json["messages"]] == ids[::-1][:3]
-    everything = (await b.post("beta", "/v1/recent", {})).json["messages"]
-    assert [m["id"] for m in everything] == ids[::-1]
-    assert everything[-1]["status"] == "leased"
-    assert everything[-1]["leaseId"] == leased["leaseId"], "the recipient sees its lease"
-    assert [m["id"] for m in await b.pull("beta")] == ids[1:], "recent leased nothing"
-
-
-@pytest_twisted.ensureDeferred
-async def test_recent_validation():
-    b = await two_agents()
-    assert_error(await b.post("beta", "/v1/recent", {"agent": "alpha"}), 400, "bad_request")
-    assert_error(await b.post("beta", "/v1/recent", raw=b"[]"), 400, "bad_request")
-    assert (await b.post("beta", "/v1/recent")).json == {"messages": [], "count": 0}
-
-
-@pytest_twisted.ensureDeferred
-async def test_query_filters_newest_first_read_only():
-    b = await two_agents()
-    await b.register("gamma", "delta")
-    await b.message("alpha", "beta", id="req", kind="request")
-    await b.message("alpha", "beta", id="plain")
-    await b.message("beta", "alpha", id="rep", kind="reply", parentId="req", rootId="req")
-    await b.message("gamma", "delta", id="foreign")
-    await b.pull("beta", limit=1)
-
-    async def ids(agent, **filters):
-        reply = await b.post(agent, "/v1/messages/query", filters)
-        assert reply.code == 200, reply
-        assert reply.json["count"] == len(reply.json["messages"])
-        return [m["id"] for m in reply.json["messages"]]
-
-    # The caller's inbox, newest first (as the reference broker searches).
-    assert await ids("beta") == ["plain", "req"]
-    assert await ids("beta", limit=1) == ["plain"]
-    assert await ids("beta", kind="request") == ["req"]
-    assert await ids("beta", status="leased") == ["req"]
-    assert await ids("beta", status="queued") == ["plain"]
-    assert await ids("beta", **{"from": "alpha"}) == ["plain", "req"]
-    assert await ids("beta", to="beta") == ["plain", "req"]
-    assert await ids("beta", to="alpha") == [], "what beta sent is not in its inbox"
-    assert await ids("beta", **{"from": "gamma"}) == []
-    assert await ids("beta", **{"from": "gamma", "to": "delta"}) == []
-    assert await ids("alpha", kind="reply") == ["rep"]
-    assert await ids("alpha") == ["rep"]
-    assert await ids("beta", kind="", status="") == ["plain", "req"]
-    assert (await b.status("alpha", "plain"))[0]["status"] == "queued"
-
-
-@pytest.mark.parametrize("body", [{"kind": 1}, {"status": ["done"]}, {"from": 2},
-                                  {"to": True}, {"agent": "alpha"}, []])
-@pytest_twisted.ensureDeferred
-async def test_query_validation(body):
-    b = await two_agents()
-    assert_error(await b.post("beta", "/v1/messages/query", body), 400, "bad_request")
-
-
-# -- §5.1 envelope fields on POST /messages ------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_v11_fields_are_stored_and_returned():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="r", kind="reply", rootId="root", parentId="p")
-    (m,) = await b.pull("beta")
-    assert (m["kind"], m["rootId"], m["parentId"]) == ("reply", "root", "p")
-
-
-# -- routing ACL ---------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_acl_on_send():
-    b = Broker(agents={"alpha": {"allowed_targets": ["beta"]}, "gamma": {}})
-    await b.register("alpha", "beta", "gamma")
-    assert (await b.post("alpha", "/messages", {"to": "beta"})).code == 201
-    assert_error(await b.post("alpha", "/messages", {"to": "gamma", "id": "x"}),
-                 403, "forbidden")
-    assert (await b.store.find("x", START)) is None
-    assert (await b.post("beta", "/messages", {"to": "gamma"})).code == 201, "no entry"
-    assert (await b.post("gamma", "/messages", {"to": "alpha"})).code == 201, "no list"
-
-
-@pytest_twisted.ensureDeferred
-async def test_acl_is_checked_before_the_recipient_lookup():
-    b = Broker(agents={"alpha": {"allowed_targets": ["beta"]}})
-    await b.register("alpha", "beta")
-    assert_error(await b.post("alpha", "/messages", {"to": "nobody"}), 403, "forbidden")
-
-
-@pytest_twisted.ensureDeferred
-async def test_acl_empty_list_forbids_everyone():
-    b = Broker(agents={"alpha": {"allowed_targets": []}})
-    await b.register("alpha", "beta")
-    assert_error(await b.post("alpha", "/messages", {"to": "beta"}), 403, "forbidden")
-
-
-@pytest_twisted.ensureDeferred
-async def test_acl_on_the_v10_ack_receipt():
-    b = Broker(agents={"beta": {"allowed_targets": ["gamma"]}})
-    await b.register("alpha", "beta", "gamma")
-    await b.message("alpha", "beta", id="m1", ack=True)
-    assert_error(await b.post("beta", "/messages/m1/ack", {"status": "ok"}), 403, "forbidden")
-    assert (await b.poll("alpha"))[0] == [], "no receipt was stored"
-
-
-# -- §5.1 v1.0 recovery delivery ----------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_recovery_delivery_after_lease_expiry():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="a")
-    await b.message("alpha", "beta", id="b")
-    (leased,) = await b.pull("beta", limit=1, leaseSeconds=60)
-    assert leased["id"] == "a"
-    messages, cursor = await b.poll("beta", "?since=&limit=50")
-    assert [m["id"] for m in messages] == ["b"] and cursor == "b"
-    b.clock.advance(60)
-    messages, cursor2 = await b.poll("beta", f"?since={cursor}&limit=50")
-    assert [m["id"] for m in messages] == ["a"], "the expired lease is delivered once"
-    assert messages[0]["status"] == "queued"
-    assert cursor2 == "b", "the cursor never moves backwards"
-    messages, cursor3 = await b.poll("beta", f"?since={cursor2}&limit=50")
-    assert messages == [] and cursor3 == "b"
-
-
-@pytest_twisted.ensureDeferred
-async def test_no_recovery_when_the_cursor_has_not_passed():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="a")
-    await b.pull("beta", leaseSeconds=60)
-    b.clock.advance(60)
-    messages, cursor = await b.poll("beta", "?since=&limit=50")
-    assert [m["id"] for m in messages] == ["a"] and cursor == "a"
-    messages, _ = await b.poll("beta", "?since=a&limit=50")
-    assert messages == []
-
-
-# -- the two-agent walkthrough -----------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_request_reply_walkthrough():
-    b = await two_agents()
-    sent = await b.post("alpha", "/messages",
-                        {"id": "req-1", "to": "beta", "kind": "request",
-                         "body": {"text": "what is 2+2?"}})
-    assert sent.code == 201
-    (request,) = await b.pull("beta")
-    assert request["kind"] == "request" and request["from"] == "alpha"
-    assert (await b.status("alpha", "req-1"))[0]["status"] == "leased"
-    reply = await b.post("beta", "/messages", {
-        "id": "rep-1", "to": "alpha", "kind": "reply", "parentId": request["id"],
-        "rootId": request["rootId"] or request["id"], "body": {"text": "4"},
-    })
-    assert reply.code == 201
-    ack = await b.post("beta", "/v1/ack", {"messageId": request["id"],
-                                           "leaseId": request["leaseId"],
-                                           "outcome": "completed"})
-    assert ack.json == {"ok": True, "status": "done", "attempts": 0}
-    (answer,) = await b.pull("alpha")
-    assert answer["kind"] == "reply" and answer["parentId"] == "req-1"
-    assert answer["rootId"] == "req-1" and answer["body"] == {"text": "4"}
-    statuses = await b.status("alpha", "req-1", "rep-1")
-    assert [(s["id"], s["status"]) for s in statuses] == [("req-1", "done"), ("rep-1", "leased")]
-
-
-# -- long poll -------------------------------------------------------------------------
+# -- v1.1: the long pull -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("wait", [-1, 21, 1.5, 1.0, "1", "x", True, [5]])
@@ -523,13 +142,6 @@ async def test_pull_wait_seconds_written_as_a_float_is_400(raw):
     """EXTENSIONS.md §10: waitSeconds is a JSON integer; 2.0 and 1e0 are not."""
     b = await two_agents()
     assert_error(await b.post("beta", "/v1/pull", raw=raw), 400, "bad_request")
-
-
-@pytest.mark.parametrize("wait", ["-1", "21", "x", "1.5"])
-@pytest_twisted.ensureDeferred
-async def test_poll_wait_out_of_range_is_400(wait):
-    b = await two_agents()
-    assert_error(await b.get("beta", f"/messages?wait={wait}"), 400, "bad_request")
 
 
 @pytest_twisted.ensureDeferred
@@ -562,18 +174,6 @@ async def test_long_poll_wakes_on_send():
     reply = d.result
     assert [m["id"] for m in reply.json["messages"]] == [msg_id]
     assert reply.json["messages"][0]["status"] == "leased"
-
-
-@pytest_twisted.ensureDeferred
-async def test_v10_long_poll_wakes_on_send():
-    b = await two_agents()
-    d = b.get("beta", "/messages?since=&limit=50&wait=20")
-    b.advance(1)
-    assert not d.called
-    msg_id = await b.message("alpha", "beta")
-    b.flush()
-    assert [m["id"] for m in d.result.json["messages"]] == [msg_id]
-    assert d.result.json["cursor"] == msg_id
 
 
 @pytest_twisted.ensureDeferred
@@ -616,23 +216,262 @@ async def test_a_cancelled_waiter_leases_nothing():
     assert [m["id"] for m in await b.pull("beta")] == [msg_id]
 
 
+# -- v1.2: deliveries and dead letters (EXTENSIONS.md §3) ----------------------------------
+
+
 @pytest_twisted.ensureDeferred
-async def test_lease_id_is_shown_to_the_recipient_while_leased_and_to_no_one_else():
-    b = await two_agents()
+async def test_max_deliveries_makes_a_dead_letter():
+    b = await two_agents(maxDeliveries=2, leaseSeconds=10)
     msg_id = await b.message("alpha", "beta", kind="request")
-    (leased,) = await b.pull("beta")
-    views = {
-        "recent": (await b.post("beta", "/v1/recent", {})).json["messages"][0],
-        "query": (await b.post("beta", "/v1/messages/query", {"status": "leased"}))
-        .json["messages"][0],
-    }
-    for view in views.values():
-        assert view["id"] == msg_id and view["leaseId"] == leased["leaseId"]
+    for _ in range(2):
+        assert len(await b.pull("beta")) == 1
+        b.clock.advance(10)
+    assert await b.pull("beta") == []
+    dead = (await b.post("beta", "/v1/messages/query", {"status": "failed"})).json["messages"]
+    assert [m["id"] for m in dead] == [msg_id]
     (entry,) = await b.status("alpha", msg_id)
-    assert "leaseId" not in entry
-    assert (await b.post("alpha", "/v1/messages/query", {"to": "beta"})).json["messages"] == []
-    reply = await b.post("beta", "/v1/ack", {"messageId": msg_id, "leaseId": leased["leaseId"],
-                                             "outcome": "completed"})
-    assert reply.code == 200
-    (done,) = (await b.post("beta", "/v1/recent", {})).json["messages"]
-    assert done["status"] == "done" and "leaseId" not in done
+    assert entry["error"] == "delivered 2 times without completion"
+    (notice,) = await b.pull("alpha")
+    assert notice["body"]["relayNotice"]["error"] == "delivered 2 times without completion"
+
+
+# -- v1.2: the pull by parent (EXTENSIONS.md §5) -------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_await_reply_with_a_long_pull_by_parent():
+    b = await two_agents()
+    request_id = await b.message("alpha", "beta", kind="request")
+    waiting = b.post("alpha", "/v1/pull", {"parentId": request_id, "waitSeconds": 20})
+    await b.message("beta", "alpha", body={"text": "unrelated"})
+    b.advance(1)
+    assert not waiting.called, "a message that does not answer does not end the wait"
+    (request,) = await b.pull("beta")
+    reply = await ack(b, request, "completed", reply={"id": "answer", "body": {"text": "42"}})
+    assert reply.json == {"ok": True, "status": "done", "attempts": 0, "replyId": "answer",
+                          "duplicate": False}
+    b.flush()
+    got = (await waiting).json["messages"]
+    assert [m["id"] for m in got] == ["answer"] and got[0]["body"] == {"text": "42"}
+    other = await b.pull("alpha")
+    assert [m["body"] for m in other] == [{"text": "unrelated"}], "untouched by the pull"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_long_pull_by_parent_ends_with_the_failure_notice():
+    b = await two_agents()
+    request_id = await b.message("alpha", "beta", kind="request")
+    waiting = b.post("alpha", "/v1/pull", {"parentId": request_id, "waitSeconds": 20})
+    (request,) = await b.pull("beta")
+    await ack(b, request, "reject")
+    b.flush()
+    (notice,) = (await waiting).json["messages"]
+    assert notice["body"]["relayNotice"]["event"] == "failed"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_long_pull_by_parent_ends_with_the_expiry_notice_when_the_ttl_runs_out():
+    """§4, §7: the notice of a request that expired unprocessed is stored when it
+    expires, not at the next periodic sweep (a minute away, beyond any wait)."""
+    b = await two_agents()
+    reply = await b.post("alpha", "/messages", {"to": "beta", "kind": "request",
+                                                "ttlSeconds": 3})
+    request_id = reply.json["id"]
+    waiting = b.post("alpha", "/v1/pull", {"parentId": request_id, "waitSeconds": 20})
+    b.advance(2.9)
+    assert not waiting.called
+    b.advance(0.6)
+    (notice,) = (await waiting).json["messages"]
+    assert notice["body"]["relayNotice"] == {
+        "event": "expired", "messageId": request_id, "attempts": 0, "deliveries": 0,
+        "error": "expired unprocessed"}
+
+
+# -- v1.3: priorities and role queues (REACH §13, §14) -------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pull_leases_urgent_work_first_and_the_poll_keeps_its_order(role_broker):
+    await role_broker.register("beta")
+    for message_id, priority in (("old", 0), ("urgent", 7), ("newer", 0), ("most", 9)):
+        await role_broker.message("alpha", "beta", id=message_id, priority=priority)
+    polled, _ = await role_broker.poll("beta")
+    assert [m["id"] for m in polled] == ["old", "urgent", "newer", "most"]
+    pulled = await role_broker.pull("beta", limit=10)
+    assert [m["id"] for m in pulled] == ["most", "urgent", "old", "newer"]
+    assert [m.get("priority") for m in pulled] == [9, 7, None, None]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_role_message_is_leased_by_one_member_and_settled_by_it_alone(role_broker):
+    sent = await role_broker.post("alpha", "/messages", {"to": "role:triage", "id": "t",
+                                                         "kind": "request"})
+    assert sent.code == 201 and sent.json == {"accepted": True, "id": "t",
+                                              "duplicate": False}
+    (leased,) = await role_broker.pull("dan")
+    assert leased["to"] == "role:triage" and leased["leaseId"]
+    assert await role_broker.pull("erin") == []
+    (entry,) = await role_broker.status("alpha", "t")
+    assert entry["leasedBy"] == "dan" and entry["status"] == "leased"
+    assert_error(await ack_as(role_broker, "erin", leased), 403, "forbidden")
+    renew = await role_broker.post("erin", "/v1/lease/renew",
+                                   {"messageId": "t", "leaseId": leased["leaseId"]})
+    assert_error(renew, 403, "forbidden")
+    assert (await role_broker.post("dan", "/v1/lease/renew",
+                                   {"messageId": "t", "leaseId": leased["leaseId"]})).code == 200
+    done = await ack_as(role_broker, "dan", leased, reply={"id": "answer", "body": {"ok": True}})
+    assert done.code == 200 and done.json["status"] == "done"
+    (entry,) = await role_broker.status("alpha", "t")
+    assert entry["completedBy"] == "dan" and "leasedBy" not in entry
+    (answer,) = await role_broker.pull("alpha")
+    assert (answer["from"], answer["to"], answer["parentId"]) == ("dan", "alpha", "t")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_lapsed_role_lease_returns_to_the_role_queue(role_broker):
+    await role_broker.message("alpha", "role:triage", id="t")
+    (first,) = await role_broker.pull("dan", leaseSeconds=5)
+    role_broker.advance(5)
+    (again,) = await role_broker.pull("erin")
+    assert again["id"] == "t" and again["leaseId"] != first["leaseId"]
+    assert_error(await ack_as(role_broker, "dan", first), 403, "forbidden")
+    (entry,) = await role_broker.status("alpha", "t")
+    assert entry["leasedBy"] == "erin" and entry["deliveries"] == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pull_narrowed_to_a_role(role_broker):
+    await role_broker.register("erin")
+    await role_broker.message("alpha", "erin", id="own")
+    await role_broker.message("alpha", "role:audit", id="audit")
+    await role_broker.message("alpha", "role:triage", id="triage")
+    assert [m["id"] for m in await role_broker.pull("erin", role="audit")] == ["audit"]
+    for bad in (7, "", "role:audit", "x" * 65):
+        assert_error(await role_broker.post("erin", "/v1/pull", {"role": bad}), 400, "bad_request")
+    assert_error(await role_broker.post("erin", "/v1/pull", {"role": "nope"}), 404, "no_such_agent")
+    assert_error(await role_broker.post("dan", "/v1/pull", {"role": "audit"}), 403, "forbidden")
+    assert [m["id"] for m in await role_broker.pull("erin")] == ["own", "triage"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_waiting_member_is_woken_by_a_role_message(role_broker):
+    await role_broker.register("zed")
+    assert (await role_broker.post("zed", "/register", {"card": {"roles": ["triage"]}})).code == 200
+    for member in ("erin", "zed"):
+        waiting = role_broker.start(member, "/v1/pull", {"waitSeconds": 20})
+        role_broker.flush()
+        assert not waiting.called
+        await role_broker.message("alpha", "role:triage", id=f"for-{member}")
+        reply = await answered(role_broker, waiting)
+        assert [m["id"] for m in reply.json["messages"]] == [f"for-{member}"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_role_depths_and_leases_by_member_in_the_queue_depths(role_broker):
+    await role_broker.message("alpha", "role:triage", id="t1")
+    await role_broker.message("alpha", "role:triage", id="t2")
+    await role_broker.pull("dan", limit=1)
+    depths = {d.agent: d for d in await role_broker.broker.queue_depths()}
+    assert (depths["role:triage"].queued, depths["role:triage"].leased) == (1, 1)
+
+
+@pytest.mark.postgres
+@pytest_twisted.ensureDeferred
+async def test_two_brokers_share_one_role_queue_and_lease_each_message_once(tmp_path):
+    from twisted.internet import reactor
+
+    from tests.conftest import reset_postgres
+
+    reset_postgres()
+    stores = [open_backend("postgres", tmp_path / name) for name in ("a", "b")]
+    a, b = (TeamBroker(clock=reactor, store=store, agents=ROLE_TEAM, roles=ROLES)
+            for store in stores)
+    try:
+        count = 60
+        for n in range(count):
+            sender = a if n % 2 else b
+            reply = await sender.post("alpha", "/messages", {"to": "role:triage",
+                                                             "id": f"t{n:03d}",
+                                                             "priority": n % 3})
+            assert reply.code == 201, reply
+        leased = []
+        for _ in range(count):
+            pulls = [a.post("dan", "/v1/pull", {"limit": 3}),
+                     b.post("erin", "/v1/pull", {"limit": 3}),
+                     b.post("dan", "/v1/pull", {"limit": 2})]
+            got = []
+            for d in pulls:
+                got += (await d).json["messages"]
+            if not got:
+                break
+            leased += got
+        ids = [m["id"] for m in leased]
+        assert len(ids) == len(set(ids)) == count, "every message leased once"
+        # each acked through the other broker by its holder; a non-holder is refused
+        (first,) = [m for m in leased if m["id"] == "t000"]
+        (entry,) = (await b.post("alpha", "/v1/status", {"messageIds": ["t000"]})).json[
+            "messages"]
+        holder = entry["leasedBy"]
+        other = "erin" if holder == "dan" else "dan"
+        assert_error(await ack_as(a, other, first), 403, "forbidden")
+        reply = await ack_as(a, holder, first)
+        assert reply.code == 200
+        (entry,) = (await b.post("alpha", "/v1/status", {"messageIds": ["t000"]})).json[
+            "messages"]
+        assert entry["completedBy"] == holder
+    finally:
+        for store in stores:
+            await store.close()
+
+
+# -- the v2/v3 wire (WIRE-V2) --------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_pull_clamps_its_limit_and_lease(v2_broker):
+    alpha, beta = v2_broker.client("alpha"), v2_broker.client("beta")
+    for n in range(10):
+        await alpha.send_request("beta", f"m{n}")
+    first = await beta.pull(limit=50, lease_seconds=1)
+    assert [m["body"] for m in first] == [f"m{n}" for n in range(8)]
+    assert {m["lease_until"] for m in first} == {START + 15}
+    second = await beta.pull(limit=0, lease_seconds=10**6)
+    assert [m["body"] for m in second] == ["m8"] and second[0]["lease_until"] == START + 3600
+    assert [m["body"] for m in await beta.pull(limit="2")] == ["m9"]
+    assert await beta.pull() == []
+    for body, code in (({"limit": "many"}, 400), ({"lease_seconds": "long"}, 400),
+                       ({"agent": "alpha"}, 403)):
+        reply = await beta.request("POST", "/v1/pull", body)
+        assert reply.code == code, reply
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_lapsed_lease_is_pulled_again_with_one_more_attempt(v2_broker):
+    alpha, beta, request_id, message = await leased_request(v2_broker)
+    v2_broker.advance(601)
+    (again,) = await beta.pull()
+    assert again["message_id"] == request_id and again["lease_token"] != message["lease_token"]
+    (entry,) = await alpha.status(request_id)
+    assert (entry["status"], entry["attempts"]) == ("leased", 2)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_role_member_on_the_v2_wire_holds_renews_and_acks_a_role_message(
+        v2_brokers):
+    """REACH §13 on the v2 wire: a member's pull leases from its roles, and only the
+    member holding the lease renews or acks it."""
+    broker = v2_brokers(agents={"alpha": {}, "dan": {}, "erin": {}},
+                        roles={"triage": {"members": ["dan", "erin"]}})
+    await broker.register("alpha")
+    message_id = await broker.message("alpha", "role:triage", kind="request")
+    dan, erin = broker.client("dan"), broker.client("erin")
+    (leased,) = await dan.pull()
+    assert leased["message_id"] == message_id and leased["lease_token"]
+    token = leased["lease_token"]
+    assert (await dan.renew(message_id, token)).code == 200
+    assert_v2_error(await erin.ack(message_id, lease_token=token), 403, "forbidden")
+    (seen,) = await dan.status(message_id)
+    assert seen["status"] == "leased"
+    assert (await dan.ack(message_id, lease_token=token)).code == 200
+    (entry,) = await broker.status("alpha", message_id)
+    assert (entry["status"], entry["completedBy"]) == ("done", "dan")

@@ -1,124 +1,50 @@
-"""The v1.0 HTTP API, section by section of the spec (§1, §2, §4, §6).
+"""``POST /messages``: the envelope and its defaults (seed §2), ids and duplicates,
+recipients and the routing ACL, the v1.1 fields (§5.1), TTL and delay (EXTENSIONS.md
+§7), reserved notice ids (§4), inbox quotas, group sends (REACH §13), role targets and
+priority (§13, §14); and ``POST /v1/messages`` of the v2/v3 wire (WIRE-V2).
 
-Every request runs in memory through the broker's own request class; time is
-a ``task.Clock``.
+In memory, time on a ``task.Clock``; group sends on every backend.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any, Dict
 
 import pytest
 import pytest_twisted
 
-from relay import __version__
-from relay.testing import START
-from relay.wire.protocol import MAX_BODY_BYTES
-from tests.support.api import Broker, assert_error, assert_json_headers
+from relay.testing import START, make_api, make_config
+from relay.wire.protocol import MAX_ID_CHARS, iso_timestamp, notice_id
+from relay.wire.v2 import views
+from tests.support.api import (
+    Broker,
+    assert_error,
+    assert_json_headers,
+    refused,
+    registered,
+    two_agents,
+)
+from tests.support.teams import (
+    GROUP_TEAM,
+    ROLE_TEAM,
+    ROLES,
+    TeamBroker,
+    group_broker,
+    group_send,
+    on,
+)
+from tests.support.v2 import assert_v2_error, leased_request
+
+V11_FIELDS = {"id", "from", "to", "ts", "type", "body", "replyTo", "ack", "kind", "rootId",
+              "parentId", "status", "attempts", "leaseUntil"}
+
 
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z\Z")
 
 
-async def two_agents(**broker) -> Broker:
-    b = Broker(**broker)
-    await b.register("alpha", "beta")
-    return b
-
-
-# -- §4 GET / ------------------------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_root_needs_no_auth_and_reports_the_protocol():
-    b = Broker()
-    reply = await b.get(None, "/")
-    assert reply.code == 200
-    assert_json_headers(reply)
-    assert reply.json["protocol"] == "1.0"
-    assert reply.json["broker"] == "dsh-agent-relay"
-    assert reply.json["version"] == __version__
-    assert reply.json["storage"] == "memory"
-    caps = reply.json["capabilities"]
-    for name in ("leaseDelivery", "requestReply", "filteredQuery"):
-        assert caps[name] is True
-
-
-@pytest_twisted.ensureDeferred
-async def test_root_ignores_auth_headers_even_when_wrong():
-    b = Broker()
-    reply = await b.get("alpha", "/", secret="wrong")
-    assert reply.code == 200 and reply.json["protocol"] == "1.0"
-
-
-# -- §4 POST /register, GET /peers -------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_register_returns_agent_and_seconds():
-    b = Broker()
-    reply = await b.post("alpha", "/register", {"agent": "alpha"})
-    assert reply.code == 200
-    assert_json_headers(reply)
-    assert reply.json == {"ok": True, "agent": "alpha", "ts": int(b.clock.seconds())}
-
-
-@pytest_twisted.ensureDeferred
-async def test_register_without_body():
-    b = Broker()
-    reply = await b.post("alpha", "/register")
-    assert reply.code == 200 and reply.json["agent"] == "alpha"
-
-
-@pytest_twisted.ensureDeferred
-async def test_register_body_agent_must_match_header():
-    b = Broker()
-    assert_error(await b.post("alpha", "/register", {"agent": "beta"}), 400, "bad_request")
-    assert (await b.store.peers()) == []
-
-
-@pytest_twisted.ensureDeferred
-async def test_register_body_must_be_an_object():
-    b = Broker()
-    assert_error(await b.post("alpha", "/register", ["alpha"]), 400, "bad_request")
-    assert_error(await b.post("alpha", "/register", raw=b"{nope"), 400, "bad_request")
-
-
-@pytest_twisted.ensureDeferred
-async def test_peers_sorted_with_ttl_90_seconds():
-    b = Broker()
-    await b.register("gamma")
-    b.clock.advance(10)
-    await b.register("alpha")
-    start = int(b.clock.seconds())
-    reply = await b.get("alpha", "/peers")
-    assert reply.code == 200
-    assert_json_headers(reply)
-    assert reply.json == {
-        "peers": [
-            {"agent": "alpha", "online": True, "lastSeen": start},
-            {"agent": "gamma", "online": True, "lastSeen": start - 10},
-        ]
-    }
-    b.clock.advance(79.5)
-    online = {p["agent"]: p["online"] for p in (await b.get("alpha", "/peers")).json["peers"]}
-    assert online == {"alpha": True, "gamma": True}
-    b.clock.advance(0.5)  # gamma: now - lastSeen == 90, not < 90
-    online = {p["agent"]: p["online"] for p in (await b.get("alpha", "/peers")).json["peers"]}
-    assert online == {"alpha": True, "gamma": False}
-
-
-@pytest_twisted.ensureDeferred
-async def test_heartbeat_refreshes_last_seen():
-    b = Broker()
-    await b.register("alpha")
-    b.clock.advance(200)
-    await b.register("alpha")
-    (peer,) = (await b.get("alpha", "/peers")).json["peers"]
-    assert peer == {"agent": "alpha", "online": True, "lastSeen": int(b.clock.seconds())}
-
-
-# -- §2 / §4 POST /messages ---------------------------------------------------------
+# -- v1.0: the envelope (seed §2, §4) ------------------------------------------------------
 
 
 @pytest_twisted.ensureDeferred
@@ -348,448 +274,454 @@ async def test_broker_managed_fields_are_ignored_on_send():
     assert message["leaseUntil"] is None and "leaseId" not in message
 
 
-# -- §1 request bodies: invalid JSON, UTF-8, size --------------------------------
-
-
-@pytest.mark.parametrize("raw", [b"{", b"not json", b'{"to": "beta",}', b"\xff\xfe{}",
-                                 b'{"to": "beta", "body": {"t": "\xc3"}}',
-                                 b'{"to": "beta", "body": {"t": "\\ud800"}}',
-                                 b'{"to": "beta", "body": {"x": NaN}}',
-                                 b'{"to": "beta", "body": {"x": -Infinity}}',
-                                 b'{"to": "beta", "body": {"x": 1e400}}',
-                                 b'{"to": "beta", "body": {"x": 1' + b"0" * 5000 + b'}}'])
+@pytest.mark.parametrize("field", ["id", "replyTo", "rootId", "parentId", "to"])
 @pytest_twisted.ensureDeferred
-async def test_invalid_json_or_utf8_is_400(raw):
-    b = await two_agents()
-    assert_error(await b.post("alpha", "/messages", raw=raw), 400, "bad_request")
-    assert (await b.poll("beta"))[0] == []
+async def test_an_id_or_reference_over_256_characters_is_400(field):
+    _, client, _ = await registered("alpha", "beta")
+    at_limit: Dict[str, Any] = {"to": "beta", field: "x" * MAX_ID_CHARS}
+    if field == "to":
+        at_limit["to"] = "beta"
+    else:
+        assert (await client.post("alpha", "/messages", at_limit))[0] == 201
+    over = {"to": "beta", field: "y" * (MAX_ID_CHARS + 1)}
+    message = refused(await client.post("alpha", "/messages", over))
+    assert field in message and "256" in message
 
 
-@pytest.mark.parametrize("number", [b"1e400", b"-1E+999", b"1" + b"0" * 400 + b".5"])
-@pytest_twisted.ensureDeferred
-async def test_a_number_beyond_a_double_is_named_as_such(number):
-    """Valid JSON, but stored it would be served back as Infinity: refused, and the
-    message says why rather than calling the body invalid JSON."""
-    b = await two_agents()
-    reply = await b.post("alpha", "/messages", raw=b'{"to": "beta", "body": {"x": %s}}' % number)
-    assert_error(reply, 400, "bad_request")
-    assert "too large for a double" in reply.json["error"]["message"]
+# -- v1.1: fields and the routing ACL (seed §5.1) ------------------------------------------
 
 
 @pytest_twisted.ensureDeferred
-async def test_every_stored_body_is_served_back_as_strict_json():
+async def test_v11_fields_are_stored_and_returned():
     b = await two_agents()
-    raw = b'{"to": "beta", "body": {"big": 1e308, "neg": -0.0, "int": 123456789012345678901}}'
-    assert (await b.post("alpha", "/messages", raw=raw)).code == 201
-    reply = await b.get("beta", "/messages")
-    json.loads(reply.raw, parse_constant=lambda name: pytest.fail(f"non-JSON {name}"))
-
-
-def _sized_envelope(size: int) -> bytes:
-    head = b'{"to":"beta","body":{"pad":"'
-    tail = b'"}}'
-    return head + b"x" * (size - len(head) - len(tail)) + tail
+    await b.message("alpha", "beta", id="r", kind="reply", rootId="root", parentId="p")
+    (m,) = await b.pull("beta")
+    assert (m["kind"], m["rootId"], m["parentId"]) == ("reply", "root", "p")
 
 
 @pytest_twisted.ensureDeferred
-async def test_body_of_exactly_1_mib_is_accepted():
-    b = await two_agents()
-    raw = _sized_envelope(MAX_BODY_BYTES)
-    assert len(raw) == MAX_BODY_BYTES
-    assert (await b.post("alpha", "/messages", raw=raw)).code == 201
-
-
-@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-@pytest_twisted.ensureDeferred
-async def test_body_over_1_mib_is_400(chunked):
-    b = await two_agents()
-    raw = _sized_envelope(MAX_BODY_BYTES + 1)
-    reply = await b.post("alpha", "/messages", raw=raw, chunked=chunked)
-    assert_error(reply, 400, "bad_request")
-    assert (await b.poll("beta"))[0] == []
+async def test_acl_on_send():
+    b = Broker(agents={"alpha": {"allowed_targets": ["beta"]}, "gamma": {}})
+    await b.register("alpha", "beta", "gamma")
+    assert (await b.post("alpha", "/messages", {"to": "beta"})).code == 201
+    assert_error(await b.post("alpha", "/messages", {"to": "gamma", "id": "x"}),
+                 403, "forbidden")
+    assert (await b.store.find("x", START)) is None
+    assert (await b.post("beta", "/messages", {"to": "gamma"})).code == 201, "no entry"
+    assert (await b.post("gamma", "/messages", {"to": "alpha"})).code == 201, "no list"
 
 
 @pytest_twisted.ensureDeferred
-async def test_chunked_upload_in_many_pieces_over_the_limit_is_400():
-    b = await two_agents()
-    piece = b"x" * 65536
-    chunks = [b'{"to":"beta","body":{"pad":"'] + [piece] * 17 + [b'"}}']
-    headers = b.signed_headers("alpha", "POST", "/messages", b"".join(chunks))
-    reply = await b.send("POST", "/messages", headers=headers, chunked=True, chunks=chunks)
-    assert_error(reply, 400, "bad_request")
+async def test_acl_is_checked_before_the_recipient_lookup():
+    b = Broker(agents={"alpha": {"allowed_targets": ["beta"]}})
+    await b.register("alpha", "beta")
+    assert_error(await b.post("alpha", "/messages", {"to": "nobody"}), 403, "forbidden")
 
 
 @pytest_twisted.ensureDeferred
-async def test_chunked_upload_under_the_limit_is_accepted():
+async def test_acl_empty_list_forbids_everyone():
+    b = Broker(agents={"alpha": {"allowed_targets": []}})
+    await b.register("alpha", "beta")
+    assert_error(await b.post("alpha", "/messages", {"to": "beta"}), 403, "forbidden")
+
+
+# -- inbox quotas --------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_full_inbox_is_429_inbox_full_until_the_recipient_takes_some():
+    _, client, _ = make_api(inboxMaxMessages=2)
+    assert (await client.post("beta", "/register", {}))[0] == 200
+    for i in range(2):
+        assert (await client.post("alpha", "/messages", {"to": "beta", "id": f"f{i}"}))[0] == 201
+    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "id": "f2"})
+    assert code == 429 and body["error"]["code"] == "inbox_full"
+    assert "'beta'" in body["error"]["message"]
+    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "id": "f0"})
+    assert (code, body["duplicate"]) == (200, True)
+    _, pulled, _ = await client.post("beta", "/v1/pull", {"limit": 1})
+    (m,) = pulled["messages"]
+    assert (await client.post("beta", "/v1/ack", {"messageId": m["id"], "leaseId": m["leaseId"],
+                                                  "outcome": "completed"}))[0] == 200
+    assert (await client.post("alpha", "/messages", {"to": "beta", "id": "f2"}))[0] == 201
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_inbox_byte_limit_counts_bodies():
+    _, client, _ = make_api(inboxMaxBytes=1000)
+    assert (await client.post("beta", "/register", {}))[0] == 200
+    big = {"t": "é" * 450}  # 900 UTF-8 bytes of text
+    assert (await client.post("alpha", "/messages", {"to": "beta", "body": big}))[0] == 201
+    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "body": big})
+    assert (code, body["error"]["code"]) == (429, "inbox_full")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_inbox_byte_quota_counts_ids_and_references():
+    _, client, _ = await registered("alpha", "beta", inboxMaxBytes=2100)
+    for i in range(2):
+        envelope = {"to": "beta", "id": f"{i}" + "i" * 255, "rootId": "r" * 256,
+                    "parentId": "p" * 256, "replyTo": "t" * 256}
+        assert (await client.post("alpha", "/messages", envelope))[0] == 201
+    envelope = {"to": "beta", "id": "2" + "i" * 255, "rootId": "r" * 256}
+    message = refused(await client.post("alpha", "/messages", envelope), 429, "inbox_full")
+    assert "beta" in message
+
+
+# -- v1.2: TTL and delay (EXTENSIONS.md §7), the v1.1 shape kept (§10) ---------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_message_without_extension_fields_has_the_v11_fields_everywhere():
     b = await two_agents()
-    chunks = [b'{"to":"beta",', b'"body":{"t":"hi"}}']
-    headers = b.signed_headers("alpha", "POST", "/messages", b"".join(chunks))
-    reply = await b.send("POST", "/messages", headers=headers, chunked=True, chunks=chunks)
+    await b.message("alpha", "beta", id="plain", kind="request")
+    views = [(await b.poll("beta"))[0][0],
+             (await b.post("beta", "/v1/recent", {})).json["messages"][0],
+             (await b.post("beta", "/v1/messages/query", {})).json["messages"][0],
+             (await b.post("alpha", "/v1/thread", {"rootId": "plain"})).json["messages"][0]]
+    for view in views:
+        assert set(view) == V11_FIELDS, view
+    (leased,) = await b.pull("beta")
+    assert set(leased) == V11_FIELDS | {"leaseId"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_ttl():
+    b = await two_agents(messageTtlDays=1)
+    reply = await b.post("alpha", "/messages", {"to": "beta", "ttlSeconds": 30, "kind": "request"})
     assert reply.code == 201
-
-
-@pytest_twisted.ensureDeferred
-async def test_oversized_body_is_400_even_unsigned_and_on_root():
-    b = Broker()
-    raw = b"x" * (MAX_BODY_BYTES + 1)
-    assert_error(await b.post(None, "/register", raw=raw), 400, "bad_request")
-    assert_error(await b.send("GET", "/", raw), 400, "bad_request")
-
-
-# -- §4 GET /messages: cursor and limit ------------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_poll_cursor_semantics():
-    b = await two_agents()
-    await b.register("gamma")
-    ids = [await b.message("alpha", "beta", id=f"m{i}") for i in range(5)]
-    await b.message("alpha", "gamma", id="other")
-    messages, cursor = await b.poll("beta", "?limit=2")
-    assert [m["id"] for m in messages] == ids[:2] and cursor == ids[1]
-    messages, cursor = await b.poll("beta", f"?since={cursor}")
-    assert [m["id"] for m in messages] == ids[2:] and cursor == ids[4]
-    messages, cursor = await b.poll("beta", f"?since={cursor}&limit=50")
-    assert messages == [] and cursor == ids[4], "an empty poll keeps the cursor"
-    messages, _ = await b.poll("beta", "?since=unknown-id")
-    assert [m["id"] for m in messages] == ids, "an unknown cursor returns everything"
-    messages, _ = await b.poll("beta", "?since=other")
-    assert [m["id"] for m in messages] == [], "ordering is global: other agents' ids count"
-
-
-@pytest_twisted.ensureDeferred
-async def test_poll_with_empty_since_as_the_reference_client_sends_it():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="a")
-    await b.message("alpha", "beta", id="b")
-    reply = await b.get("beta", "/messages?since=&limit=50")
-    assert reply.code == 200
-    assert_json_headers(reply)
-    assert [m["id"] for m in reply.json["messages"]] == ["a", "b"]
-    assert reply.json["cursor"] == "b"
-
-
-@pytest_twisted.ensureDeferred
-async def test_poll_with_nothing_returns_a_null_cursor():
-    b = await two_agents()
-    reply = await b.get("beta", "/messages?since=&limit=50")
-    assert reply.json == {"messages": [], "cursor": None}
-    reply = await b.get("beta", "/messages")
-    assert reply.json == {"messages": [], "cursor": None}
-
-
-@pytest_twisted.ensureDeferred
-async def test_poll_returns_only_my_messages():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="to-beta")
-    await b.message("beta", "alpha", id="to-alpha")
-    assert [m["id"] for m in (await b.poll("beta"))[0]] == ["to-beta"]
-    assert [m["id"] for m in (await b.poll("alpha"))[0]] == ["to-alpha"]
-
-
-@pytest_twisted.ensureDeferred
-async def test_poll_cursor_with_percent_encoded_id():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="a b&c")
-    await b.message("alpha", "beta", id="next")
-    messages, cursor = await b.poll("beta", "?since=a%20b%26c&limit=50")
-    assert [m["id"] for m in messages] == ["next"] and cursor == "next"
-
-
-@pytest.mark.parametrize(
-    ("limit", "expected"),
-    [("1", 1), ("0", 1), ("-5", 1), ("2.9", 2), ("199", 199), ("200", 200), ("201", 200),
-     ("100000", 200), ("abc", 50), ("", 50), ("NaN", 50), ("Infinity", 50), (None, 50)],
-)
-@pytest_twisted.ensureDeferred
-async def test_poll_limit_is_clamped(limit, expected):
-    b = await two_agents()
-    for i in range(205):
-        await b.message("alpha", "beta", id=f"m{i:03d}")
-    query = "" if limit is None else f"?limit={limit}"
-    messages, cursor = await b.poll("beta", query)
-    assert len(messages) == expected
-    assert cursor == f"m{expected - 1:03d}"
-
-
-# -- §4 POST /messages/<id>/ack (v1.0 receipts) -------------------------------------------
-
-
-@pytest_twisted.ensureDeferred
-async def test_receipt_stores_an_ack_envelope_for_the_sender():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="m1", ack=True)
-    reply = await b.post("beta", "/messages/m1/ack", {"status": "ok"})
-    assert reply.code == 201
-    assert_json_headers(reply)
-    assert reply.json["accepted"] is True
-    (receipt,), _ = await b.poll("alpha")
-    assert receipt["id"] == reply.json["id"]
-    assert receipt["type"] == "ack" and receipt["replyTo"] == "m1"
-    assert receipt["from"] == "beta" and receipt["to"] == "alpha"
-    assert receipt["body"] == {"status": "ok"}
-
-
-@pytest_twisted.ensureDeferred
-async def test_receipt_with_error_status():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="m1")
-    reply = await b.post("beta", "/messages/m1/ack", {"status": "error", "error": "boom"})
-    assert reply.code == 201
-    (receipt,), _ = await b.poll("alpha")
-    assert receipt["body"] == {"status": "error", "error": "boom"}
-
-
-@pytest_twisted.ensureDeferred
-async def test_receipt_with_empty_body_defaults_to_ok():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="m1")
-    assert (await b.post("beta", "/messages/m1/ack")).code == 201
-    (receipt,), _ = await b.poll("alpha")
-    assert receipt["body"] == {"status": "ok"}
-
-
-@pytest_twisted.ensureDeferred
-async def test_receipt_for_unknown_id_is_404():
-    b = await two_agents()
-    assert_error(await b.post("beta", "/messages/nope/ack", {"status": "ok"}),
-                 404, "no_such_message")
-
-
-@pytest_twisted.ensureDeferred
-async def test_receipt_only_from_the_recipient():
-    b = await two_agents()
-    await b.register("gamma")
-    await b.message("alpha", "beta", id="m1")
-    assert_error(await b.post("gamma", "/messages/m1/ack", {}), 403, "forbidden")
-    assert_error(await b.post("alpha", "/messages/m1/ack", {}), 403, "forbidden")
-    assert (await b.poll("alpha"))[0] == []
-
-
-@pytest.mark.parametrize("body", [{"status": "maybe"}, {"status": "error", "error": 5}, [],
-                                  "ok"])
-@pytest_twisted.ensureDeferred
-async def test_receipt_rejects_malformed_bodies(body):
-    b = await two_agents()
-    await b.message("alpha", "beta", id="m1")
-    assert_error(await b.post("beta", "/messages/m1/ack", body), 400, "bad_request")
-    assert (await b.poll("alpha"))[0] == []
-
-
-@pytest_twisted.ensureDeferred
-async def test_receipt_for_odd_ids():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="with space")
-    await b.message("alpha", "beta", id="a/b")
-    assert (await b.post("beta", "/messages/with%20space/ack", {})).code == 201
-    assert (await b.post("beta", "/messages/a/b/ack", {})).code == 201
-    receipts, _ = await b.poll("alpha")
-    assert sorted(r["replyTo"] for r in receipts) == ["a/b", "with space"]
-
-
-@pytest_twisted.ensureDeferred
-async def test_receipt_for_expired_message_is_404():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="m1")
-    b.clock.advance(8 * 86400)
+    msg_id = reply.json["id"]
+    (message,), _ = await b.poll("beta")
+    assert message["expiresAt"] == iso_timestamp(START + 30)
+    (entry,) = await b.status("alpha", msg_id)
+    assert entry["expiresAt"] == int((START + 30) * 1000)
+    b.clock.advance(30)
+    assert await b.pull("beta") == []
+    (entry,) = await b.status("alpha", msg_id)
+    assert entry["status"] == "not_found"
     await b.broker.sweep_expired()
-    assert_error(await b.post("beta", "/messages/m1/ack", {}), 404, "no_such_message")
+    (notice,) = await b.pull("alpha")
+    assert notice["body"]["relayNotice"]["event"] == "expired"
 
 
-# -- §3 / §6 authentication at the HTTP level ---------------------------------------------
-
-
-@pytest.mark.parametrize(("method", "path"), [("POST", "/register"), ("GET", "/peers"),
-                                              ("POST", "/messages"), ("GET", "/messages"),
-                                              ("POST", "/messages/x/ack"), ("POST", "/v1/pull"),
-                                              ("POST", "/v1/ack"), ("POST", "/v1/status"),
-                                              ("POST", "/v1/recent"),
-                                              ("POST", "/v1/messages/query")])
+@pytest.mark.parametrize(("ttl", "days"), [(0, 7), (-1, 7), (1.5, 7), (30.0, 7), ("30", 7),
+                                           (86401, 1), (1, 0)])
 @pytest_twisted.ensureDeferred
-async def test_every_endpoint_but_root_needs_auth(method, path):
+async def test_ttl_seconds_range(ttl, days):
+    b = await two_agents(messageTtlDays=days)
+    reply = await b.post("alpha", "/messages", {"to": "beta", "ttlSeconds": ttl})
+    assert_error(reply, 400, "bad_request")
+    assert "ttlSeconds" in reply.json["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_delay():
     b = await two_agents()
-    assert_error(await b.send(method, path, b"{}"), 401, "unauthenticated")
-    assert_error(await b.request("alpha", method, path, {}, secret="wrong"),
-                 401, "unauthenticated")
-
-
-@pytest_twisted.ensureDeferred
-async def test_signature_covers_the_query_string():
-    b = await two_agents()
-    headers = b.signed_headers("beta", "GET", "/messages?limit=1", b"")
-    assert_error(await b.send("GET", "/messages?limit=2", headers=headers),
-                 401, "unauthenticated")
-    assert (await b.send("GET", "/messages?limit=1", headers=headers)).code == 200
-
-
-@pytest_twisted.ensureDeferred
-async def test_signature_covers_the_body():
-    b = await two_agents()
-    headers = b.signed_headers("alpha", "POST", "/messages", b'{"to":"beta"}')
-    assert_error(await b.send("POST", "/messages", b'{"to": "beta"}', headers),
-                 401, "unauthenticated")
-
-
-@pytest_twisted.ensureDeferred
-async def test_skew_at_http_level():
-    b = await two_agents()
-    now = int(b.clock.seconds())
-    assert (await b.get("alpha", "/peers", timestamp=now - 300)).code == 200
-    assert (await b.get("alpha", "/peers", timestamp=now + 300)).code == 200
-    assert_error(await b.get("alpha", "/peers", timestamp=now - 301), 401, "unauthenticated")
-    assert_error(await b.get("alpha", "/peers", timestamp=now + 301), 401, "unauthenticated")
-
-
-@pytest_twisted.ensureDeferred
-async def test_lockout_at_http_level():
-    b = await two_agents()
-    for _ in range(5):
-        assert_error(await b.get("alpha", "/peers", secret="wrong"), 401, "unauthenticated")
-    assert_error(await b.get("alpha", "/peers"), 403, "locked")
-    assert (await b.get("beta", "/peers")).code == 200, "only the failing agent is locked"
-    b.clock.advance(300)
-    assert (await b.get("alpha", "/peers")).code == 200
-
-
-@pytest_twisted.ensureDeferred
-async def test_rate_limit_at_http_level():
-    b = Broker(rateLimitLoopback=3)
-    for _ in range(2):
-        assert (await b.post("alpha", "/register", {})).code == 200
-    assert_error(await b.get("beta", "/peers", secret="wrong"), 401, "unauthenticated")
-    assert_error(await b.post("alpha", "/register", {}), 429, "rate_limited")
-    assert_error(await b.get("beta", "/nope"), 429, "rate_limited")
-    assert_error(await b.get(None, "/"), 429, "rate_limited")
-    b.clock.advance(120)
-    assert (await b.post("alpha", "/register", {})).code == 200
-
-
-@pytest_twisted.ensureDeferred
-async def test_requests_refused_for_size_and_get_root_count_toward_the_limit():
-    b = Broker(rateLimitLoopback=3)
-    too_big = b"x" * (MAX_BODY_BYTES + 1)
-    assert_error(await b.post("alpha", "/messages", raw=too_big), 400, "bad_request")
-    assert (await b.get(None, "/")).code == 200
-    assert_error(await b.post(None, "/messages", raw=too_big), 400, "bad_request")
-    assert_error(await b.get(None, "/"), 429, "rate_limited")
-
-
-@pytest_twisted.ensureDeferred
-async def test_per_agent_secrets_and_unknown_agent():
-    b = Broker(agents={"alpha": {"secret": "a-secret-0123456789"},
-                       "beta": {"secret": "b-secret-0123456789"}})
-    b.secrets.update(alpha="a-secret-0123456789", beta="b-secret-0123456789")
-    await b.register("alpha", "beta")
-    assert_error(await b.post("alpha", "/register", {}, secret="b-secret-0123456789"),
-                 401, "unauthenticated")
-    assert_error(await b.post("gamma", "/register", {}), 401, "unknown_agent")
-
-
-# -- §6 unknown routes and wrong methods ---------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("method", "path"),
-    [("GET", "/nope"), ("POST", "/nope"), ("GET", "/v1/nope"), ("DELETE", "/messages"),
-     ("PUT", "/register"), ("GET", "/register"), ("POST", "/peers"), ("GET", "/v1/pull"),
-     ("GET", "/messages/m1/ack"), ("POST", "/"), ("DELETE", "/"), ("GET", "/messages/"),
-     ("POST", "/messages/m1"), ("PATCH", "/v1/ack"), ("GET", "/v1/status"),
-     ("GET", "/%2F"), ("POST", "/v1/%70ull"), ("POST", "/%72egister"), ("GET", "//peers"),
-     ("POST", "//messages"), ("POST", "//v1/pull"), ("POST", "//messages/m1/ack"),
-     ("GET", "//"), ("POST", "/messages/m1%2Fack"), ("POST", "/messages/m1%2fack"),
-     ("POST", "/messages%2Fm1/ack"), ("POST", "/messages/m1/%61ck"),
-     ("POST", "/messages/m1/ack%2F")],
-)
-@pytest_twisted.ensureDeferred
-async def test_unknown_route_or_wrong_method_is_404_not_found(method, path):
-    b = await two_agents()
-    raw = b"" if method in ("GET", "DELETE") else b"{}"
-    reply = await b.request("alpha", method, path, raw=raw)
-    assert_error(reply, 404, "not_found")
-    assert method in reply.json["error"]["message"]
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_receipt_path_that_matches_only_once_decoded_stores_nothing():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="m1")
-    assert_error(await b.post("beta", "/messages/m1%2Fack", {}), 404, "not_found")
-    assert (await b.poll("alpha"))[0] == [], "no receipt was stored"
-
-
-@pytest_twisted.ensureDeferred
-async def test_an_escaped_id_in_the_receipt_path_is_the_decoded_id():
-    b = await two_agents()
-    await b.message("alpha", "beta", id="sl/ash ü")
-    reply = await b.post("beta", "/messages/sl%2Fash%20%C3%BC/ack", {})
-    assert reply.code == 201, reply
-    (receipt,), _ = await b.poll("alpha")
-    assert receipt["replyTo"] == "sl/ash ü"
-
-
-@pytest_twisted.ensureDeferred
-async def test_an_encoded_root_needs_authentication():
-    b = Broker()
-    assert_error(await b.send("GET", "/%2F"), 401, "unauthenticated")
-
-
-@pytest_twisted.ensureDeferred
-async def test_head_on_root_is_not_an_error():
-    b = Broker()
-    reply = await b.send("HEAD", "/")
-    assert reply.code == 200
-
-
-@pytest_twisted.ensureDeferred
-async def test_head_on_a_signed_get_route_is_no_route():
-    """A HEAD would run the poll and drop its page: no route, and the once-delivery
-    of an expired lease (spec §5.1) is still there for the GET."""
-    b = Broker()
-    await b.register("alpha", "beta")
-    sent = await b.message("alpha", "beta")
-    _, cursor = await b.poll("beta")
-    await b.pull("beta", leaseSeconds=1)
-    b.advance(2)
-    for path in (f"/messages?since={cursor}", "/peers"):
-        reply = await b.request("beta", "HEAD", path)
-        assert reply.code == 404 and not reply.raw, (path, reply)
-    messages, _ = await b.poll("beta", f"?since={cursor}")
-    assert [m["id"] for m in messages] == [sent]
-
-
-# -- the API under a plain twisted.web Site (relay.testing's StubTreq client) ---------
-
-
-@pytest_twisted.ensureDeferred
-async def test_api_works_under_a_plain_site_body_limit_included():
-    from relay.testing import make_api
-
-    _, client, _ = make_api()
-    for agent in ("alpha", "beta"):
-        assert (await client.post(agent, "/register", {}))[0] == 200
-    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "body": {"n": 1}})
-    assert code == 201 and body["duplicate"] is False
-    code, body, _ = await client.get("beta", "/messages?since=&limit=50")
-    assert code == 200 and [m["body"] for m in body["messages"]] == [{"n": 1}]
-    code, body, _ = await client.post("alpha", "/messages",
-                                      raw=_sized_envelope(MAX_BODY_BYTES + 1))
-    assert (code, body["error"]["code"]) == (400, "bad_request")
-
-
-@pytest_twisted.ensureDeferred
-async def test_a_receipt_is_one_store_operation():
-    from tests.api.test_ack import logged_store
-
-    b = Broker(store=logged_store())
-    await b.register("alpha", "beta")
-    await b.message("alpha", "beta", id="m1")
-    del b.store.operations[:]
-    reply = await b.post("beta", "/messages/m1/ack", {"status": "ok"})
+    reply = await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": 120, "id": "d"})
     assert reply.code == 201
-    assert b.store.operations == ["settle"]
-    del b.store.operations[:]
-    assert_error(await b.post("alpha", "/messages/m1/ack", {"status": "ok"}), 403, "forbidden")
-    assert_error(await b.post("beta", "/messages/m1/ack", {"status": "maybe"}), 400,
-                 "bad_request")
-    assert_error(await b.post("beta", "/messages/none/ack", {}), 404, "no_such_message")
-    assert b.store.operations == ["settle"] * 3
+    assert await b.pull("beta") == []
+    (view,) = (await b.post("beta", "/v1/recent", {})).json["messages"]
+    assert view["notBefore"] == iso_timestamp(START + 120)
+    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 20})
+    b.advance(19)
+    assert not waiting.called
+    b.advance(1)
+    assert (await waiting).json["messages"] == []
+    b.clock.advance(99)  # START + 119
+    pulls = []
+    store_pull = b.store.pull
+    b.store.pull = lambda *args: pulls.append(args) or store_pull(*args)
+    waiting = b.post("beta", "/v1/pull", {"waitSeconds": 20})
+    for _ in range(9):
+        b.advance(0.1)
+    assert not waiting.called and len(pulls) == 1, "no busy loop while the delay runs"
+    b.advance(0.15)  # the delay runs out: the waiting pull wakes then, not at its deadline
+    (leased,) = (await waiting).json["messages"]
+    assert leased["id"] == "d" and "notBefore" not in leased
+
+
+@pytest.mark.parametrize("delay", [-1, 86401, 1.5, "5", True])
+@pytest_twisted.ensureDeferred
+async def test_delay_seconds_range(delay):
+    b = await two_agents()
+    assert_error(await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": delay}),
+                 400, "bad_request")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_zero_delay_and_null_fields_are_no_extension():
+    b = await two_agents()
+    await b.post("alpha", "/messages", {"to": "beta", "delaySeconds": 0, "ttlSeconds": None})
+    (message,), _ = await b.poll("beta")
+    assert set(message) == V11_FIELDS
+
+
+# -- v1.2: the ids of failure notices are reserved (EXTENSIONS.md §4) ----------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_one_can_take_the_id_of_a_failure_notice_first():
+    _, client, _ = await registered("alpha", "beta", "mallory")
+    request = {"to": "beta", "id": "q1", "kind": "request"}
+    assert (await client.post("alpha", "/messages", request))[0] == 201
+    squat = {"to": "alpha", "id": notice_id("q1"), "kind": "reply", "parentId": "q1"}
+    message = refused(await client.post("mallory", "/messages", squat))
+    assert "reserved" in message
+    _, pulled, _ = await client.post("beta", "/v1/pull", {"limit": 1})
+    (leased,) = pulled["messages"]
+    in_reply = {"messageId": leased["id"], "leaseId": leased["leaseId"],
+                "outcome": "completed", "reply": {"id": notice_id("q9")}}
+    assert "reserved" in refused(await client.post("beta", "/v1/ack", in_reply))
+    reject = {"messageId": leased["id"], "leaseId": leased["leaseId"], "outcome": "reject"}
+    assert (await client.post("beta", "/v1/ack", reject))[0] == 200
+    _, answers, _ = await client.post("alpha", "/v1/pull", {"parentId": "q1"})
+    (notice,) = answers["messages"]
+    assert notice["id"] == notice_id("q1") and notice["from"] == "beta"
+    assert notice["body"]["relayNotice"]["event"] == "failed"
+
+
+# -- v1.3: group sends (REACH §13), on every backend ---------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_group_send_stores_one_copy_per_member_but_the_sender(store):
+    b = await group_broker(store)
+    reply = await group_send(b, id="g1", kind="request", body={"text": "review this"})
+    assert reply.code == 201
+    copies = reply.json["copies"]
+    assert reply.json == {"accepted": True, "id": "g1", "duplicate": False,
+                          "copies": copies}
+    assert [c["to"] for c in copies] == ["bob", "carol"]
+    assert len({c["id"] for c in copies} | {"g1"}) == 3
+    for member, copy in (("bob", copies[0]), ("carol", copies[1])):
+        (leased,) = (await on(b, b.post(member, "/v1/pull", {}))).json["messages"]
+        assert leased["id"] == copy["id"]
+        assert leased["to"] == member and leased["from"] == "alice"
+        assert leased["via"] == "group:reviewers"
+        assert leased["body"] == {"text": "review this"} and leased["kind"] == "request"
+        assert leased["rootId"] == "g1"
+    assert (await on(b, b.post("alice", "/v1/pull", {}))).json["messages"] == []
+    # each copy is an ordinary message: its own lease and ack
+    (bob_copy,) = (await on(b, b.post("bob", "/v1/status",
+                                      {"messageIds": [copies[0]["id"]]}))).json["messages"]
+    assert bob_copy["status"] == "leased"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_repeated_group_send_is_a_duplicate_with_the_same_copies(store):
+    b = await group_broker(store)
+    first = await group_send(b, id="g1")
+    again = await group_send(b, id="g1", body={"n": 2})
+    assert again.code == 200
+    assert again.json == dict(first.json, duplicate=True)
+    (pulled,) = (await on(b, b.post("bob", "/v1/pull", {}))).json["messages"]
+    assert pulled["body"] == {"n": 1}
+    assert (await on(b, b.post("bob", "/v1/pull", {}))).json["messages"] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_full_inbox_of_one_member_refuses_the_whole_send(store):
+    b = await group_broker(store, inboxMaxMessages=1)
+    assert (await on(b, b.post("dan", "/messages", {"to": "carol", "id": "fill"}))).code == 201
+    refused = await group_send(b, id="g1")
+    assert_error(refused, 429, "inbox_full")
+    assert "'carol'" in refused.json["error"]["message"]
+    assert (await on(b, b.post("bob", "/v1/pull", {}))).json["messages"] == []
+    (entry,) = (await on(b, b.post("alice", "/v1/status",
+                                   {"messageIds": ["g1"]}))).json["messages"]
+    assert entry["status"] == "not_found"
+    assert b.broker.counters.refused == {"inbox_full": 1}
+    # once carol took hers, the same send goes through whole
+    (taken,) = (await on(b, b.post("carol", "/v1/pull", {}))).json["messages"]
+    await on(b, b.post("carol", "/v1/ack", {"messageId": "fill", "leaseId": taken["leaseId"],
+                                            "outcome": "completed"}))
+    assert (await group_send(b, id="g1")).code == 201
+    assert b.broker.counters.group_sends == {"reviewers": 1}
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_unknown_group_is_no_such_agent(store):
+    b = await group_broker(store)
+    for to in ("group:nobody", "group:", "group:Reviewers"):
+        assert_error(await group_send(b, to=to), 404, "no_such_agent")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_acl_names_the_group_as_a_target(store):
+    agents = dict(GROUP_TEAM, alice={"allowed_targets": ["group:pair"]},
+                  dan={"allowed_targets": ["bob", "carol"]})
+    b = await group_broker(store, agents=agents)
+    assert (await group_send(b, to="group:pair")).code == 201
+    assert_error(await group_send(b, to="group:reviewers"), 403, "forbidden")
+    # members themselves are no licence to reach their group
+    assert_error(await group_send(b, sender="dan", to="group:pair"), 403, "forbidden")
+    # as for an agent, the ACL answers first: an unknown group is no different
+    assert_error(await group_send(b, sender="dan", to="group:nobody"), 403, "forbidden")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_sent_id_that_names_a_message_is_an_id_conflict(store):
+    b = await group_broker(store)
+    assert (await on(b, b.post("alice", "/messages", {"to": "dan", "id": "taken"}))).code == 201
+    assert_error(await group_send(b, id="taken"), 409, "id_conflict")
+    assert (await on(b, b.post("bob", "/v1/pull", {}))).json["messages"] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_each_member_is_told_of_its_copy(store):
+    b = await group_broker(store)
+    copies = (await group_send(b, id="g1")).json["copies"]
+    for copy in copies:
+        page = await b.store.events(copy["to"], 0, 10)
+        assert [(e.type, json.loads(e.data)["id"]) for e in page.events] == [
+            ("message", copy["id"])]
+        # REACH §11: a message event carries via when set
+        assert json.loads(page.events[0].data)["via"] == "group:reviewers"
+    assert (await b.store.events("alice", 0, 10)).events == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_group_whose_only_member_is_the_sender_makes_no_copy(store):
+    b = await group_broker(store, groups={"solo": {"members": ["alice"]}})
+    reply = await group_send(b, to="group:solo", id="g1")
+    assert reply.code == 201 and reply.json["copies"] == []
+
+
+# -- v1.3: role targets and priority (REACH §13, §14) --------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_priority_is_an_integer_from_0_to_9(role_broker):
+    await role_broker.register("beta")
+    for bad in (10, -1, 1.5, 3.0, "3", True, [1]):
+        reply = await role_broker.post("alpha", "/messages", {"to": "beta", "priority": bad})
+        assert_error(reply, 400, "bad_request")
+        assert "priority" in reply.json["error"]["message"]
+    for good in (0, 9, None):
+        reply = await role_broker.post("alpha", "/messages", {"to": "beta", "priority": good})
+        assert reply.code == 201
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_unknown_role_is_no_such_agent_and_the_acl_names_role_targets(role_broker):
+    assert_error(await role_broker.post("alpha", "/messages", {"to": "role:nope"}), 404,
+                 "no_such_agent")
+    await role_broker.register("beta")
+    assert (await role_broker.post("narrow", "/messages", {"to": "role:triage"})).code == 201
+    assert_error(await role_broker.post("narrow", "/messages", {"to": "role:audit"}), 403,
+                 "forbidden")
+    assert_error(await role_broker.post("narrow", "/messages", {"to": "beta"}), 403, "forbidden")
+
+
+@pytest_twisted.ensureDeferred
+async def test_group_copies_carry_the_sent_priority():
+    b = TeamBroker(agents=ROLE_TEAM, roles=ROLES, groups={"pair": {"members": ["dan", "erin"]}})
+    await b.register("dan")
+    await b.message("alpha", "dan", id="plain")
+    sent = await b.post("alpha", "/messages", {"to": "group:pair", "id": "g", "priority": 6})
+    assert sent.code == 201 and len(sent.json["copies"]) == 2
+    first, second = await b.pull("dan")
+    assert (first["via"], first["priority"]) == ("group:pair", 6)
+    assert second["id"] == "plain"
+    assert_error(await b.post("alpha", "/messages", {"to": "group:pair", "priority": 10}),
+                 400, "bad_request")
+
+
+# -- the v2/v3 wire: POST /v1/messages (WIRE-V2) -------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_send_is_idempotent_per_sender_and_key(v2_broker):
+    alpha = v2_broker.client("alpha")
+    first = await alpha.send_request("beta", "hello", idempotency_key="k-1")
+    assert first.code == 200
+    assert first.json == {"message_id": views.message_id_for("alpha", "k-1"), "created": True,
+                          "protocol_version": 3}
+    again = await alpha.send_request("beta", "other text", idempotency_key="k-1")
+    assert again.json == dict(first.json, created=False)
+    other = await v2_broker.client("gamma").send_request("beta", "hello", idempotency_key="k-1")
+    assert other.json["created"] is True and other.json["message_id"] != first.json[
+        "message_id"]
+    assert len(await v2_broker.client("beta").pull()) == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_send_refusals(v2_broker):
+    alpha = v2_broker.client("alpha")
+    base = alpha.request_payload("beta", "hello")
+    cases = [
+        (dict(base, origin="gamma"), 403, "forbidden"),
+        (dict(base, kind="note"), 400, "bad_request"),
+        (dict(base, body="   "), 400, "bad_request"),
+        (dict(base, body="x" * 48001), 400, "bad_request"),
+        (dict(base, idempotency_key=""), 400, "bad_request"),
+        (dict(base, allow_shared_write="yes"), 400, "bad_request"),
+        (dict(base, execution_mode="admin"), 400, "bad_request"),
+        (dict(base, execution_mode="write"), 403, "forbidden"),
+        (dict(base, kind="reply"), 400, "bad_request"),
+        (dict(base, kind="reply", parent_id="nope"), 404, "no_such_message"),
+        (dict(base, target="no such agent!"), 400, "bad_request"),
+        (dict(base, body={"text": "an object"}), 400, "bad_request"),
+    ]
+    for payload, status, code in cases:
+        assert_v2_error(await alpha.request("POST", "/v1/messages", payload), status, code)
+    for raw in (b"", b"not json", b"[1]", b"{"):
+        assert_v2_error(await alpha.request("POST", "/v1/messages", raw=raw), 400, "bad_request")
+    assert await v2_broker.client("beta").pull() == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_send_limits_and_clamps(v2_broker):
+    alpha = v2_broker.client("alpha")
+    longest = "😀" * 48000  # code points, not UTF-16 units nor bytes
+    assert (await alpha.send_request("beta", longest)).code == 200
+    short = await alpha.send_request("beta", "ttl", ttl_seconds=5, topic="t" * 300,
+                                     session_ref="s" * 400)
+    long = await alpha.send_request("beta", "ttl", ttl_seconds=10**9)
+    default = await alpha.send_request("beta", "ttl", ttl_seconds="soon")
+    pulled = {m["message_id"]: m for m in await v2_broker.client("beta").pull()}
+    assert pulled[short.json["message_id"]]["expires_at"] == START + 60
+    assert len(pulled[short.json["message_id"]]["topic"]) == 200
+    assert len(pulled[short.json["message_id"]]["session_ref"]) == 300
+    assert pulled[long.json["message_id"]]["expires_at"] == START + 3600
+    assert pulled[default.json["message_id"]]["expires_at"] == START + 3600
+    (first,) = [m for m in pulled.values() if m["body"] == longest]
+    assert first["execution_mode"] == "read"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_reply_inherits_from_its_request(v2_broker):
+    alpha, beta, request_id, message = await leased_request(
+        v2_broker, execution_mode="continue", session_ref="s-1", topic="plans", context="c",
+        root_id="root-given")
+    assert (message["root_id"], message["context"], message["topic"]) == (
+        "root-given", "c", "plans")
+    assert_v2_error(await v2_broker.client("gamma").send_reply(request_id, "alpha", "x"), 403,
+                    "forbidden")
+    assert_v2_error(await beta.send_reply(request_id, "gamma", "x"), 403, "forbidden")
+    reply = await beta.send_reply(request_id, "alpha", "done", topic="ignored",
+                                  execution_mode="write", allow_shared_write=True)
+    assert reply.code == 200
+    (answer,) = await alpha.pull()
+    assert answer == {
+        "message_id": reply.json["message_id"], "root_id": "root-given",
+        "parent_id": request_id, "origin": "beta", "target": "alpha", "kind": "reply",
+        "body": "done", "session_ref": "s-1", "created_at": START,
+        "expires_at": START + 3600, "execution_mode": "continue", "topic": "plans",
+        "lease_token": answer["lease_token"], "lease_until": START + 600}
+
+
+@pytest_twisted.ensureDeferred
+async def test_write_mode_is_closed_unless_granted(v2_brokers):
+    broker = v2_brokers(config=make_config(agents={
+        "alpha": {"allowed_targets": ["beta"], "allowed_write_targets": ["beta"]},
+        "beta": {"allowed_targets": ["alpha"]}}))
+    alpha, beta = broker.client("alpha"), broker.client("beta")
+    assert (await alpha.send_request("beta", "w", execution_mode="write",
+                                     allow_shared_write=True)).code == 200
+    assert_v2_error(await alpha.send_request("gamma", "r"), 403, "forbidden")
+    assert_v2_error(await beta.send_request("alpha", "w", execution_mode="write"), 403,
+                    "forbidden")
+    assert (await beta.send_request("alpha", "c", execution_mode="continue")).code == 200
+    (message,) = await beta.pull()
+    assert message["allow_shared_write"] is True and message["execution_mode"] == "write"

@@ -26,13 +26,7 @@ from relay.client.client import (
 from relay.rules.delivery import notice_id
 from relay.testing import SECRET
 from relay.wire.signing import NONCE, sign
-from tests.support.client import (
-    V11_INFO,
-    Net,
-    assert_v11_requests,
-    failure_of,
-    result_of,
-)
+from tests.support.client import V11_INFO, Net, assert_v11_requests, failure_of, result_of
 
 
 def pair(net: Net, **kwargs: Any) -> Tuple[RelayClient, RelayClient]:
@@ -497,3 +491,27 @@ def test_question_body_refuses_what_the_page_cannot_show(question, options, says
     with pytest.raises(ValueError, match=says):
         question_body(question, options)
     assert question_body("q?") == {"question": "q?"}
+
+
+CARD = {"description": "d" * 2000, "skills": ["s" * 100] * 50}
+
+
+# -- peers, page by page -------------------------------------------------------------------
+
+
+def test_the_client_pages_through_peers_and_relay_peers_lists_them_all(monkeypatch):
+    from relay.wire import protocol
+    from tests.support.client import Net
+
+    net = Net()
+    names = [f"agent{i:02d}" for i in range(7)]
+    clients = {name: net.client(name) for name in names}
+    for client in clients.values():
+        net.run(client.register(card=CARD))
+    monkeypatch.setattr(protocol, "PEERS_BUDGET_BYTES", 3 * len(protocol.compact_json(CARD)) + 300)
+    first = net.run(clients["agent00"].peers())
+    assert len(first["peers"]) == 3 and first["next"] == "agent02"
+    everyone = net.run(clients["agent00"].all_peers())
+    assert [p["agent"] for p in everyone["peers"]] == names and "next" not in everyone
+    paths = [path for _, path in net.http.paths() if path.startswith("/peers")]
+    assert paths[-3:] == ["/peers", "/peers?after=agent02", "/peers?after=agent05"]

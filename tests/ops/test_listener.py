@@ -696,3 +696,16 @@ async def test_online_agents_come_first_and_throwaway_agents_are_marked():
     order = [(row["agent"], row["online"], row["selfcheck"]) for row in overview["agents"]]
     assert order == [("zeta", True, False), ("alpha", False, False),
                      ("selfcheck-0123abcd-a", False, True)]
+
+
+# -- requests by wire ----------------------------------------------------------------------
+
+
+def test_requests_are_counted_per_wire():
+    from relay.broker.counters import Counters
+
+    counters = Counters()
+    for route, code in (("v2_pull", 200), ("v2_pull", 401), ("v2_send", 200), ("pull", 200),
+                        ("unmatched", 404)):
+        counters.http_answered(route, code, 0.001)
+    assert counters.requests_by_wire() == {"seed": 2, "v2": 3}

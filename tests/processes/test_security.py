@@ -1,8 +1,10 @@
-"""Regression tests for the findings of the second attack run (docs/SECURITY.md).
+"""The broker process's own defences (docs/SECURITY.md), against the real ``twistd -n
+relay``: no remote listener without TLS, no short secret, the Host rule of a loopback
+listener (the inbox page included), private data files, the connection caps, a body of
+too many values, and the free disk floor.
 
-Findings about the process (listeners, connections, file modes, start-up checks)
-run against the real ``twistd -n relay``; the others against the broker's HTTP
-API in memory, time driven by a ``task.Clock``.
+What the routes refuse is in tests/api (the quotas in test_send.py, the cap on agents in
+test_register.py, a replayed nonce in test_every_route.py).
 """
 
 from __future__ import annotations
@@ -13,15 +15,11 @@ import resource
 import socket
 import stat
 import time
+from importlib import resources
 from typing import Any, List, Tuple
 
 import pytest
-import pytest_twisted
-from twisted.internet.address import IPv4Address, IPv6Address
 
-from relay.broker.site import RelaySite
-from relay.testing import make_api
-from relay.wire.signing import auth_headers
 from tests.support.processes import BrokerProcess, free_port
 
 CONNECT_SECONDS = 5
@@ -228,27 +226,6 @@ def test_the_cap_stays_below_the_open_files_limit(tmp_path, brokers):
     assert "EMFILE" not in broker.log() and "Too many open files" not in broker.log()
 
 
-def test_the_per_address_cap_counts_ipv6_per_64_and_not_loopback():
-    from twisted.internet.task import Clock
-    from twisted.web.resource import Resource
-
-    site = RelaySite(Resource(), reactor=Clock(), max_connections=100, max_per_address=2)
-
-    def connect(address):
-        return site.buildProtocol(address)
-
-    one = [connect(IPv6Address("TCP", f"2001:db8:1:2::{i}", 5000)) for i in (1, 2)]
-    assert type(connect(IPv6Address("TCP", "2001:db8:1:2::3", 5000))).__name__ == "_Refused"
-    assert type(connect(IPv6Address("TCP", "2001:db8:1:3::1", 5000))).__name__ != "_Refused"
-    assert type(connect(IPv4Address("TCP", "192.0.2.1", 5000))).__name__ != "_Refused"
-    assert type(connect(IPv4Address("TCP", "192.0.2.1", 5001))).__name__ != "_Refused"
-    assert type(connect(IPv4Address("TCP", "192.0.2.1", 5002))).__name__ == "_Refused"
-    for _ in range(5):
-        assert type(connect(IPv4Address("TCP", "127.0.0.1", 5000))).__name__ != "_Refused"
-    site.forget(one[0])
-    assert type(connect(IPv6Address("TCP", "2001:db8:1:2::9", 5000))).__name__ != "_Refused"
-
-
 # -- amplification and quotas --------------------------------------------------------------
 
 
@@ -266,75 +243,6 @@ def test_a_body_of_hundreds_of_thousands_of_values_is_400_and_others_are_served(
     assert time.monotonic() - started < 5
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_full_inbox_is_429_inbox_full_until_the_recipient_takes_some():
-    _, client, _ = make_api(inboxMaxMessages=2)
-    assert (await client.post("beta", "/register", {}))[0] == 200
-    for i in range(2):
-        assert (await client.post("alpha", "/messages", {"to": "beta", "id": f"f{i}"}))[0] == 201
-    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "id": "f2"})
-    assert code == 429 and body["error"]["code"] == "inbox_full"
-    assert "'beta'" in body["error"]["message"]
-    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "id": "f0"})
-    assert (code, body["duplicate"]) == (200, True)
-    _, pulled, _ = await client.post("beta", "/v1/pull", {"limit": 1})
-    (m,) = pulled["messages"]
-    assert (await client.post("beta", "/v1/ack", {"messageId": m["id"], "leaseId": m["leaseId"],
-                                                  "outcome": "completed"}))[0] == 200
-    assert (await client.post("alpha", "/messages", {"to": "beta", "id": "f2"}))[0] == 201
-
-
-@pytest_twisted.ensureDeferred
-async def test_the_inbox_byte_limit_counts_bodies():
-    _, client, _ = make_api(inboxMaxBytes=1000)
-    assert (await client.post("beta", "/register", {}))[0] == 200
-    big = {"t": "é" * 450}  # 900 UTF-8 bytes of text
-    assert (await client.post("alpha", "/messages", {"to": "beta", "body": big}))[0] == 201
-    code, body, _ = await client.post("alpha", "/messages", {"to": "beta", "body": big})
-    assert (code, body["error"]["code"]) == (429, "inbox_full")
-
-
-@pytest_twisted.ensureDeferred
-async def test_registrations_are_capped_at_max_agents():
-    _, client, _ = make_api(maxAgents=2)
-    assert (await client.post("a1", "/register", {}))[0] == 200
-    assert (await client.post("a2", "/register", {}))[0] == 200
-    code, body, _ = await client.post("a3", "/register", {})
-    assert code == 403 and body["error"]["code"] == "forbidden"
-    assert "broker.maxAgents" in body["error"]["message"]
-    assert (await client.post("a1", "/register", {}))[0] == 200, "a known agent is welcome"
-    _, peers, _ = await client.get("a1", "/peers")
-    assert [p["agent"] for p in peers["peers"]] == ["a1", "a2"]
-
-
-@pytest_twisted.ensureDeferred
-async def test_agents_offline_longer_than_the_message_ttl_are_forgotten():
-    api, client, clock = make_api(messageTtlDays=1)
-    for agent in ("idle", "busy", "fresh"):
-        assert (await client.post(agent, "/register", {}))[0] == 200
-    clock.advance(3600)
-    assert (await client.post("fresh", "/messages", {"to": "busy"}))[0] == 201
-    clock.advance(86400 - 3600 + 1)
-    assert (await client.post("fresh", "/register", {}))[0] == 200
-    await api.broker.sweep_expired()
-    _, peers, _ = await client.get("fresh", "/peers")
-    assert [p["agent"] for p in peers["peers"]] == ["busy", "fresh"], (
-        "busy holds a message; idle is forgotten")
-    code, body, _ = await client.post("fresh", "/messages", {"to": "idle"})
-    assert (code, body["error"]["code"]) == (404, "no_such_agent")
-    assert (await client.post("idle", "/register", {}))[0] == 200, "it may come back"
-
-
-@pytest_twisted.ensureDeferred
-async def test_agents_seen_within_the_heartbeat_ttl_are_never_forgotten():
-    api, client, clock = make_api(messageTtlDays=0)
-    assert (await client.post("beta", "/register", {}))[0] == 200
-    clock.advance(60)
-    await api.broker.sweep_expired()
-    _, peers, _ = await client.get("beta", "/peers")
-    assert [p["agent"] for p in peers["peers"]] == ["beta"]
-
-
 @pytest.mark.process
 def test_new_messages_are_503_below_the_free_disk_floor(tmp_path, brokers):
     broker = start(tmp_path, brokers, storage="sqlite", minFreeDiskMB=2**40)
@@ -345,25 +253,25 @@ def test_new_messages_are_503_below_the_free_disk_floor(tmp_path, brokers):
     assert broker.request("beta", "POST", "/v1/pull", {})[0] == 200, "draining still works"
 
 
-# -- replay -------------------------------------------------------------------------------
+STATIC = resources.files("relay.broker.inbox").joinpath("static")
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_captured_request_with_a_nonce_cannot_be_replayed_or_reassigned():
-    _, client, clock = make_api(security={"requireNonce": True})
-    raw = json.dumps({"limit": 1}).encode()
-    ts = int(clock.seconds())
-    nonce = "n0nce-for-the-replay-test"
+# -- the inbox page under the Host rule (REACH §15) ----------------------------------------
 
-    def headers(agent: str, nonce: str):
-        return dict(auth_headers(client.secret, agent, "POST", "/v1/pull", ts, raw, nonce),
-                    **{"Content-Type": "application/json"})
 
-    captured = headers("beta", nonce)
-    assert (await client.request(None, "POST", "/v1/pull", raw=raw, headers=captured))[0] == 200
-    code, body, _ = await client.request(None, "POST", "/v1/pull", raw=raw, headers=captured)
-    assert (code, body["error"]["code"]) == (401, "unauthenticated"), "a replay"
-    swapped = dict(headers("beta", "another-n0nce-value-1"), **{"X-Relay-Agent": "gamma"})
-    assert (await client.request(None, "POST", "/v1/pull", raw=raw, headers=swapped))[0] == 401
-    code, _, _ = await client.post("beta", "/v1/pull", {"limit": 1})
-    assert code == 401, "requireNonce: a request without a nonce is refused"
+@pytest.mark.process
+def test_the_page_obeys_the_host_rule(tmp_path):
+    broker = BrokerProcess(str(tmp_path)).start()
+    try:
+        port = broker.port
+        answer = raw_request(port, (f"GET /inbox/ HTTP/1.1\r\nHost: localhost:{port}\r\n"
+                                    "Connection: close\r\n\r\n").encode("latin-1"))
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert body == STATIC.joinpath("index.html").read_bytes()
+        assert b"\r\ncontent-length: %d\r\n" % len(body) in head.lower()
+        for path in ("/inbox/", "/inbox/inbox.js", "/inbox"):
+            code, body = get(port, path, f"attacker.example:{port}")
+            assert code == 403 and body["error"]["code"] == "forbidden", path
+    finally:
+        broker.stop()

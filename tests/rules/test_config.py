@@ -22,7 +22,9 @@ from relay.rules.config import (
     parse_config,
 )
 from relay.store import jsonl, memory, postgres, sqlite
+from relay.testing import SECRET, make_config
 from tests.support import REPO
+from tests.support.teams import ALICE, HUMAN
 
 
 def parse(text: str, base_dir: str = "/srv/relay", secret_from_file=None):
@@ -690,3 +692,42 @@ def test_members_must_be_configured_agents_even_with_a_shared_secret():
     error = error_of("broker: {secret: s0123456789abcdef}\ngroups: {g: {members: [alice]}}")
     assert error.key == "groups.g.members"
     assert "'alice: {}' is enough" in str(error)
+
+
+# -- people (REACH §15) --------------------------------------------------------------------
+
+
+def test_human_is_read_from_the_agent_entry():
+    config = make_config(agents={"alpha": {"secret": ALICE},
+                                 "dana": {"secret": HUMAN, "human": True},
+                                 "erin": {"secret": "erin-secret-0123456789", "human": False}})
+    assert [name for name, agent in config.agents.items() if agent.human] == ["dana"]
+
+
+@pytest.mark.parametrize("entry, key, reason", [
+    ({"secret": HUMAN, "human": "yes"}, "agents.dana.human", "must be true or false"),
+    ({"secret": HUMAN, "human": 1}, "agents.dana.human", "must be true or false"),
+    ({"human": True}, "agents.dana.secret", "its own secret"),
+])
+def test_a_bad_human_entry_stops_the_start_with_its_key(entry, key, reason):
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"broker": {"secret": SECRET, "storage": "memory"},
+                      "agents": {"dana": entry}}, "/tmp")
+    assert caught.value.key == key and reason in str(caught.value)
+
+
+def test_a_human_may_sign_with_a_keyring_instead_of_a_secret():
+    config = make_config(agents={"alpha": {"secret": ALICE},
+                                 "dana": {"human": True, "keys": {"k1": {"secret": HUMAN}}}})
+    assert config.agents["dana"].human and config.agents["dana"].keys
+
+
+def test_a_human_with_the_shared_secret_only_is_refused():
+    """A person signs in with a secret of their own: the shared ``broker.secret``
+    (which every agent holds) would let any agent read and answer as them."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(yaml.safe_load(f"""
+broker: {{secret: {SECRET}, storage: memory}}
+agents: {{dana: {{human: true}}}}
+"""), "/tmp")
+    assert caught.value.key == "agents.dana.secret"

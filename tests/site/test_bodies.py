@@ -1,6 +1,7 @@
-"""Bodies are kept as the compact JSON text that was validated, from the request to
-the store to the response: never decoded to be sent, stored as UTF-8, bounded in
-structure, and listed within a byte budget."""
+"""Request bodies: strict JSON in UTF-8, at most 1 MiB whether sent whole or chunked
+(seed §1, §6). Bodies are kept as the compact JSON text that was validated, from the
+request to the store to the response: never decoded to be sent, stored as UTF-8,
+bounded in structure, and listed within a byte budget."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from hypothesis import strategies as st
 from relay.rules.delivery import Message
 from relay.store.records import RESPONSE_BUDGET_BYTES
 from relay.testing import RULES, START, new_message
-from relay.wire.protocol import MAX_JSON_VALUES
+from relay.wire.protocol import MAX_BODY_BYTES, MAX_JSON_VALUES
 from tests.conftest import open_backend
-from tests.support.api import Broker, assert_error
+from tests.support.api import Broker, assert_error, sized_envelope, two_agents
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False,
@@ -166,3 +167,85 @@ def test_answers_are_encoded_as_the_standard_encoder_would(value):
 
     reference = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode(value)
     assert encode_json(value) == reference.encode("utf-8")
+
+
+# -- request bodies: JSON, UTF-8 and size (seed §1, §6) ------------------------------------
+
+
+@pytest.mark.parametrize("raw", [b"{", b"not json", b'{"to": "beta",}', b"\xff\xfe{}",
+                                 b'{"to": "beta", "body": {"t": "\xc3"}}',
+                                 b'{"to": "beta", "body": {"t": "\\ud800"}}',
+                                 b'{"to": "beta", "body": {"x": NaN}}',
+                                 b'{"to": "beta", "body": {"x": -Infinity}}',
+                                 b'{"to": "beta", "body": {"x": 1e400}}',
+                                 b'{"to": "beta", "body": {"x": 1' + b"0" * 5000 + b'}}'])
+@pytest_twisted.ensureDeferred
+async def test_invalid_json_or_utf8_is_400(raw):
+    b = await two_agents()
+    assert_error(await b.post("alpha", "/messages", raw=raw), 400, "bad_request")
+    assert (await b.poll("beta"))[0] == []
+
+
+@pytest.mark.parametrize("number", [b"1e400", b"-1E+999", b"1" + b"0" * 400 + b".5"])
+@pytest_twisted.ensureDeferred
+async def test_a_number_beyond_a_double_is_named_as_such(number):
+    """Valid JSON, but stored it would be served back as Infinity: refused, and the
+    message says why rather than calling the body invalid JSON."""
+    b = await two_agents()
+    reply = await b.post("alpha", "/messages", raw=b'{"to": "beta", "body": {"x": %s}}' % number)
+    assert_error(reply, 400, "bad_request")
+    assert "too large for a double" in reply.json["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_stored_body_is_served_back_as_strict_json():
+    b = await two_agents()
+    raw = b'{"to": "beta", "body": {"big": 1e308, "neg": -0.0, "int": 123456789012345678901}}'
+    assert (await b.post("alpha", "/messages", raw=raw)).code == 201
+    reply = await b.get("beta", "/messages")
+    json.loads(reply.raw, parse_constant=lambda name: pytest.fail(f"non-JSON {name}"))
+
+
+@pytest_twisted.ensureDeferred
+async def test_body_of_exactly_1_mib_is_accepted():
+    b = await two_agents()
+    raw = sized_envelope(MAX_BODY_BYTES)
+    assert len(raw) == MAX_BODY_BYTES
+    assert (await b.post("alpha", "/messages", raw=raw)).code == 201
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest_twisted.ensureDeferred
+async def test_body_over_1_mib_is_400(chunked):
+    b = await two_agents()
+    raw = sized_envelope(MAX_BODY_BYTES + 1)
+    reply = await b.post("alpha", "/messages", raw=raw, chunked=chunked)
+    assert_error(reply, 400, "bad_request")
+    assert (await b.poll("beta"))[0] == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_chunked_upload_in_many_pieces_over_the_limit_is_400():
+    b = await two_agents()
+    piece = b"x" * 65536
+    chunks = [b'{"to":"beta","body":{"pad":"'] + [piece] * 17 + [b'"}}']
+    headers = b.signed_headers("alpha", "POST", "/messages", b"".join(chunks))
+    reply = await b.send("POST", "/messages", headers=headers, chunked=True, chunks=chunks)
+    assert_error(reply, 400, "bad_request")
+
+
+@pytest_twisted.ensureDeferred
+async def test_chunked_upload_under_the_limit_is_accepted():
+    b = await two_agents()
+    chunks = [b'{"to":"beta",', b'"body":{"t":"hi"}}']
+    headers = b.signed_headers("alpha", "POST", "/messages", b"".join(chunks))
+    reply = await b.send("POST", "/messages", headers=headers, chunked=True, chunks=chunks)
+    assert reply.code == 201
+
+
+@pytest_twisted.ensureDeferred
+async def test_oversized_body_is_400_even_unsigned_and_on_root():
+    b = Broker()
+    raw = b"x" * (MAX_BODY_BYTES + 1)
+    assert_error(await b.post(None, "/register", raw=raw), 400, "bad_request")
+    assert_error(await b.send("GET", "/", raw), 400, "bad_request")

@@ -1,5 +1,6 @@
 """The broker's site (relay/broker/site.py) on twisted.web: requests in pieces, pipelined
-or trickled, large answers to slow readers, and idle keep-alive connections."""
+or trickled, large answers to slow readers, idle keep-alive connections, and the cap of
+connections per address."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from typing import List, Optional, Tuple
 
 import pytest
-from twisted.internet.address import IPv4Address
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
@@ -213,3 +214,27 @@ def test_twisteds_own_idle_timer_is_not_used() -> None:
         channel.dataReceived(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert len(clock.getDelayedCalls()) == before, "no timer per connection or request"
     site.stopFactory()
+
+
+# -- connections per address ---------------------------------------------------------------
+
+
+def test_the_per_address_cap_counts_ipv6_per_64_and_not_loopback():
+    from twisted.internet.task import Clock
+    from twisted.web.resource import Resource
+
+    site = RelaySite(Resource(), reactor=Clock(), max_connections=100, max_per_address=2)
+
+    def connect(address):
+        return site.buildProtocol(address)
+
+    one = [connect(IPv6Address("TCP", f"2001:db8:1:2::{i}", 5000)) for i in (1, 2)]
+    assert type(connect(IPv6Address("TCP", "2001:db8:1:2::3", 5000))).__name__ == "_Refused"
+    assert type(connect(IPv6Address("TCP", "2001:db8:1:3::1", 5000))).__name__ != "_Refused"
+    assert type(connect(IPv4Address("TCP", "192.0.2.1", 5000))).__name__ != "_Refused"
+    assert type(connect(IPv4Address("TCP", "192.0.2.1", 5001))).__name__ != "_Refused"
+    assert type(connect(IPv4Address("TCP", "192.0.2.1", 5002))).__name__ == "_Refused"
+    for _ in range(5):
+        assert type(connect(IPv4Address("TCP", "127.0.0.1", 5000))).__name__ != "_Refused"
+    site.forget(one[0])
+    assert type(connect(IPv6Address("TCP", "2001:db8:1:2::9", 5000))).__name__ != "_Refused"

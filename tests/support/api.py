@@ -20,7 +20,7 @@ from twisted.web.http_headers import Headers
 
 from relay.broker.assembly import assemble
 from relay.broker.loopback import BytesProducer, MemoryAgent
-from relay.testing import SECRET, START, make_config
+from relay.testing import SECRET, START, make_api, make_config
 from relay.wire.signing import sign
 
 BASE = b"http://127.0.0.1:19121"
@@ -180,3 +180,86 @@ async def answered(broker: Broker, d: Deferred, seconds: float = 10.0) -> Reply:
         broker.flush()
         await deferLater(reactor, 0.01, lambda: None)
     return await d
+
+
+# -- what the tests of the routes share ----------------------------------------------------
+
+
+async def two_agents(**broker: Any) -> Broker:
+    """A broker (``broker`` are its ``broker.*`` keys) with alpha and beta registered."""
+    b = Broker(**broker)
+    await b.register("alpha", "beta")
+    return b
+
+
+async def leased_one(b: Broker, **pull: Any) -> Dict[str, Any]:
+    """A message from alpha, leased by beta's pull (``pull`` are its fields)."""
+    msg_id = await b.message("alpha", "beta")
+    (leased,) = await b.pull("beta", **pull)
+    assert leased["id"] == msg_id
+    return leased
+
+
+async def lease(b: Broker, **fields: Any) -> Dict[str, Any]:
+    """A message from alpha (``fields`` are its envelope's), leased by beta."""
+    await b.message("alpha", "beta", **fields)
+    (leased,) = await b.pull("beta", limit=1)
+    return leased
+
+
+async def ack(b: Broker, leased: Dict[str, Any], outcome: str, agent: str = "beta",
+              **extra: Any) -> Reply:
+    """``POST /v1/ack`` of ``leased`` with ``outcome`` (``extra`` are more fields)."""
+    body = {"messageId": leased["id"], "leaseId": leased["leaseId"], "outcome": outcome}
+    body.update(extra)
+    return await b.post(agent, "/v1/ack", body)
+
+
+def logged_store():
+    """A memory store that notes the store operations requests make (``operations``)."""
+    from relay.store.memory import MemoryStore
+
+    class Logged(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.operations: list = []
+
+        def find(self, *args, **kwargs):
+            self.operations.append("find")
+            return super().find(*args, **kwargs)
+
+        def add(self, *args, **kwargs):
+            self.operations.append("add")
+            return super().add(*args, **kwargs)
+
+        def settle(self, *args, **kwargs):
+            self.operations.append("settle")
+            return super().settle(*args, **kwargs)
+
+    return Logged()
+
+
+def sized_envelope(size: int) -> bytes:
+    """A send to beta of exactly ``size`` bytes."""
+    head = b'{"to":"beta","body":{"pad":"'
+    tail = b'"}}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+# -- through relay.testing's signed client -------------------------------------------------
+
+
+async def registered(*agents: str, **broker: Any):
+    """``make_api(**broker)`` with ``agents`` registered: ``(api, client, clock)``."""
+    api, client, clock = make_api(**broker)
+    for agent in agents:
+        assert (await client.post(agent, "/register", {}))[0] == 200
+    return api, client, clock
+
+
+def refused(answer, status: int = 400, code: str = "bad_request") -> str:
+    """The message of an error answer, after checking its status and uniform body."""
+    got, body, _ = answer
+    assert got == status, body
+    assert set(body) == {"error"} and body["error"]["code"] == code
+    return body["error"]["message"]

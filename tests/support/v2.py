@@ -35,3 +35,35 @@ class V2Broker(Broker):
         return V2Client(BASE.decode(), agent, secret, key_id, http=self.http,
                         now=self.clock.seconds)
 
+
+def assert_v2_error(reply, status: int, code: str) -> None:
+    """The error body of the v2/v3 wire: ``status`` and ``code``, and a message."""
+    assert reply.code == status, reply
+    assert set(reply.json) == {"error"} and set(reply.json["error"]) == {"code", "message"}
+    assert reply.json["error"]["code"] == code, reply
+    assert reply.json["error"]["message"]
+
+
+async def leased_request(broker, sender="alpha", to="beta", body="hello", **fields):
+    """A v2 request from ``sender``, pulled by ``to``: ``(sender's client, to's client,
+    the request's id, the message as pulled)``."""
+    a, b = broker.client(sender), broker.client(to)
+    sent = await a.send_request(to, body, **fields)
+    assert sent.code == 200, sent
+    (message,) = await b.pull()
+    return a, b, sent.json["message_id"], message
+
+
+async def swept(broker, client, message_id: str, stored: bool = True) -> None:
+    """Sweep, and wait until ``message_id`` is stored (or gone): on PostgreSQL a sweep
+    the clock started may hold the rows (SKIP LOCKED) until its commit."""
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    await broker.broker.sweep_expired()
+    for _ in range(500):
+        (entry,) = await client.status(message_id)
+        if (entry["status"] != "not_found") == stored:
+            return
+        await deferLater(reactor, 0.01)
+    raise AssertionError(f"{message_id} is {'not ' if stored else ''}stored")
