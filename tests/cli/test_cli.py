@@ -1,29 +1,29 @@
-"""The ``relay`` command: parsing, settings precedence, files, output and exit codes."""
+"""The ``relay`` command: parsing, settings precedence, files, output and exit codes, in
+process and as a process with no broker. The commands against the in-memory broker are
+tests/cli/test_commands.py, against a real broker tests/processes/test_cli.py."""
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import pytest
 import pytest_twisted
 import yaml
-from twisted.internet import defer
 
-from relay.cli import run
 from relay.cli.commands import COMMANDS
+from relay.cli.commands.events import event_line
 from relay.cli.output import body_text, message_block, table, watch_line
 from relay.cli.parser import Exit, build_parser, parse
 from relay.cli.state import CursorState
 from relay.client.settings import Settings, UsageError, resolve_settings
+from relay.client.sse import RelayEvent
 from relay.rules.config import parse_config
 from tests.support import REPO
+from tests.support.cli import in_process, python_relay
+from tests.support.processes import free_port
 
 # -- settings precedence -------------------------------------------------------
 
@@ -264,33 +264,6 @@ def test_cursor_state_survives_a_corrupt_file(tmp_path: Path) -> None:
 # -- running commands in process --------------------------------------------------
 
 
-class Outcome:
-    def __init__(self, status: int, out: str, err: str) -> None:
-        self.status = status
-        self.out = out
-        self.err = err
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-
-async def run_cli(
-    argv: List[str],
-    home: Path,
-    env: Optional[Mapping[str, str]] = None,
-    http: Any = None,
-) -> Outcome:
-    from twisted.internet import reactor
-
-    out, err = io.StringIO(), io.StringIO()
-    status = await run(reactor, argv, env=env or {}, home=home, out=out, err=err, http=http)
-    return Outcome(status, out.getvalue(), err.getvalue())
-
-
-def in_process(argv: List[str], home: Path, **kwargs: Any) -> defer.Deferred:
-    return defer.Deferred.fromCoroutine(run_cli(argv, home, **kwargs))
-
-
 @pytest_twisted.inlineCallbacks
 def test_init_writes_a_private_config_and_refuses_to_overwrite(tmp_path: Path) -> Any:
     config = tmp_path / "conf" / "relay.yaml"
@@ -375,25 +348,7 @@ def test_usage_error_exit_code_in_process(tmp_path: Path) -> Any:
     assert outcome.err.startswith("usage: relay send")
 
 
-def python_relay(
-    argv: List[str], home: Path, env: Optional[Dict[str, str]] = None, timeout: float = 60
-) -> Tuple[int, str, str]:
-    """Run ``python -m relay.cli`` as a separate process."""
-    full_env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": str(home),
-        "PYTHONPATH": str(REPO),
-    }
-    full_env.update(env or {})
-    done = subprocess.run(
-        [sys.executable, "-m", "relay.cli", *argv],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=str(home),
-        timeout=timeout,
-    )
-    return done.returncode, done.stdout, done.stderr
+# -- as a process, with no broker ------------------------------------------------------
 
 
 @pytest.mark.process
@@ -411,248 +366,6 @@ def test_process_help_is_exit_0(tmp_path: Path) -> None:
     assert "selfcheck" in out
 
 
-# -- against a real broker process ------------------------------------------------
-
-BROKER_SECRET = "cli-test-secret-0123456789abcdef"
-START_TIMEOUT_SECONDS = 20.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class BrokerProcess:
-    """``twistd -n relay`` on a free loopback port with an in-memory store."""
-
-    def __init__(self, directory: Path) -> None:
-        import time
-        import urllib.request
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = directory / "relay.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "broker": {
-                        "host": "127.0.0.1",
-                        "port": self.port,
-                        "secret": BROKER_SECRET,
-                        "storage": "memory",
-                    }
-                }
-            ),
-            encoding="utf-8",
-        )
-        self.log = open(directory / "broker.log", "wb")  # noqa: SIM115
-        twistd = Path(sys.executable).with_name("twistd")
-        self.process = subprocess.Popen(
-            [str(twistd), "-n", "--pidfile=", "relay", "--config", str(config)],
-            cwd=str(directory),
-            env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/", timeout=1) as answer:
-                    if json.loads(answer.read())["protocol"] == "1.0":
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"broker did not start: {(directory / 'broker.log').read_text()}"
-                )
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
-        self.log.close()
-
-
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    process = BrokerProcess(tmp_path_factory.mktemp("broker"))
-    try:
-        yield process
-    finally:
-        process.stop()
-
-
-class Shell:
-    """Runs ``relay`` command lines in process against the broker, as one agent."""
-
-    def __init__(self, broker: BrokerProcess, home: Path, agent: str) -> None:
-        self.env = {
-            "DSH_RELAY_BROKER_URL": broker.url,
-            "DSH_RELAY_SECRET": BROKER_SECRET,
-            "DSH_RELAY_AGENT": agent,
-        }
-        self.home = home
-
-    def __call__(self, *argv: str) -> defer.Deferred:
-        return in_process(list(argv), self.home, env=self.env)
-
-
-def unique(name: str) -> str:
-    import uuid
-
-    return f"{name}-{uuid.uuid4().hex[:6]}"
-
-
-@pytest_twisted.inlineCallbacks
-@pytest.mark.process
-def test_every_subcommand_against_the_broker(broker: BrokerProcess, tmp_path: Path) -> Any:
-    a_name, b_name = unique("alpha"), unique("beta")
-    alpha, beta = Shell(broker, tmp_path, a_name), Shell(broker, tmp_path, b_name)
-
-    hs = yield alpha("handshake")
-    assert hs.status == 0 and "protocol 1.0" in hs.out
-    hs_json = yield alpha("handshake", "--json")
-    assert hs_json.json()["protocol"] == "1.0"
-
-    for shell, name in ((alpha, a_name), (beta, b_name)):
-        reg = yield shell("register")
-        assert (reg.status, reg.out.strip()) == (0, f"registered {name}")
-
-    peers = yield alpha("peers")
-    assert peers.out.splitlines()[0].split() == ["AGENT", "ONLINE", "LAST", "SEEN"]
-    assert any(line.split()[:2] == [a_name, "yes"] for line in peers.out.splitlines())
-    peers_json = yield alpha("peers", "--json")
-    assert {a_name, b_name} <= {p["agent"] for p in peers_json.json()["peers"]}
-
-    sent = yield alpha("send", b_name, "hello there", "--ack", "--json")
-    assert sent.status == 0, sent.err
-    first_id = sent.json()["id"]
-    plain = yield alpha("send", b_name, "second")
-    assert plain.out.startswith("sent ") and plain.out.strip().endswith(f"to {b_name}")
-
-    got = yield beta("recv", "--json")
-    document = got.json()
-    assert [m["body"]["text"] for m in document["messages"]] == ["hello there", "second"]
-    assert document["count"] == 2
-    receipt = yield alpha("recv", "--json")  # beta's recv sent a receipt for --ack
-    acks = [m for m in receipt.json()["messages"] if m["type"] == "ack"]
-    assert len(acks) == 1 and acks[0]["replyTo"] == first_id
-    again = yield beta("recv")
-    assert again.out.strip() == "no new messages"  # the cursor was kept in the state file
-    state = json.loads((tmp_path / ".dsh-relay-state.json").read_text())
-    assert state[f"{broker.url}|{b_name}"]["since"] == document["cursor"]
-    reset = yield beta("recv", "--reset", "--once", "--limit", "1")
-    assert reset.out.count("hello there") == 1 and "second" not in reset.out
-
-    request = yield alpha("send", b_name, "question", "--kind", "request", "--json")
-    request_id = request.json()["id"]
-    pulled = yield beta("pull", "--limit", "10", "--lease", "60", "--json")
-    leased = {m["id"]: m for m in pulled.json()["messages"]}
-    assert request_id in leased
-    lease_id = leased[request_id]["leaseId"]
-    readable_pull = yield beta("pull")
-    assert readable_pull.out.strip() == "nothing to lease"
-
-    reply = yield beta("send", a_name, "answer", "--kind", "reply", "--reply-to", request_id)
-    assert reply.status == 0
-    acked = yield beta("ack", request_id, lease_id, "completed")
-    assert acked.out.strip().startswith(f"{request_id}: done")
-    twice = yield beta("ack", request_id, lease_id, "completed")
-    assert twice.status == 1 and "not_leased" in twice.err
-
-    status = yield alpha("status", request_id, "--json")
-    assert [m["status"] for m in status.json()["messages"]] == ["done"]
-    status_table = yield alpha("status", request_id)
-    assert status_table.out.splitlines()[1].split()[:2] == [request_id, "done"]
-
-    recent = yield alpha("recent", "--limit", "20", "--json")
-    assert any(m.get("parentId") == request_id for m in recent.json()["messages"])
-    query = yield alpha("query", "--kind", "reply", "--from", b_name, "--json")
-    assert [m["body"]["text"] for m in query.json()["messages"]] == ["answer"]
-    readable_query = yield alpha("query", "--kind", "reply")
-    assert "answer" in readable_query.out and f"{b_name} -> {a_name}" in readable_query.out
-
-    retry_req = yield alpha("send", b_name, "again", "--kind", "request", "--json")
-    retry_id = retry_req.json()["id"]
-    pulled = yield beta("pull", "--json")
-    lease_id = {m["id"]: m for m in pulled.json()["messages"]}[retry_id]["leaseId"]
-    retried = yield beta("ack", retry_id, lease_id, "retry", "--error", "not now", "--json")
-    assert retried.json()["status"] == "queued" and retried.json()["attempts"] == 1
-
-
-@pytest_twisted.inlineCallbacks
-@pytest.mark.process
-def test_watch_prints_one_line_per_message(broker: BrokerProcess, tmp_path: Path) -> Any:
-    a_name, b_name = unique("alpha"), unique("beta")
-    alpha, beta = Shell(broker, tmp_path, a_name), Shell(broker, tmp_path, b_name)
-    yield alpha("register")
-    yield beta("register")
-    watching = beta("watch", "--count", "2")
-    yield alpha("send", b_name, "first line")
-    yield alpha("send", b_name, "multi\nline")
-    watched = yield watching
-    assert watched.status == 0, watched.err
-    lines = watched.out.splitlines()
-    assert len(lines) == 2
-    assert lines[0].endswith(": first line") and f" {a_name} [" in lines[0]
-    assert lines[1].endswith(": multi line")
-    assert "long-poll" in watched.err
-
-
-@pytest_twisted.inlineCallbacks
-@pytest.mark.process
-def test_broker_errors_exit_1_with_code(broker: BrokerProcess, tmp_path: Path) -> Any:
-    alpha = Shell(broker, tmp_path, unique("alpha"))
-    yield alpha("register")
-    missing = yield alpha("send", "nobody-" + unique("x"), "hi")
-    assert missing.status == 1
-    assert missing.err.startswith("error: no_such_agent:")
-    as_json = yield alpha("send", "nobody", "hi", "--json")
-    assert as_json.status == 1
-    assert as_json.json()["error"]["code"] == "no_such_agent"
-    wrong = yield in_process(
-        ["peers", "--broker", broker.url, "--agent", "alpha", "--secret", "wrong"], tmp_path
-    )
-    assert (wrong.status, wrong.err.split(":")[1].strip()) == (1, "unauthenticated")
-
-
-@pytest_twisted.inlineCallbacks
-@pytest.mark.process
-def test_selfcheck_passes_against_the_broker(broker: BrokerProcess, tmp_path: Path) -> Any:
-    shell = Shell(broker, tmp_path, "unused")
-    report = yield shell("selfcheck")
-    assert report.status == 0, report.out + report.err
-    assert report.out.strip().endswith("selfcheck passed")
-    assert report.out.count("ok  ") == 9
-    as_json = yield shell("selfcheck", "--json")
-    assert as_json.json()["ok"] is True
-
-
-@pytest.mark.process
-def test_process_round_trip_and_exit_codes(broker: BrokerProcess, tmp_path: Path) -> None:
-    """The console entry point itself: output, exit codes, no tracebacks."""
-    env = {"DSH_RELAY_BROKER_URL": broker.url, "DSH_RELAY_SECRET": BROKER_SECRET}
-    a_name, b_name = unique("alpha"), unique("beta")
-    for name in (a_name, b_name):
-        status, out, err = python_relay(["register", "--agent", name], tmp_path, env)
-        assert status == 0, err
-    status, out, err = python_relay(
-        ["send", b_name, "via process", "--agent", a_name], tmp_path, env
-    )
-    assert status == 0 and out.startswith("sent "), err
-    status, out, err = python_relay(["recv", "--agent", b_name, "--json"], tmp_path, env)
-    assert status == 0
-    assert [m["body"]["text"] for m in json.loads(out)["messages"]] == ["via process"]
-    status, out, err = python_relay(["send", "ghost", "x", "--agent", a_name], tmp_path, env)
-    assert status == 1 and err.startswith("error: no_such_agent") and "Traceback" not in err
-
-
 @pytest.mark.process
 def test_process_network_error_exit_1_without_traceback(tmp_path: Path) -> None:
     port = free_port()  # nothing listens here
@@ -664,111 +377,7 @@ def test_process_network_error_exit_1_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in err
 
 
-@pytest.mark.process
-def test_relay_agent_process_answers_requests(broker: BrokerProcess, tmp_path: Path) -> None:
-    """``twistd -n relay-agent --exec`` as a process: a request gets the command's stdout."""
-    import time
-
-    worker = unique("worker")
-    env = {"DSH_RELAY_BROKER_URL": broker.url, "DSH_RELAY_SECRET": BROKER_SECRET}
-    twistd = Path(sys.executable).with_name("twistd")
-    log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
-    agent = subprocess.Popen(
-        [str(twistd), "-n", "--pidfile=", "relay-agent", "--agent", worker]
-        + ["--exec", "tr a-z A-Z", "--receipts-dir", str(tmp_path)],
-        cwd=str(tmp_path),
-        env={
-            "PATH": os.environ.get("PATH", ""),
-            "PYTHONPATH": str(REPO),
-            "HOME": str(tmp_path),
-            **env,
-        },
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        asker = unique("asker")
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while True:  # wait until the agent has registered
-            status, out, _ = python_relay(["peers", "--agent", asker, "--json"], tmp_path, env)
-            if status == 0 and worker in {p["agent"] for p in json.loads(out)["peers"]}:
-                break
-            assert agent.poll() is None and time.monotonic() < deadline, (
-                tmp_path / "agent.log"
-            ).read_text()
-            time.sleep(0.1)
-        status, _, err = python_relay(["register", "--agent", asker], tmp_path, env)
-        assert status == 0, err
-        status, out, err = python_relay(
-            ["send", worker, "shout this", "--kind", "request", "--agent", asker, "--json"],
-            tmp_path,
-            env,
-        )
-        assert status == 0, err
-        request_id = json.loads(out)["id"]
-        while True:
-            status, out, _ = python_relay(["pull", "--agent", asker, "--json"], tmp_path, env)
-            replies = [m for m in json.loads(out)["messages"] if m.get("parentId") == request_id]
-            if replies:
-                break
-            assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
-            time.sleep(0.1)
-        assert replies[0]["body"] == {"text": "SHOUT THIS"}
-        assert "shout this" not in (tmp_path / "agent.log").read_text().lower()
-    finally:
-        agent.terminate()
-        try:
-            agent.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait(timeout=10)
-        log.close()
-
-
-@pytest.mark.process
-def test_relay_agent_process_exits_nonzero_on_a_fatal_handshake(tmp_path: Path) -> None:
-    """A broker speaking another protocol stops the agent with status 1, so a
-    supervisor (systemd ``Restart=on-failure``) sees the failure."""
-    import http.server
-    import threading
-
-    class OtherProtocol(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            body = b'{"protocol":"9.0","broker":"elsewhere"}'
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), OtherProtocol)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    twistd = Path(sys.executable).with_name("twistd")
-    try:
-        done = subprocess.run(
-            [str(twistd), "-n", "--pidfile=", "relay-agent", "--agent", "worker",
-             "--exec", "cat", "--receipts-dir", str(tmp_path)],
-            cwd=str(tmp_path),
-            env={
-                "PATH": os.environ.get("PATH", ""),
-                "PYTHONPATH": str(REPO),
-                "HOME": str(tmp_path),
-                "DSH_RELAY_BROKER_URL": f"http://127.0.0.1:{server.server_port}",
-                "DSH_RELAY_SECRET": "s3cret",
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=START_TIMEOUT_SECONDS * 2,
-        )
-    finally:
-        server.shutdown()
-        server.server_close()
-    output = done.stdout.decode("utf-8", "replace")
-    assert done.returncode == 1, output
-    assert "protocol_mismatch" in output
+# -- lines and secret files --------------------------------------------------------------
 
 
 def test_watch_line_stays_one_line_whatever_the_fields_hold():
@@ -799,6 +408,24 @@ def test_the_broker_and_the_client_read_a_secret_file_by_one_rule(tmp_path):
     assert config.secrets == (new, old) and config.secret == new
     settings = resolve_settings({"secret_file": str(tmp_path / "relay.secret")}, {}, tmp_path)
     assert settings.secret == new
+
+
+# -- relay events' lines -------------------------------------------------------------------
+
+
+def test_event_lines_name_type_id_agents_and_kind_on_one_escaped_line():
+    assert event_line(RelayEvent("7", "message", {"id": "m1", "from": "alpha",
+                                                  "kind": "request"})) == (
+        "message 7 from alpha (request) [m1]")
+    assert event_line(RelayEvent("8", "status", {"id": "m0", "to": "beta", "status": "done",
+                                                 "attempts": 1, "error": "e"})) == (
+        "status 8 [m0] to beta: done (attempts 1)")
+    assert event_line(RelayEvent("9", "reset", {"reason": "unknown event id"})) == (
+        "reset 9: unknown event id; pull to re-sync")
+    assert event_line(RelayEvent("10", "later", {})) == "later 10"
+    forged = event_line(RelayEvent("7", "message", {"id": "m\n2", "from": "evil\nok 8 x",
+                                                    "kind": "a\r\nb"}))
+    assert "\n" not in forged and "\r" not in forged
 
 
 # -- structure -------------------------------------------------------------------

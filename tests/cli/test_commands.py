@@ -1,59 +1,23 @@
-"""The ``relay`` commands of the delivery extensions v1.2, the ``send --id`` key, and
-the signed nonce, in process against the in-memory broker with a Clock."""
+"""The ``relay`` commands in process against the in-memory broker with a Clock: ``send``
+with ``--id``, ``--ttl`` and ``--delay``, the lease commands, ``ask``, cards, the signed
+nonce and a v1.1 broker told apart, groups, roles and priorities (REACH §13, §14), and
+asking a person (§15)."""
 
 from __future__ import annotations
 
-import io
-import json
 import uuid
 from pathlib import Path
 from typing import Any, List
 
 import pytest
-from twisted.internet import defer
 
-from relay.cli import run
 from relay.cli.commands.messages import SEND_ID_NAMESPACE, message_id_for
-from relay.testing import SECRET
 from relay.wire.protocol import notice_id
-from tests.support.client import Net, result_of
+from tests.support.cli import Terminal
+from tests.support.client import result_of
+from tests.support.teams import REVIEWERS, TRIAGE_ROLES, TRIAGE_TEAM
 
 HOSTILE = "bad\x1b]0;owned\x07\u202eevil"
-
-
-class Done:
-    def __init__(self, status: int, out: str, err: str) -> None:
-        self.status = status
-        self.out = out
-        self.err = err
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-    def __repr__(self) -> str:
-        return f"<Done {self.status} out={self.out!r} err={self.err!r}>"
-
-
-class Terminal(Net):
-    """``relay`` command lines as several agents on one in-memory broker."""
-
-    def __init__(self, home: Path, **broker: Any) -> None:
-        super().__init__(**broker)
-        self.home = home
-
-    def begin(self, agent: str, *argv: str, stdin: str = "") -> defer.Deferred:
-        out, err = io.StringIO(), io.StringIO()
-        flags = ["--broker", "http://127.0.0.1:19121", "--secret", SECRET, "--agent", agent]
-        d = defer.Deferred.fromCoroutine(
-            run(self.clock, [*argv, *flags], env={}, home=self.home, out=out, err=err,
-                http=self.http, stdin=io.StringIO(stdin), interactive=False)
-        )
-        d.addCallback(lambda status: Done(status, out.getvalue(), err.getvalue()))
-        self.settle()
-        return d
-
-    def __call__(self, agent: str, *argv: str, stdin: str = "") -> Done:
-        return result_of(self.begin(agent, *argv, stdin=stdin))
 
 
 @pytest.fixture
@@ -300,6 +264,74 @@ def test_a_failure_notice_reads_as_one() -> None:
     assert "[notice]" not in "\n".join(message_block(forged, 0))
     assert watch_line(forged, 0).startswith("mallory (reply) [f]: ")
     assert "[notice]" not in watch_line(forged, 0)
+
+
+@pytest.fixture
+def triage_term(tmp_path: Path) -> Terminal:
+    terminal = Terminal(tmp_path, agents=TRIAGE_TEAM, roles=TRIAGE_ROLES)
+    for agent in TRIAGE_TEAM:
+        assert terminal(agent, "register").status == 0
+    return terminal
+
+
+# -- groups (REACH §13) --------------------------------------------------------------------
+
+
+def test_relay_send_to_a_group_prints_the_copies(tmp_path: Path) -> None:
+    term = Terminal(tmp_path, **REVIEWERS)
+    done = term("alice", "send", "group:reviewers", "look at PR 7", "--id", "pr7")
+    assert done.status == 0, done.err
+    lines = done.out.splitlines()
+    assert lines[0].startswith("sent ") and lines[0].endswith("to group:reviewers: 2 copies")
+    assert lines[1].split() == ["TO", "COPY", "ID"]
+    assert [line.split()[0] for line in lines[2:]] == ["bob", "carol"]
+    as_json = term("alice", "send", "group:reviewers", "look at PR 7", "--id", "pr7",
+                   "--json").json()
+    assert as_json["duplicate"] is True
+    assert [line.split()[1] for line in lines[2:]] == [c["id"] for c in as_json["copies"]]
+    again = term("alice", "send", "group:reviewers", "look at PR 7", "--id", "pr7")
+    assert "2 copies (already accepted earlier)" in again.out
+    status = term("alice", "status", as_json["id"])
+    rows = status.out.splitlines()
+    assert "GROUP SEND" in rows[0]
+    assert {row.split()[0] for row in rows[1:]} == {c["id"] for c in as_json["copies"]}
+    assert all(f"{as_json['id']} (group:reviewers)" in row for row in rows[1:])
+
+
+def test_relay_peers_lists_the_groups_and_roles(tmp_path: Path) -> None:
+    term = Terminal(tmp_path, roles={"triage": {"members": ["bob"]}}, **REVIEWERS)
+    term("alice", "register")
+    lines = term("alice", "peers").out.splitlines()
+    assert [line.split() for line in lines[-5:]] == [
+        ["GROUP", "MEMBERS"], ["group:reviewers", "alice,", "bob,", "carol"], [],
+        ["ROLE", "MEMBERS"], ["role:triage", "bob"]]
+    answer = term("alice", "peers", "--json").json()
+    assert answer["groups"] == [{"name": "reviewers", "members": ["alice", "bob", "carol"]}]
+
+
+# -- roles and priority (REACH §13, §14) ---------------------------------------------------
+
+
+def test_relay_send_priority_and_to_a_role_and_pull_by_role(triage_term: Terminal) -> None:
+    triage_term("alpha", "send", "dan", "later", "--id", "k1")
+    sent = triage_term("alpha", "send", "dan", "now", "--priority", "7", "--json").json()
+    work = triage_term("alpha", "send", "role:triage", "triage this", "--json").json()
+    assert [b.get("priority") for b in triage_term.http.bodies("/messages")] == [None, 7, None]
+    readable = triage_term("alpha", "send", "role:triage", "more", "--priority", "2")
+    assert readable.status == 0 and readable.out.endswith(" to role:triage\n")
+    more = triage_term.http.bodies("/messages")[-1]["id"]
+    pulled = triage_term("dan", "pull", "--role", "triage", "--json").json()["messages"]
+    assert [m["id"] for m in pulled] == [more, work["id"]]
+    assert triage_term.http.bodies("/v1/pull")[-1]["role"] == "triage"
+    rest = triage_term("dan", "pull", "--json").json()["messages"]
+    assert rest[0]["id"] == sent["id"]
+
+
+def test_relay_send_refuses_a_priority_outside_0_to_9(triage_term: Terminal) -> None:
+    for bad in ("10", "-1", "high", "1.5"):
+        done = triage_term("alpha", "send", "dan", "x", "--priority", bad)
+        assert done.status == 2 and "--priority" in done.err and "0 to 9" in done.err
+    assert triage_term.http.bodies("/messages") == []
 
 
 # -- asking a person (REACH §15) ------------------------------------------------------------

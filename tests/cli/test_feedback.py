@@ -11,7 +11,6 @@ import argparse
 import io
 import json
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -550,51 +549,6 @@ def test_a_closed_pipe_ends_the_command_quietly(shell: Shell) -> None:
     d.addCallback(results.append)
     assert results == [0, 1]
     assert err.getvalue() == ""
-
-
-@pytest.mark.process
-def test_the_next_steps_of_init_work_as_printed(tmp_path: Path) -> None:
-    """`relay init --json` names its next steps; run them: a broker, then a selfcheck."""
-    import urllib.request
-
-    from tests.support.processes import free_port
-
-    port, ops_port = free_port(), free_port()
-    env = {"HOME": str(tmp_path), "PYTHONPATH": str(REPO),
-           "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
-    done = subprocess.run(
-        [sys.executable, "-m", "relay.cli", "init", "--port", str(port), "--ops-port",
-         str(ops_port), "--json"],
-        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
-    start, check = json.loads(done.stdout)["nextSteps"]
-    with open(tmp_path / "broker.log", "wb") as log:
-        broker = subprocess.Popen(shlex.split(start), env=env, cwd=tmp_path, stdout=log,
-                                  stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1).close()
-                break
-            except OSError:
-                assert broker.poll() is None and time.monotonic() < deadline, (
-                    tmp_path / "broker.log").read_text()
-                time.sleep(0.05)
-        checked = subprocess.run(shlex.split(check), capture_output=True, text=True,
-                                 timeout=60, env=env, cwd=tmp_path)
-        assert checked.returncode == 0, checked.stdout + checked.stderr
-        assert checked.stdout.strip().endswith("selfcheck passed")
-        dashboard = json.loads(done.stdout)["dashboardUrl"]
-        assert dashboard == f"http://127.0.0.1:{ops_port}/"
-        with urllib.request.urlopen(dashboard, timeout=10) as page:
-            assert b"/static/dashboard.js" in page.read()
-        assert sorted(p.name for p in (tmp_path / ".dsh-agent-relay").iterdir()) == [
-            "data", "relay.secret", "relay.yaml"]
-    finally:
-        broker.terminate()
-        broker.wait(20)
 
 
 @pytest.mark.process

@@ -14,7 +14,7 @@ from relay.broker.ops.web import OpsAPI
 from relay.cli.commands.ops import ops_target, ops_url
 from relay.client.settings import UsageError
 from relay.testing import make_api
-from tests.cli.test_cli import run_cli
+from tests.support.cli import run_cli
 
 
 async def ops_with_traffic(tokens=()):

@@ -1,11 +1,13 @@
-"""The agent runtime against the in-memory broker, driven by a Clock; the ``--exec``
-handler with real processes; the twistd plugin options. The receipt store itself is
-tested in test_receipts."""
+"""The agent runtime against the in-memory broker, driven by a Clock: requests
+answered, handler failures and retries, receipts replayed, concurrency and shutdown; on
+a broker with the extensions v1.2, long handlers on short leases, the reply in the ack,
+the handler's outcomes and its card, and their fallbacks on a v1.1 broker; the
+``--exec`` handler with real processes. The receipt store itself is
+tests/client/test_receipts.py, ``twistd relay-agent`` tests/client/test_agent_plugin.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -15,15 +17,29 @@ import pytest_twisted
 from treq.testing import StubTreq
 from twisted.internet import defer
 from twisted.internet.task import Clock
+from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
-from relay.agent.exec_handler import ExecFailed, ExecHandler, exec_input
-from relay.agent.receipts import ReceiptStore, legacy_receipts_path, receipts_path
-from relay.agent.runtime import AgentService, reply_body
+from relay.agent.exec_handler import (
+    ExecFailed,
+    ExecHandler,
+    exec_input,
+)
+from relay.agent.receipts import ReceiptStore, legacy_receipts_path
+from relay.agent.runtime import (
+    AgentService,
+    Reject,
+    Release,
+    Retry,
+    card_of,
+    reply_body,
+)
 from relay.client.client import RelayClient
+from relay.rules.delivery import notice_id
 from relay.testing import SECRET as TEST_SECRET
+from relay.testing import START
 from relay.wire.errors import RelayError
-from tests.support.client import SeenAsV11, relay_stub
+from tests.support.client import Net, SeenAsV11, assert_v11_requests, relay_stub
 
 
 def test_reply_body_shapes() -> None:
@@ -460,6 +476,313 @@ def test_protocol_mismatch_is_fatal(tmp_path: Path) -> None:
     assert service.stopService().called
 
 
+class Fleet(Net):
+    """An in-memory broker, the requester ``alpha`` and a runtime for ``worker``."""
+
+    def __init__(self, tmp_path: Path, **broker: Any) -> None:
+        super().__init__(**broker)
+        self.home = tmp_path
+        self.alpha = self.client("alpha")
+        self.run(self.alpha.register())
+        self.services: List[AgentService] = []
+
+    def runtime(self, handler: Any, client: Optional[RelayClient] = None,
+                **kwargs: Any) -> AgentService:
+        client = client or self.client("worker")
+        receipts = ReceiptStore.for_agent(client.agent, self.home, self.clock)
+        service = AgentService(client, handler, clock=self.clock, receipts=receipts, **kwargs)
+        service.startService()
+        self.settle()
+        self.services.append(service)
+        return service
+
+    def ask(self, text: str = "hi", **fields: Any) -> str:
+        return self.run(self.alpha.send("worker", {"text": text}, kind="request", **fields))["id"]
+
+    def entry(self, message_id: str) -> Dict[str, Any]:
+        (entry,) = self.run(self.alpha.status([message_id]))["messages"]
+        return entry
+
+    def answers(self, request_id: str) -> List[Dict[str, Any]]:
+        """The replies to ``request_id`` in alpha's inbox (v1.0 receipts left out)."""
+        found = self.run(self.alpha.query(parent_id=request_id))["messages"]
+        return [m for m in found if m["type"] == "message"]
+
+    def calls(self, path: str) -> List[Dict[str, Any]]:
+        return self.http.bodies(path)
+
+    def stop(self) -> None:
+        for service in self.services:
+            d = service.stopService()
+            self.settle()
+            assert d.called
+
+
+class Slow:
+    """A handler whose calls finish when the test says so."""
+
+    def __init__(self) -> None:
+        self.pending: List[defer.Deferred] = []
+
+    def __call__(self, message: Dict[str, Any]) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        self.pending.append(d)
+        return d
+
+
+def upper(message: Dict[str, Any]) -> str:
+    return message["body"]["text"].upper()
+
+
+# -- v1.2: long handlers, the reply in the ack, the handler's outcomes, the card -----------
+
+
+def test_a_handler_runs_for_hours_on_a_short_lease(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    slow = Slow()
+    fleet.runtime(slow, lease_seconds=30)
+    request = fleet.ask("think hard")
+    fleet.settle()
+    for _ in range(2 * 3600 // 10):
+        fleet.settle(10)
+    assert fleet.entry(request)["status"] == "leased"
+    renewals = fleet.calls("/v1/lease/renew")
+    assert len(renewals) == 2 * 3600 // 10
+    assert renewals[0] == {"messageId": request, "leaseId": renewals[0]["leaseId"],
+                           "leaseSeconds": 30}
+    slow.pending[0].callback("done at last")
+    fleet.settle()
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["attempts"], entry["deliveries"]) == ("done", 0, 1)
+    fleet.settle(60)
+    assert len(fleet.calls("/v1/lease/renew")) == len(renewals), "renewing stopped"
+    fleet.stop()
+
+
+def test_the_brokers_own_lease_is_renewed_every_third_of_it(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, leaseSeconds=90)
+    slow = Slow()
+    fleet.runtime(slow)
+    request = fleet.ask()
+    fleet.settle(29)
+    assert fleet.calls("/v1/lease/renew") == []
+    fleet.settle(1)
+    (renewal,) = fleet.calls("/v1/lease/renew")
+    assert "leaseSeconds" not in renewal, "the broker's default, as for the pull"
+    for _ in range(30):
+        fleet.settle(10)
+    assert fleet.entry(request)["status"] == "leased"
+    slow.pending[0].callback("ok")
+    fleet.settle()
+    assert fleet.entry(request)["status"] == "done"
+    fleet.stop()
+
+
+def test_a_lease_found_gone_is_not_acknowledged(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    slow = Slow()
+    fleet.runtime(slow, lease_seconds=30)
+    request = fleet.ask()
+    fleet.settle()
+    fleet.run(fleet.alpha.cancel(request, "no longer needed"))
+    with capturedLogs() as events:
+        fleet.settle(10)
+        slow.pending[0].callback("too late")
+        fleet.settle()
+    text = "\n".join(formatEvent(e) for e in events)
+    assert f"the lease of {request} is gone (not_leased)" in text
+    assert f"{request} not acknowledged: its lease is gone" in text
+    assert not any(ack["messageId"] == request for ack in fleet.calls("/v1/ack"))
+    assert fleet.entry(request)["error"] == "no longer needed"
+    assert fleet.answers(request) == []
+    fleet.stop()
+
+
+def test_the_reply_is_in_the_ack_and_no_receipt_is_kept(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    service = fleet.runtime(upper)
+    request = fleet.ask("hello", ack=True, root_id="conversation")
+    fleet.settle()
+    (ack,) = [a for a in fleet.calls("/v1/ack") if a["messageId"] == request]
+    assert ack["outcome"] == "completed" and ack["reply"]["body"] == {"text": "HELLO"}
+    (reply,) = fleet.answers(request)
+    assert (reply["id"], reply["body"], reply["kind"], reply["rootId"]) == (
+        ack["reply"]["id"], {"text": "HELLO"}, "reply", "conversation")
+    assert fleet.entry(request)["status"] == "done"
+    assert len(service.receipts) == 0
+    assert not [m for m in fleet.http.bodies("/messages") if m.get("from") == "worker"]
+    receipts = [m for m in fleet.run(fleet.alpha.recv())["messages"] if m["type"] == "ack"]
+    assert [m["replyTo"] for m in receipts] == [request], "the v1.0 receipt, once"
+    fleet.stop()
+
+
+def test_retry_after_from_the_handler(tmp_path: Path) -> None:
+    calls: List[str] = []
+
+    def busy(message: Dict[str, Any]) -> str:
+        calls.append(message["id"])
+        if len(calls) == 1:
+            raise Retry("upstream busy", after=30)
+        return "now"
+
+    fleet = Fleet(tmp_path)
+    fleet.runtime(busy)
+    request = fleet.ask()
+    fleet.settle()
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["attempts"], entry["error"]) == ("queued", 1, "upstream busy")
+    assert entry["notBefore"] == int((START + 30) * 1000)
+    fleet.settle(29)
+    assert len(calls) == 1
+    fleet.settle(1)
+    assert len(calls) == 2 and fleet.entry(request)["status"] == "done"
+    fleet.stop()
+
+
+def test_release_gives_the_request_back_without_an_attempt(tmp_path: Path) -> None:
+    calls: List[str] = []
+
+    def picky(message: Dict[str, Any]) -> str:
+        calls.append(message["id"])
+        if len(calls) < 3:
+            raise Release(after=10 if len(calls) == 2 else None)
+        return "fine"
+
+    fleet = Fleet(tmp_path)
+    fleet.runtime(picky)
+    request = fleet.ask()
+    fleet.settle()
+    assert len(calls) == 2, "released without a delay: leased again at once"
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["attempts"]) == ("queued", 0)
+    fleet.settle(10)
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["attempts"], entry["deliveries"]) == ("done", 0, 3)
+    fleet.stop()
+
+
+def test_reject_fails_at_once_and_the_sender_gets_the_notice(tmp_path: Path) -> None:
+    def poison(message: Dict[str, Any]) -> str:
+        raise Reject("not a diff")
+
+    fleet = Fleet(tmp_path)
+    fleet.runtime(poison)
+    request = fleet.ask()
+    fleet.settle()
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["error"], entry["attempts"]) == ("failed", "not a diff", 0)
+    (notice,) = fleet.answers(request)
+    assert notice["id"] == notice_id(request)
+    assert notice["body"]["relayNotice"]["error"] == "not a diff"
+    fleet.stop()
+
+
+def test_a_failing_handler_is_retried_later_without_holding_the_lease(tmp_path: Path) -> None:
+    calls: List[str] = []
+
+    def flaky(message: Dict[str, Any]) -> str:
+        calls.append(message["id"])
+        if len(calls) == 1:
+            raise RuntimeError("model timed out")
+        return "ok"
+
+    fleet = Fleet(tmp_path)
+    fleet.runtime(flaky, retry_delay=5)
+    request = fleet.ask()
+    fleet.settle()
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["attempts"], entry["error"]) == (
+        "queued", 1, "model timed out")
+    assert entry["notBefore"] == int((START + 5) * 1000)
+    fleet.settle(5)
+    assert fleet.entry(request)["status"] == "done"
+    fleet.stop()
+
+
+def test_a_refused_reply_is_retried_after_the_delay(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, agents={"worker": {"allowed_targets": ["nobody"]}})
+    fleet.runtime(upper, retry_delay=5)
+    request = fleet.ask()
+    fleet.settle()
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["attempts"], entry["error"]) == (
+        "queued", 1, "reply not accepted: forbidden")
+    assert fleet.answers(request) == []
+    fleet.stop()
+
+
+def test_shutdown_releases_what_is_still_running(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    slow = Slow()
+    service = fleet.runtime(slow, lease_seconds=30, shutdown_grace=20)
+    request = fleet.ask()
+    fleet.settle()
+    stopping = service.stopService()
+    fleet.settle(20)
+    assert stopping.called
+    entry = fleet.entry(request)
+    assert (entry["status"], entry["attempts"]) == ("queued", 0)
+    renewals = len(fleet.calls("/v1/lease/renew"))
+    slow.pending[0].callback("finished after all")
+    fleet.settle(30)
+    assert len(fleet.calls("/v1/lease/renew")) == renewals
+    assert fleet.entry(request)["status"] == "queued", "the late result is not acknowledged"
+
+
+def test_the_card_goes_with_every_heartbeat(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    card = card_of("reviews Python diffs", ["review", "python"])
+    fleet.runtime(upper, card=card, heartbeat_interval=30)
+    fleet.settle(30)
+    beats = [b for b in fleet.calls("/register") if b["agent"] == "worker"]
+    assert beats == [{"agent": "worker", "card": card}] * 2
+    peers = {p["agent"]: p for p in fleet.run(fleet.alpha.peers())["peers"]}
+    assert peers["worker"]["card"] == card
+    fleet.stop()
+
+
+# -- v1.2's fallbacks on a v1.1 broker -----------------------------------------------------
+
+
+@pytest.mark.parametrize("raised, outcome", [(Reject("bad"), "retry"), (Release(), None),
+                                             (Retry("later", after=5), "retry")])
+def test_on_a_v11_broker_the_outcomes_fall_back(tmp_path: Path, raised: Exception,
+                                                outcome: Optional[str]) -> None:
+    def handler(message: Dict[str, Any]) -> str:
+        raise raised
+
+    fleet = Fleet(tmp_path, v11=True, long_poll=True)
+    fleet.runtime(handler, retry_delay=0, card={"skills": ["x"]})
+    request = fleet.ask()
+    fleet.settle()
+    fleet.settle(5)
+    acks = [a["outcome"] for a in fleet.calls("/v1/ack") if a["messageId"] == request]
+    assert acks[:1] == ([outcome] if outcome else [])
+    if outcome is None:
+        assert fleet.entry(request)["status"] == "leased", "left to lapse"
+    worker = [r for r in fleet.http.requests if r[2].get("X-Relay-Agent") == ["worker"]]
+    assert_v11_requests(worker)
+    fleet.stop()
+
+
+def test_on_a_v11_broker_a_long_handler_is_not_renewed_and_receipts_are_used(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path, v11=True, long_poll=True)
+    slow = Slow()
+    service = fleet.runtime(slow, lease_seconds=30)
+    request = fleet.ask()
+    fleet.settle(20)
+    slow.pending[0].callback("answer")
+    fleet.settle()
+    assert fleet.calls("/v1/lease/renew") == []
+    assert fleet.entry(request)["status"] == "done"
+    assert service.receipts.get(request)["reply"]["body"] == {"text": "answer"}
+    worker = [r for r in fleet.http.requests if r[2].get("X-Relay-Agent") == ["worker"]]
+    assert_v11_requests(worker)
+    fleet.stop()
+
+
 # -- the --exec handler (real processes, bounded) -------------------------------
 
 
@@ -578,194 +901,3 @@ def _sleep(reactor: Any, seconds: float) -> defer.Deferred:
     from twisted.internet.task import deferLater
 
     return deferLater(reactor, seconds)
-
-
-# -- the twistd plugin ----------------------------------------------------------------
-
-
-def refused(argv: List[str], capsys: pytest.CaptureFixture) -> str:
-    """The one line ``twistd relay-agent`` prints for options it cannot start with."""
-    from relay.agent import tap as agent_tap
-
-    with pytest.raises(SystemExit) as info:
-        agent_tap.Options().parseOptions(argv)
-    assert info.value.code == 78  # EX_CONFIG
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("relay-agent: error: "), err
-    assert err.endswith(" (see `twistd relay-agent --help`)\n")
-    return err
-
-
-def test_plugin_options(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    from relay.agent import tap as agent_tap
-
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("DSH_RELAY_SECRET", raising=False)
-    options = agent_tap.Options()
-    options.parseOptions(
-        ["--agent", "worker", "--secret", "s", "--exec", "cat", "--concurrency", "3"]
-    )
-    assert options.settings.agent == "worker"
-    assert options["concurrency"] == 3
-    for flag in ("--broker", "--url"):
-        named = agent_tap.Options()
-        named.parseOptions(["--agent", "w", "--secret", "s", "--exec", "cat", flag, "http://b:5"])
-        assert named.settings.broker_url == "http://b:5"
-    assert "exactly one" in refused(["--agent", "w", "--secret", "s"], capsys)
-    assert "exactly one" in refused(
-        ["--agent", "w", "--secret", "s", "--exec", "cat", "--handler", "json:dumps"], capsys
-    )
-    assert "no agent" in refused(["--secret", "s", "--exec", "cat"], capsys)
-    loaded = agent_tap.Options()
-    loaded.parseOptions(["--agent", "w", "--secret", "s", "--handler", "json:dumps"])
-    assert loaded.handler is json.dumps
-
-
-@pytest.fixture
-def importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A working directory of its own; the modules a test imports are forgotten after it."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    before = set(sys.modules)
-    yield tmp_path
-    for name in set(sys.modules) - before:
-        del sys.modules[name]
-
-
-@pytest.mark.parametrize(
-    "spec, source, message",
-    [
-        ("nosuch:answer", None,
-         "cannot load handler 'nosuch:answer': No module named 'nosuch' (looked in {cwd} and "
-         "the installed packages)"),
-        ("nosuch.deeper:answer", None, "No module named 'nosuch'"),
-        ("myhandlers:answer", "import numpy_that_is_missing\n",
-         "importing myhandlers failed: No module named 'numpy_that_is_missing'"),
-        ("myhandlers:answer", "1 / 0\n",
-         "importing myhandlers failed: ZeroDivisionError: division by zero"),
-        ("myhandlers:answer", "def answer(:\n",
-         "importing myhandlers failed: SyntaxError: "),
-        ("myhandlers:other", "def answer(m):\n    return 'x'\n",
-         "module myhandlers has no 'other'"),
-        ("myhandlers:answer", "answer = 3\n", "answer is not callable"),
-        ("myhandlers", None, "expected MODULE:CALLABLE"),
-    ],
-)
-def test_handler_problems_are_one_line(
-    importing: Path,
-    capsys: pytest.CaptureFixture,
-    spec: str,
-    source: Optional[str],
-    message: str,
-) -> None:
-    tmp_path = importing
-    if source is not None:
-        (tmp_path / "myhandlers.py").write_text(source, encoding="utf-8")
-    err = refused(["--agent", "w", "--secret", "s", "--handler", spec], capsys)
-    assert message.format(cwd=tmp_path) in err
-
-
-def test_a_handler_in_the_working_directory_is_found(importing: Path) -> None:
-    from relay.agent import tap as agent_tap
-
-    tmp_path = importing
-    (tmp_path / "cwd_handlers.py").write_text("def answer(m):\n    return 'hi'\n")
-    options = agent_tap.Options()
-    options.parseOptions(["--agent", "w", "--secret", "s", "--handler", "cwd_handlers:answer"])
-    assert options.handler({"body": {}}) == "hi"
-
-
-def test_make_service_builds_an_agent_service(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from relay.agent import tap as agent_tap
-
-    monkeypatch.setenv("HOME", str(tmp_path))
-    options = agent_tap.Options()
-    options.parseOptions(
-        ["--agent", "worker", "--secret", "s", "--broker", "http://127.0.0.1:1", "--exec", "cat"]
-    )
-    service = agent_tap.makeService(options)
-    assert isinstance(service, AgentService)
-    assert service.client.agent == "worker"
-    assert service.receipts.path == receipts_path("worker", tmp_path)
-    assert isinstance(service.handler, ExecHandler)
-    assert service.use_events
-    options = agent_tap.Options()
-    options.parseOptions(["--agent", "worker", "--secret", "s", "--exec", "cat", "--no-events"])
-    assert not agent_tap.makeService(options).use_events
-
-
-@pytest.mark.parametrize(
-    "given, nodaemon, chosen",
-    [
-        ("twistd.pid", True, ""),  # the foreground: no pid file
-        ("twistd.pid", False, "relay-agent-w.pid"),  # detached: its own
-        ("/run/relay/w.pid", True, "/run/relay/w.pid"),  # asked for: kept
-        ("", False, ""),
-    ],
-)
-def test_the_agent_chooses_its_own_pid_file(
-    given: str, nodaemon: bool, chosen: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from twisted.scripts.twistd import ServerOptions
-
-    monkeypatch.setenv("HOME", str(tmp_path))
-    argv = (["--nodaemon"] if nodaemon else []) + [f"--pidfile={given}", "relay-agent"]
-    options = ServerOptions()
-    options.parseOptions(argv + ["--agent", "w", "--secret", "s", "--exec", "cat"])
-    assert options["pidfile"] == (os.path.abspath(chosen) if chosen else "")
-    broker = ServerOptions()
-    broker.parseOptions((["--nodaemon"] if nodaemon else []) + [f"--pidfile={given}", "relay"])
-    expected = chosen.replace("relay-agent-w.pid", "relay.pid")
-    assert broker["pidfile"] == (os.path.abspath(expected) if expected else "")
-
-
-@pytest.mark.process
-def test_a_second_signal_stops_a_stopping_agent_at_once_without_a_traceback(
-    tmp_path: Path,
-) -> None:
-    """Stopping waits for the handler (and, with the broker down, for its ack's
-    retries); a second SIGTERM used to log ReactorNotRunning's traceback."""
-    import signal
-    import subprocess
-    import time
-
-    from tests.support.processes import BrokerProcess
-
-    broker = BrokerProcess(str(tmp_path)).start()
-    twistd = Path(sys.executable).parent / "twistd"
-    env = dict(os.environ, HOME=str(tmp_path))
-    log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
-    agent = subprocess.Popen(
-        [str(twistd), "-n", "--pidfile=", "relay-agent", "--broker", broker.url, "--agent",
-         "w", "--secret", broker.secret, "--exec", "exec sleep 60", "--shutdown-grace", "60"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
-    try:
-        assert broker.request("a", "POST", "/register", {})[0] == 200
-        deadline = time.monotonic() + 30
-        while broker.request("a", "POST", "/messages", {"id": "q1", "to": "w",
-                                                        "kind": "request"})[0] not in (200, 201):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        while broker.request("a", "POST", "/v1/status", {"messageIds": ["q1"]})[1][
-                "messages"][0]["status"] != "leased":
-            assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
-            time.sleep(0.2)
-        broker.stop()
-        agent.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
-        assert agent.poll() is None, "the first signal waits for the handler"
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(10)
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait(10)
-        broker.stop()
-        log.close()
-    output = (tmp_path / "agent.log").read_text()
-    assert "a second Ctrl-C or SIGTERM stops it at once" in output
-    assert "Traceback" not in output and "ReactorNotRunning" not in output, output

@@ -1,14 +1,18 @@
-"""RelayClient and the delivery extensions v1.2: each method against the in-memory
-broker, the signed nonce, the cached handshake, request/reply and its fallbacks.
+"""RelayClient against the in-memory broker: every method of every version, the
+signed nonce and the cached handshake, request/reply and its fallbacks on a v1.1 broker,
+groups, roles and priorities (REACH §13, §14), asking a person (§15), and peers page by
+page.
 
 Time is a ``task.Clock``; HTTP goes to the broker's own site in memory.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Dict, Tuple
 
 import pytest
+import pytest_twisted
 from twisted.internet import defer
 from twisted.internet.task import Clock
 
@@ -25,8 +29,19 @@ from relay.client.client import (
 )
 from relay.rules.delivery import notice_id
 from relay.testing import SECRET
+from relay.testing import SECRET as TEST_SECRET
+from relay.wire.errors import RelayError
 from relay.wire.signing import NONCE, sign
-from tests.support.client import V11_INFO, Net, assert_v11_requests, failure_of, result_of
+from tests.support.cli import Terminal
+from tests.support.client import (
+    V11_INFO,
+    Net,
+    assert_v11_requests,
+    failure_of,
+    relay_stub,
+    result_of,
+)
+from tests.support.teams import REVIEWERS, TRIAGE_ROLES, TRIAGE_TEAM
 
 
 def pair(net: Net, **kwargs: Any) -> Tuple[RelayClient, RelayClient]:
@@ -39,6 +54,112 @@ def pair(net: Net, **kwargs: Any) -> Tuple[RelayClient, RelayClient]:
 def leased(net: Net, worker: RelayClient, **pull: Any) -> Dict[str, Any]:
     (message,) = net.run(worker.pull(limit=1, **pull))["messages"]
     return message
+
+
+def broker_clients(**broker: Any) -> Tuple[RelayClient, RelayClient, Any, Clock]:
+    """Two RelayClients (alpha, beta) sharing one in-memory broker and clock."""
+    from relay.testing import make_api
+
+    api, _, clock = make_api(**broker)
+    stub = relay_stub(api.resource(), clock)
+
+    def client(agent: str) -> RelayClient:
+        return RelayClient("http://127.0.0.1:19121", agent, TEST_SECRET, clock=clock, http=stub)
+
+    return client("alpha"), client("beta"), stub, clock
+
+
+# -- every method of v1.0 and v1.1 ---------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_method_against_the_memory_broker() -> None:
+    alpha, beta, stub, clock = broker_clients()
+    info = await alpha.handshake()
+    assert info["protocol"] == "1.0"
+    assert (await alpha.register())["agent"] == "alpha"
+    await beta.register()
+    peers = (await alpha.peers())["peers"]
+    assert [(p["agent"], p["online"]) for p in peers] == [("alpha", True), ("beta", True)]
+
+    # v1.0: send, recv with the cursor, receipt
+    sent = await alpha.send("beta", {"text": "one"}, ack=True)
+    assert (sent["accepted"], sent["duplicate"]) == (True, False)
+    again = await alpha.send("beta", {"text": "one"}, message_id=sent["id"], ack=True)
+    assert (again["id"], again["duplicate"]) == (sent["id"], True)
+    inbox = await beta.recv(limit=10)
+    assert [m["id"] for m in inbox["messages"]] == [sent["id"]]
+    assert beta.cursor == sent["id"]
+    assert (await beta.recv())["messages"] == []
+    second = await alpha.send("beta", {"text": "two"})
+    assert [m["id"] for m in (await beta.recv())["messages"]] == [second["id"]]
+    await beta.ack(sent["id"])
+    receipts = (await alpha.recv())["messages"]
+    assert [(m["type"], m["replyTo"], m["from"]) for m in receipts] == [("ack", sent["id"], "beta")]
+
+    # v1.1: request, pull, reply, ack, status, recent, query
+    request = await alpha.send("beta", {"text": "q"}, kind="request")
+    leased = (await beta.pull(limit=10, lease_seconds=60))["messages"]
+    mine = {m["id"]: m for m in leased}
+    assert request["id"] in mine and mine[request["id"]]["leaseId"]
+    lease = mine[request["id"]]["leaseId"]
+    reply = await beta.send(
+        "alpha",
+        {"text": "a"},
+        kind="reply",
+        reply_to=request["id"],
+        parent_id=request["id"],
+        root_id=request["id"],
+    )
+    done = await beta.ack_outcome(request["id"], lease, "completed")
+    assert (done["ok"], done["status"]) == (True, "done")
+    status = (await alpha.status([request["id"], "nope"]))["messages"]
+    assert [s["status"] for s in status if s["id"] == request["id"]] == ["done"]
+    recent = (await alpha.recent(limit=5))["messages"]
+    assert reply["id"] in [m["id"] for m in recent]
+    found = (await alpha.query(kind="reply", from_="beta"))["messages"]
+    assert [m["id"] for m in found] == [reply["id"]]
+    assert found[0]["parentId"] == request["id"]
+
+    # errors come back as RelayError with the spec's codes
+    with pytest.raises(RelayError) as info_:
+        await alpha.send("ghost", {"text": "x"})
+    assert (info_.value.status, info_.value.code) == (404, "no_such_agent")
+    with pytest.raises(RelayError) as info_:
+        await beta.ack_outcome(request["id"], lease, "completed")
+    assert (info_.value.status, info_.value.code) == (409, "not_leased")
+    with pytest.raises(RelayError) as info_:
+        await alpha.ack("no-such-id")
+    assert info_.value.code == "no_such_message"
+    wrong = RelayClient("http://127.0.0.1:19121", "alpha", "wrong", clock=clock, http=stub)
+    with pytest.raises(RelayError) as info_:
+        await wrong.peers()
+    assert (info_.value.status, info_.value.code) == (401, "unauthenticated")
+
+
+@pytest_twisted.ensureDeferred
+async def test_long_poll_against_the_memory_broker() -> None:
+    alpha, beta, stub, clock = broker_clients()
+    await alpha.handshake()
+    await beta.handshake()
+    assert beta.long_poll_seconds == 20
+    await alpha.register()
+    await beta.register()
+
+    waiting = beta.pull(limit=5, wait=10)
+    assert not waiting.called
+    sent = await alpha.send("beta", {"text": "wake up"}, kind="request")
+    stub.flush()
+    answer = await waiting
+    assert [m["id"] for m in answer["messages"]] == [sent["id"]]
+
+    idle = beta.recv(wait=10)
+    clock.advance(9)
+    stub.flush()
+    assert not idle.called
+    clock.advance(1)
+    stub.flush()
+    assert (await idle)["messages"] == []
 
 
 # -- the handshake and the nonce ------------------------------------------------------
@@ -494,6 +615,104 @@ def test_question_body_refuses_what_the_page_cannot_show(question, options, says
 
 
 CARD = {"description": "d" * 2000, "skills": ["s" * 100] * 50}
+
+
+@pytest.fixture
+def triage_net() -> Net:
+    return Net(agents=TRIAGE_TEAM, roles=TRIAGE_ROLES)
+
+
+# -- groups (REACH §13) --------------------------------------------------------------------
+
+
+def test_send_to_a_group_returns_the_copies_and_status_lists_them() -> None:
+    net = Net(**REVIEWERS)
+    alice, bob = net.client("alice"), net.client("bob")
+    sent = net.run(alice.send("group:reviewers", {"text": "please review"}, message_id="g1"))
+    assert sent["id"] == "g1" and sent["duplicate"] is False
+    assert [c["to"] for c in sent["copies"]] == ["bob", "carol"]
+    again = net.run(alice.send("group:reviewers", {"text": "please review"}, message_id="g1"))
+    assert again == dict(sent, duplicate=True)
+    (leased,) = net.run(bob.pull())["messages"]
+    assert (leased["id"], leased["via"]) == (sent["copies"][0]["id"], "group:reviewers")
+    (entry,) = net.run(alice.status(["g1"]))["messages"]
+    assert entry == {"id": "g1", "via": "group:reviewers", "copies": [
+        dict(sent["copies"][0], status="leased"), dict(sent["copies"][1], status="queued")]}
+
+
+def test_an_unknown_group_is_a_relay_error() -> None:
+    net = Net(**REVIEWERS)
+    error = failure_of(net.start(net.client("alice").send("group:nobody", {})))
+    assert (error.status, error.code) == (404, "no_such_agent")
+
+
+def test_a_broker_without_groups_is_told_before_anything_is_sent() -> None:
+    net = Net(v11=True, **REVIEWERS)
+    error = failure_of(net.start(net.client("alice").send("group:reviewers", {})))
+    assert isinstance(error, RelayError) and "groups" in str(error)
+    assert ("POST", "/messages") not in net.http.paths()
+
+
+def test_a_request_to_a_group_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    net = Net(**REVIEWERS)
+    error = failure_of(net.start(net.client("alice").request("group:reviewers", {}, 5)))
+    assert error.code == "bad_request" and "per copy" in str(error)
+    assert ("POST", "/messages") not in net.http.paths()
+    term = Terminal(tmp_path, **REVIEWERS)
+    asked = term("alice", "ask", "group:reviewers", "anyone?", "--timeout", "5")
+    assert asked.status == 1 and "per copy" in asked.err
+
+
+# -- roles and priority (REACH §13, §14) ---------------------------------------------------
+
+
+def test_the_client_sends_with_a_priority_and_to_a_role(triage_net: Net) -> None:
+    alpha, dan = triage_net.client("alpha"), triage_net.client("dan")
+    triage_net.run(dan.register())
+    triage_net.run(alpha.send("dan", {"n": 1}, message_id="plain"))
+    triage_net.run(alpha.send("dan", {"n": 2}, message_id="urgent", priority=7))
+    triage_net.run(alpha.send("role:triage", {"n": 3}, message_id="work", priority=3))
+    sent = [b for b in triage_net.http.bodies("/messages")]
+    assert [b.get("priority") for b in sent] == [None, 7, 3]
+    pulled = triage_net.run(dan.pull(limit=10))["messages"]
+    assert [m["id"] for m in pulled] == ["urgent", "work", "plain"]
+    assert pulled[1]["to"] == "role:triage"
+    done = triage_net.run(dan.complete("work", pulled[1]["leaseId"], reply={"body": {"ok": 1},
+                                                                            "priority": 5}))
+    assert done["status"] == "done"
+    (entry,) = triage_net.run(alpha.status(["work"]))["messages"]
+    assert entry["completedBy"] == "dan"
+
+
+def test_the_client_pulls_from_one_role(triage_net: Net) -> None:
+    alpha, erin = triage_net.client("alpha"), triage_net.client("erin")
+    triage_net.run(erin.register())
+    triage_net.run(alpha.send("erin", {}, message_id="own"))
+    triage_net.run(alpha.send("role:triage", {}, message_id="work"))
+    assert [m["id"] for m in triage_net.run(erin.pull(role="triage"))["messages"]] == ["work"]
+    assert triage_net.http.bodies("/v1/pull")[-1]["role"] == "triage"
+    with pytest.raises(RelayError) as e:
+        triage_net.run(erin.pull(role="nobody"))
+    assert e.value.code == "no_such_agent"
+
+
+def test_the_client_checks_a_priority_before_sending(triage_net: Net) -> None:
+    alpha = triage_net.client("alpha")
+    for bad in (10, -1, True, 1.5):
+        with pytest.raises(ValueError):
+            alpha.send("dan", {}, priority=bad)
+
+
+def test_a_v11_broker_is_not_asked_for_priorities_or_roles() -> None:
+    net = Net(v11=True)
+    alpha = net.client("alpha")
+    for call in (lambda: alpha.send("beta", {}, priority=4),
+                 lambda: alpha.send("role:triage", {}),
+                 lambda: alpha.pull(role="triage")):
+        with pytest.raises(RelayError) as e:
+            net.run(call())
+        assert e.value.code == "unsupported"
+    assert net.http.bodies("/messages") == [] and net.http.bodies("/v1/pull") == []
 
 
 # -- peers, page by page -------------------------------------------------------------------

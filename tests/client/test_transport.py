@@ -1,7 +1,8 @@
 """RelayClient: signing, request shapes, retries and backoff, error mapping.
 
 These tests use a small scripted HTTP resource of their own (so they do not
-depend on our broker) and a ``task.Clock`` for every delay.
+depend on our broker) and a ``task.Clock`` for every delay; RelayClient against the
+in-memory broker is tests/client/test_client.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
-import pytest_twisted
 from treq.testing import StubTreq
 from twisted.internet import defer
 from twisted.internet.error import ConnectionRefusedError
@@ -21,10 +21,8 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from relay.client.client import RETRY_DELAYS_SECONDS, RelayClient, long_poll_limit
-from relay.testing import SECRET as TEST_SECRET
 from relay.wire.errors import RelayError
 from relay.wire.signing import auth_headers, sign, signing_string, verify
-from tests.support.client import relay_stub
 
 SECRET = "s3cret"
 NOW = 1712345678
@@ -570,106 +568,3 @@ def test_rejects_non_http_urls() -> None:
 
 
 # --- against our in-memory broker ---------------------------------------------
-
-
-def broker_clients(**broker: Any) -> Tuple[RelayClient, RelayClient, Any, Clock]:
-    """Two RelayClients (alpha, beta) sharing one in-memory broker and clock."""
-    from relay.testing import make_api
-
-    api, _, clock = make_api(**broker)
-    stub = relay_stub(api.resource(), clock)
-
-    def client(agent: str) -> RelayClient:
-        return RelayClient("http://127.0.0.1:19121", agent, TEST_SECRET, clock=clock, http=stub)
-
-    return client("alpha"), client("beta"), stub, clock
-
-
-@pytest_twisted.ensureDeferred
-async def test_every_method_against_the_memory_broker() -> None:
-    alpha, beta, stub, clock = broker_clients()
-    info = await alpha.handshake()
-    assert info["protocol"] == "1.0"
-    assert (await alpha.register())["agent"] == "alpha"
-    await beta.register()
-    peers = (await alpha.peers())["peers"]
-    assert [(p["agent"], p["online"]) for p in peers] == [("alpha", True), ("beta", True)]
-
-    # v1.0: send, recv with the cursor, receipt
-    sent = await alpha.send("beta", {"text": "one"}, ack=True)
-    assert (sent["accepted"], sent["duplicate"]) == (True, False)
-    again = await alpha.send("beta", {"text": "one"}, message_id=sent["id"], ack=True)
-    assert (again["id"], again["duplicate"]) == (sent["id"], True)
-    inbox = await beta.recv(limit=10)
-    assert [m["id"] for m in inbox["messages"]] == [sent["id"]]
-    assert beta.cursor == sent["id"]
-    assert (await beta.recv())["messages"] == []
-    second = await alpha.send("beta", {"text": "two"})
-    assert [m["id"] for m in (await beta.recv())["messages"]] == [second["id"]]
-    await beta.ack(sent["id"])
-    receipts = (await alpha.recv())["messages"]
-    assert [(m["type"], m["replyTo"], m["from"]) for m in receipts] == [("ack", sent["id"], "beta")]
-
-    # v1.1: request, pull, reply, ack, status, recent, query
-    request = await alpha.send("beta", {"text": "q"}, kind="request")
-    leased = (await beta.pull(limit=10, lease_seconds=60))["messages"]
-    mine = {m["id"]: m for m in leased}
-    assert request["id"] in mine and mine[request["id"]]["leaseId"]
-    lease = mine[request["id"]]["leaseId"]
-    reply = await beta.send(
-        "alpha",
-        {"text": "a"},
-        kind="reply",
-        reply_to=request["id"],
-        parent_id=request["id"],
-        root_id=request["id"],
-    )
-    done = await beta.ack_outcome(request["id"], lease, "completed")
-    assert (done["ok"], done["status"]) == (True, "done")
-    status = (await alpha.status([request["id"], "nope"]))["messages"]
-    assert [s["status"] for s in status if s["id"] == request["id"]] == ["done"]
-    recent = (await alpha.recent(limit=5))["messages"]
-    assert reply["id"] in [m["id"] for m in recent]
-    found = (await alpha.query(kind="reply", from_="beta"))["messages"]
-    assert [m["id"] for m in found] == [reply["id"]]
-    assert found[0]["parentId"] == request["id"]
-
-    # errors come back as RelayError with the spec's codes
-    with pytest.raises(RelayError) as info_:
-        await alpha.send("ghost", {"text": "x"})
-    assert (info_.value.status, info_.value.code) == (404, "no_such_agent")
-    with pytest.raises(RelayError) as info_:
-        await beta.ack_outcome(request["id"], lease, "completed")
-    assert (info_.value.status, info_.value.code) == (409, "not_leased")
-    with pytest.raises(RelayError) as info_:
-        await alpha.ack("no-such-id")
-    assert info_.value.code == "no_such_message"
-    wrong = RelayClient("http://127.0.0.1:19121", "alpha", "wrong", clock=clock, http=stub)
-    with pytest.raises(RelayError) as info_:
-        await wrong.peers()
-    assert (info_.value.status, info_.value.code) == (401, "unauthenticated")
-
-
-@pytest_twisted.ensureDeferred
-async def test_long_poll_against_the_memory_broker() -> None:
-    alpha, beta, stub, clock = broker_clients()
-    await alpha.handshake()
-    await beta.handshake()
-    assert beta.long_poll_seconds == 20
-    await alpha.register()
-    await beta.register()
-
-    waiting = beta.pull(limit=5, wait=10)
-    assert not waiting.called
-    sent = await alpha.send("beta", {"text": "wake up"}, kind="request")
-    stub.flush()
-    answer = await waiting
-    assert [m["id"] for m in answer["messages"]] == [sent["id"]]
-
-    idle = beta.recv(wait=10)
-    clock.advance(9)
-    stub.flush()
-    assert not idle.called
-    clock.advance(1)
-    stub.flush()
-    assert (await idle)["messages"] == []

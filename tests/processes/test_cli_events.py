@@ -16,27 +16,10 @@ from typing import Any, List
 
 import pytest
 
-from relay.cli.commands.events import event_line
-from relay.client.sse import RelayEvent
 from tests.support import REPO
 from tests.support.processes import BrokerProcess
 
 ALPHA, BETA = "alpha", "beta"
-
-
-def test_event_lines_name_type_id_agents_and_kind_on_one_escaped_line():
-    assert event_line(RelayEvent("7", "message", {"id": "m1", "from": "alpha",
-                                                  "kind": "request"})) == (
-        "message 7 from alpha (request) [m1]")
-    assert event_line(RelayEvent("8", "status", {"id": "m0", "to": "beta", "status": "done",
-                                                 "attempts": 1, "error": "e"})) == (
-        "status 8 [m0] to beta: done (attempts 1)")
-    assert event_line(RelayEvent("9", "reset", {"reason": "unknown event id"})) == (
-        "reset 9: unknown event id; pull to re-sync")
-    assert event_line(RelayEvent("10", "later", {})) == "later 10"
-    forged = event_line(RelayEvent("7", "message", {"id": "m\n2", "from": "evil\nok 8 x",
-                                                    "kind": "a\r\nb"}))
-    assert "\n" not in forged and "\r" not in forged
 
 
 class Events:

@@ -29,7 +29,6 @@ from relay.client.client import RelayClient
 from relay.client.settings import UsageError, resolve_settings
 from relay.client.trust import make_http_client
 from relay.wire.errors import RelayError
-from tests.cli.test_cli import python_relay
 from tests.site.test_tls import (
     SECRET,
     Broker,
@@ -40,6 +39,7 @@ from tests.site.test_tls import (
     free_port,
     write_config,
 )
+from tests.support.cli import python_relay
 
 # Real-time bound on one client call; a retried TLS failure would exceed it.
 CALL_TIMEOUT = 5.0

@@ -77,3 +77,11 @@ def human_broker() -> Broker:
         "alpha": {"secret": ALICE}, "dana": {"secret": HUMAN, "human": True}}))
     broker.secrets.update(alpha=ALICE, dana=HUMAN)
     return broker
+
+
+# -- the client side's teams -------------------------------------------------------------
+
+REVIEWERS = {"agents": {"alice": {}, "bob": {}, "carol": {}},
+             "groups": {"reviewers": {"members": ["alice", "bob", "carol"]}}}
+TRIAGE_TEAM = {"alpha": {}, "dan": {}, "erin": {}}
+TRIAGE_ROLES = {"triage": {"members": ["dan", "erin"]}}
