@@ -29,17 +29,17 @@ from relay.client.client import RelayClient
 from relay.client.settings import UsageError, resolve_settings
 from relay.client.trust import make_http_client
 from relay.wire.errors import RelayError
-from tests.site.test_tls import (
+from tests.support.cli import python_relay
+from tests.support.tls import (
     SECRET,
     Broker,
-    _certificate,
-    _new_key,
-    _write_cert,
-    _write_key,
     free_port,
+    make_certificate,
+    new_key,
+    write_cert,
     write_config,
+    write_key,
 )
-from tests.support.cli import python_relay
 
 # Real-time bound on one client call; a retried TLS failure would exceed it.
 CALL_TIMEOUT = 5.0
@@ -57,11 +57,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     other-client (signed by other-ca), client.pem (certificate and key in one),
     encrypted.key, and junk.crt (no certificate)."""
     d = tmp_path_factory.mktemp("client-pki")
-    ca_key, other_key = _new_key(), _new_key()
-    ca = _certificate("relay test CA", ca_key)
-    other_ca = _certificate("untrusted CA", other_key)
-    _write_cert(d / "ca.crt", ca)
-    _write_cert(d / "other-ca.crt", other_ca)
+    ca_key, other_key = new_key(), new_key()
+    ca = make_certificate("relay test CA", ca_key)
+    other_ca = make_certificate("untrusted CA", other_key)
+    write_cert(d / "ca.crt", ca)
+    write_cert(d / "other-ca.crt", other_ca)
     leaves = {
         "server": ((ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH, ("127.0.0.1", "localhost")),
         "misnamed": ((ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH, ("relay.example",)),
@@ -70,9 +70,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "other-client": ((other_ca, other_key), ExtendedKeyUsageOID.CLIENT_AUTH, ()),
     }
     for name, (issuer, purpose, names) in leaves.items():
-        key = _new_key()
-        _write_key(d / f"{name}.key", key)
-        _write_cert(d / f"{name}.crt", _certificate(name, key, issuer, purpose, names))
+        key = new_key()
+        write_key(d / f"{name}.key", key)
+        write_cert(d / f"{name}.crt", make_certificate(name, key, issuer, purpose, names))
     (d / "client.pem").write_bytes(
         (d / "client.crt").read_bytes() + (d / "client.key").read_bytes()
     )

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
 import pytest
 
+from relay.wire.signing import sign
 from tests.support.processes import BrokerProcess
 
 pytestmark = pytest.mark.process
@@ -108,3 +110,49 @@ def test_a_trickling_client_is_timed_out_without_blocking_others(broker):
         assert received.startswith(b"HTTP/1.1 408"), received[:100]
     finally:
         slow.close()
+
+
+@pytest.fixture(scope="module")
+def default_broker(tmp_path_factory):
+    b = BrokerProcess(str(tmp_path_factory.mktemp("one-read"))).start()
+    yield b
+    b.kill()
+
+
+# -- an answer larger than the socket takes ------------------------------------------------
+
+
+@pytest.mark.process
+def test_an_answer_larger_than_the_socket_takes_arrives_whole(default_broker) -> None:
+    """What the socket does not take at once is queued after it, so a slow reader
+    still gets every byte in order."""
+    assert default_broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
+    assert default_broker.request("alpha", "POST", "/register", {"agent": "alpha"})[0] == 200
+    for i in range(40):
+        body = {"id": f"big-{i}", "to": "beta", "body": {"text": f"{i:04d}" * 5000}}
+        assert default_broker.request("alpha", "POST", "/messages", body)[0] == 201
+    raw = json.dumps({"agent": "beta", "limit": 50}).encode()
+    ts = int(time.time())
+    request = (b"POST /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: beta\r\n"
+               b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\nContent-Length: %d\r\n\r\n%s"
+               % (ts, sign(default_broker.secret, "POST", "/v1/pull", ts, raw).encode(), len(raw),
+                  raw))
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", default_broker.port))
+        s.sendall(request)
+        time.sleep(0.5)  # the broker's first send fills what the socket holds
+        s.settimeout(10)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+        assert length > 800_000
+        while len(body) < length:
+            chunk = s.recv(65536)
+            assert chunk, "the connection closed before the answer was whole"
+            body += chunk
+    messages = json.loads(body)["messages"]
+    assert [m["id"] for m in messages] == [f"big-{i}" for i in range(40)]
+    assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))

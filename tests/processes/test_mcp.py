@@ -566,15 +566,15 @@ def test_with_tls_it_listens_beyond_loopback_over_https(broker, tmp_path) -> Non
 
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    from tests.site.test_tls import _certificate, _new_key, _write_cert, _write_key
+    from tests.support.tls import make_certificate, new_key, write_cert, write_key
 
-    ca_key, key = _new_key(), _new_key()
-    ca = _certificate("mcp test CA", ca_key)
-    leaf = _certificate("relay mcp", key, (ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH,
+    ca_key, key = new_key(), new_key()
+    ca = make_certificate("mcp test CA", ca_key)
+    leaf = make_certificate("relay mcp", key, (ca, ca_key), ExtendedKeyUsageOID.SERVER_AUTH,
                         ("127.0.0.1",))
-    _write_cert(tmp_path / "ca.crt", ca)
-    _write_cert(tmp_path / "mcp.crt", leaf)
-    _write_key(tmp_path / "mcp.key", key)
+    write_cert(tmp_path / "ca.crt", ca)
+    write_cert(tmp_path / "mcp.crt", leaf)
+    write_key(tmp_path / "mcp.key", key)
     token_file = tmp_path / "mcp.token"
     token_file.write_text("c" * 40)
     token_file.chmod(0o600)

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import time
 from typing import List, Optional, Tuple
 
-import pytest
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -18,7 +15,6 @@ from twisted.internet.testing import StringTransport
 from relay.broker.site import RelaySite
 from relay.testing import SECRET, START, make_api
 from relay.wire.signing import sign
-from tests.support.processes import BrokerProcess
 
 PEER = IPv4Address("TCP", "127.0.0.1", 40000)
 HOST = IPv4Address("TCP", "127.0.0.1", 19121)
@@ -118,50 +114,6 @@ def test_pipelined_and_trickled_requests_are_answered_in_order() -> None:
     answers = transport.value().split(b"HTTP/1.1 ")[1:]
     assert [a[:3] for a in answers] == [b"200"] * 4
     assert b'"peers"' in answers[1] and b'"peers"' in answers[3]
-
-
-# -- over a real socket --------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory):
-    b = BrokerProcess(str(tmp_path_factory.mktemp("one-read"))).start()
-    yield b
-    b.kill()
-
-
-@pytest.mark.process
-def test_an_answer_larger_than_the_socket_takes_arrives_whole(broker) -> None:
-    """What the socket does not take at once is queued after it, so a slow reader
-    still gets every byte in order."""
-    assert broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
-    assert broker.request("alpha", "POST", "/register", {"agent": "alpha"})[0] == 200
-    for i in range(40):
-        body = {"id": f"big-{i}", "to": "beta", "body": {"text": f"{i:04d}" * 5000}}
-        assert broker.request("alpha", "POST", "/messages", body)[0] == 201
-    raw = json.dumps({"agent": "beta", "limit": 50}).encode()
-    ts = int(time.time())
-    request = (b"POST /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: beta\r\n"
-               b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\nContent-Length: %d\r\n\r\n%s"
-               % (ts, sign(broker.secret, "POST", "/v1/pull", ts, raw).encode(), len(raw), raw))
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.connect(("127.0.0.1", broker.port))
-        s.sendall(request)
-        time.sleep(0.5)  # the broker's first send fills what the socket holds
-        s.settimeout(10)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += s.recv(65536)
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
-        assert length > 800_000
-        while len(body) < length:
-            chunk = s.recv(65536)
-            assert chunk, "the connection closed before the answer was whole"
-            body += chunk
-    messages = json.loads(body)["messages"]
-    assert [m["id"] for m in messages] == [f"big-{i}" for i in range(40)]
-    assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))
 
 
 # -- idle connections: one timestamp per channel, checked by the reaper -----------
