@@ -1,7 +1,7 @@
 """The client side of TLS: RelayClient, the ``relay`` command and the agent runtime.
 
 Every test talks to a real ``twistd -n relay`` process over TLS, with
-certificates made at test time by the helpers of ``tests.site.test_tls``. Three
+certificates made at test time by the helpers of ``tests.support.tls``. Three
 brokers serve the whole module: one with a certificate from the test CA, one
 that also requires client certificates (``tlsClientCA``), and one whose
 certificate names another host. Each is stopped when the module ends.
