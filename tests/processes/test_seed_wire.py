@@ -1,9 +1,8 @@
-"""Five wire behaviours, checked against the real ``twistd -n relay`` process.
-
-Each was found by an independent black-box conformance run: the broker's ``ts``
-(spec §2), the ack ``error`` outside the envelope, a receipt path that only
-matches once percent-decoded, ``leaseId`` for the recipient (and across a
-restart), and ``messageTtlDays: 0`` as the reference broker reads it.
+"""The seed wire through the real ``twistd -n relay`` process, on each persistent
+backend and across a restart: the broker's ``ts`` (spec §2), the ack ``error`` outside
+the envelope, a receipt path that only matches once percent-decoded, ``leaseId`` for the
+recipient, and ``messageTtlDays: 0`` as the reference broker reads it (each found by an
+independent black-box conformance run).
 """
 
 from __future__ import annotations
