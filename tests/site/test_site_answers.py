@@ -4,7 +4,7 @@ Each case is raw HTTP bytes fed to a connection of the broker's real site (its
 request class, its channel, its front resource, the Klein app), over an in-memory
 transport with time on a ``task.Clock``. The answers (status line, headers
 without ``Date``, body with generated ids replaced by their order of appearance)
-are compared with ``tests/recordings/site_answers.json``, recorded from the broker
+are compared with ``tests/site/recordings/site_answers.json``, recorded from the broker
 before its HTTP layer was rebuilt on public Twisted: a change of dispatch, of
 parser or of writer that changes what a client sees fails here.
 
