@@ -22,7 +22,7 @@ def wheel_problems(wheel: Path) -> List[str]:
     wanted = {f"relay/{page}/static/{p.name}" for page in ("broker/ops", "broker/inbox")
               for p in (REPO / "relay" / page / "static").iterdir()
               if p.is_file() and not p.name.endswith(".py")}
-    wanted |= {f"relay/store/{p.name}" for p in (REPO / "relay" / "store").glob("*.sql")}
+    wanted |= {p.relative_to(REPO).as_posix() for p in (REPO / "relay" / "store").rglob("*.sql")}
     wanted |= {"twisted/plugins/relay_plugin.py", "twisted/plugins/relay_stores.py"}
     problems = [f"{wheel.name} lacks {name}" for name in sorted(wanted - names)]
     # Twisted's own package is not shipped: only the plugin files live under twisted/
@@ -37,6 +37,7 @@ def sdist_problems(sdist: Path) -> List[str]:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     wanted = {"setup.cfg", "pyproject.toml", "README.md", "CHANGELOG.md", "conf/relay.yaml",
               "docs/CONFIG.md", "relay/broker/ops/static/index.html", "relay/store/sqlite-v9.sql",
+              "relay/store/postgres/migration-1.sql",
               "relay/broker/inbox/static/index.html", "relay/broker/inbox/static/inbox.js",
               "twisted/plugins/relay_plugin.py", "twisted/plugins/relay_stores.py",
               "relay/broker/operations.py"}

@@ -46,7 +46,7 @@ connects and silent networks are bounded by timeouts, so nothing waits longer
 than ``OPERATION_SECONDS``.
 
 The schema is created and migrated at start by the numbered scripts
-``postgres-migration-N.sql`` in one transaction each, under an advisory lock,
+``migration-N.sql`` in one transaction each, under an advisory lock,
 so several brokers may start at once. The psycopg 3 driver is imported only
 when this backend is opened.
 """
@@ -1125,8 +1125,8 @@ class Listener:
 
 def migration_script(version: int) -> str:
     """The SQL that brings the schema from ``version - 1`` to ``version``."""
-    name = f"postgres-migration-{version}.sql"
-    return resources.files("relay.store").joinpath(name).read_text("utf-8")
+    name = f"migration-{version}.sql"
+    return resources.files("relay.store.postgres").joinpath(name).read_text("utf-8")
 
 
 def migrate(conn: Any, target: int = SCHEMA_VERSION,
