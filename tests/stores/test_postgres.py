@@ -303,9 +303,9 @@ def test_a_senders_dead_letters_are_read_from_the_failed_rows(dsn):
         # a status no message has is still a filter, bound as given
         assert records.listing("alpha", "sent", 10, {"status": "lost"}, START) == []
         filters = {"status": "failed", "box": "sent"}
-        params = {name: filters.get(name) for name, _ in postgres._FILTERS}
+        params = {name: filters.get(name) for name, _ in postgres.FILTERS}
         params.update(agent="alpha", limit=10, now=START)
-        plan = generic_plan(conn, postgres._listing_statement("sent", filters), params)
+        plan = generic_plan(conn, postgres.listing_statement("sent", filters), params)
         assert "relay_messages_sent_failed" in plan and "Sort" not in plan, plan
 
 
