@@ -444,6 +444,11 @@ class Message:
                 entry["completedBy"] = self.holder
         return entry
 
+    # What state() holds, in its order.
+    STATE_FIELDS = ("status", "attempts", "lease_until", "lease_id", "error", "recovery",
+                    "deliveries", "not_before", "dead_reason", "holder", "completed_at",
+                    "expires_at")
+
     def state(self) -> Tuple[Any, ...]:
         """The mutable delivery fields, compared to tell whether a transition changed any
         (``expires_at`` last: only a requeue of a message past its TTL changes it)."""

@@ -60,7 +60,7 @@ from relay.rules import delivery
 from relay.rules.config import SYNC_LEVELS, Config, Setting, check_keys, read_settings, table_keys
 from relay.rules.delivery import PENDING, Message
 from relay.rules.events import Event
-from relay.store import make_data_dir, off_the_reactor
+from relay.store import columns, make_data_dir, off_the_reactor
 from relay.store.grouped import GroupCommit
 from relay.store.interface import QueueDepth
 from relay.store.records import (
@@ -89,12 +89,7 @@ LEASED_BODY_CHARS = 8192
 # The most events one run of retention removes (the sweep runs again soon).
 EVENT_TRIM_BATCH = 20_000
 
-COLUMNS = (
-    "seq, id, sender, recipient, ts, type, body, reply_to, ack, kind, root_id, parent_id, "
-    "status, attempts, lease_until, lease_id, error, created, recovery, deliveries, "
-    "not_before, dead_reason, delay_until, expires_at, via, sent_id, v2, priority, holder, "
-    "completed_at"
-)
+COLUMNS = columns.names(columns.STORED, lead=("seq",))
 _SELECT = f"SELECT {COLUMNS} FROM messages"
 # What a row counts toward its recipient's inbox quota (delivery.Message.stored_bytes):
 # the UTF-8 bytes of its body and of the envelope strings its sender chose.
@@ -103,9 +98,7 @@ _STORED_BYTES = ("(length(CAST(body AS BLOB)) + length(CAST(id AS BLOB)) "
                  "+ ifnull(length(CAST(reply_to AS BLOB)), 0) "
                  "+ ifnull(length(CAST(root_id AS BLOB)), 0) "
                  "+ ifnull(length(CAST(parent_id AS BLOB)), 0))")
-_STATE_COLUMNS = ("status", "attempts", "lease_until", "lease_id", "error", "recovery",
-                  "deliveries", "not_before", "dead_reason", "holder", "completed_at",
-                  "expires_at")
+_STATE_COLUMNS = [column.name for column in columns.STATE]
 # Variants of _INSERT and _SAVE_STATE kept per pattern of NULL values: at most this many.
 NULL_PATTERNS = 256
 
@@ -121,7 +114,7 @@ def _save_sql(nulls: Tuple[bool, ...]) -> str:
     return f"UPDATE messages SET {sets} WHERE seq = ?"
 
 
-_INSERT = _insert_sql((False,) * len(COLUMNS.split(",")))
+_INSERT = _insert_sql((False,) * (1 + len(columns.STORED)))
 _SAVE_STATE = _save_sql((False,) * len(_STATE_COLUMNS))
 
 
@@ -354,87 +347,16 @@ def upgrade_script(version: int) -> str:
     return resources.files("relay.store").joinpath(name).read_text("utf-8")
 
 
-def _row(message: Message) -> Tuple[Any, ...]:
-    return (
-        message.seq or None,
-        message.id,
-        message.sender,
-        message.to,
-        message.ts,
-        message.type,
-        message.body_json(),
-        message.reply_to,
-        int(message.ack),
-        message.kind,
-        message.root_id,
-        message.parent_id,
-        message.status,
-        message.attempts,
-        message.lease_until,
-        message.lease_id,
-        message.error,
-        message.created,
-        int(message.recovery),
-        message.deliveries,
-        message.not_before,
-        message.dead_reason,
-        message.delay_until,
-        message.expires_at,
-        message.via,
-        message.sent_id,
-        message.v2,
-        message.priority,
-        message.holder,
-        message.completed_at,
-    )
-
-
-def _message(row: Sequence[Any]) -> Message:
-    return Message(
-        seq=row[0],
-        id=row[1],
-        sender=row[2],
-        to=row[3],
-        ts=row[4],
-        type=row[5],
-        body_json=row[6],
-        reply_to=row[7],
-        ack=bool(row[8]),
-        kind=row[9],
-        root_id=row[10],
-        parent_id=row[11],
-        status=row[12],
-        attempts=row[13],
-        lease_until=row[14],
-        lease_id=row[15],
-        error=row[16],
-        created=row[17],
-        recovery=bool(row[18]),
-        deliveries=row[19],
-        not_before=row[20],
-        dead_reason=row[21],
-        delay_until=row[22],
-        expires_at=row[23],
-        via=row[24],
-        sent_id=row[25],
-        v2=row[26],
-        priority=row[27],
-        holder=row[28],
-        completed_at=row[29],
-    )
+# A message as a row of COLUMNS and back; its state as the values of _SAVE_STATE.
+_row = columns.row_writer(columns.STORED, lead=["message.seq or None"], int_booleans=True)
+_message = columns.row_reader(int_booleans=True)
+_state_row = columns.row_writer(columns.STATE, trail=["message.seq"], int_booleans=True)
 
 
 def _newest(parts: List[List[Message]], limit: int) -> List[Message]:
     """The ``limit`` highest-seq messages of lists each sorted newest first."""
     merged = heapq.merge(*parts, key=lambda m: m.seq, reverse=True)
     return [m for _, m in zip(range(limit), merged)]
-
-
-def _state_row(message: Message) -> Tuple[Any, ...]:
-    (status, attempts, lease_until, lease_id, error, recovery, deliveries, not_before,
-     dead_reason, holder, completed_at, expires_at) = message.state()
-    return (status, attempts, lease_until, lease_id, error, int(recovery), deliveries,
-            not_before, dead_reason, holder, completed_at, expires_at, message.seq)
 
 
 class Checkpointer:

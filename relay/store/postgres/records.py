@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from relay.rules import delivery
 from relay.rules.delivery import Changes, Message, Rules
 from relay.rules.events import Event
+from relay.store import columns
 from relay.store import records as ops
 from relay.store.interface import QueueDepth
 from relay.store.postgres.statements import (
@@ -20,9 +21,7 @@ from relay.store.postgres.statements import (
     LOCK_CLASS_RECIPIENT,
     MATCH_PAGE,
     SAVE,
-    STATE_COLUMNS,
     STATEMENTS,
-    STORED,
     listing_statement,
 )
 from relay.store.records import Records
@@ -31,13 +30,10 @@ from relay.wire.protocol import EXPIRED, KEEP_CARD, QUEUED
 NOTIFY_BYTES = 7900  # PostgreSQL's limit is 8000 bytes per payload
 
 
-def _message(row: Sequence[Any]) -> Message:
-    values = dict(zip((a for _, a, _ in STORED), row[2:]))
-    return Message(seq=row[0], **values)
-
-
-def _insert_values(message: Message) -> List[Any]:
-    return [message.body_json() if a == "body_json" else getattr(message, a) for _, a, _ in STORED]
+# A row of COLUMNS as a Message; a message's values of the INSERT and of a save.
+_message = columns.row_reader(skip=1)
+_insert_values = columns.row_writer(columns.STORED)
+_state_values = columns.row_writer(columns.STATE)
 
 
 class Conflict(Exception):
@@ -73,7 +69,7 @@ class PostgresRecords(Records):
         return out
 
     def insert(self, message: Message) -> bool:
-        params = [LOCK_CLASS_RECIPIENT, message.to] + _insert_values(message)
+        params = [LOCK_CLASS_RECIPIENT, message.to, *_insert_values(message)]
         self.cursor.execute(INSERT, params)
         row = self.cursor.fetchone()
         if row is None:
@@ -130,10 +126,10 @@ class PostgresRecords(Records):
                 entry[1] += sign * message.stored_bytes()
         self._usage_changed(deltas)
         seqs = [m.seq for m in messages]
-        columns: List[List[Any]] = [seqs, [self.versions[s] for s in seqs]]
-        states = [m.state() for m in messages]
-        columns.extend([state[i] for state in states] for i in range(len(STATE_COLUMNS)))
-        self.cursor.execute(SAVE, columns)
+        values: List[List[Any]] = [seqs, [self.versions[s] for s in seqs]]
+        states = [_state_values(m) for m in messages]
+        values.extend([state[i] for state in states] for i in range(len(columns.STATE)))
+        self.cursor.execute(SAVE, values)
         if self.cursor.rowcount != len(messages):
             raise Conflict()
         for seq in seqs:
@@ -151,7 +147,7 @@ class PostgresRecords(Records):
                   "lease_ids": lease_ids, "until": until, "now": now, "parent": parent_id}
         sql = STATEMENTS["claim" if parent_id is None else "claim_parent"]
         claimed = sorted(self._rows(sql, params), key=delivery.rank)
-        queued = (QUEUED,) + (None,) * (len(STATE_COLUMNS) - 1)
+        queued = (QUEUED,) + (None,) * (len(columns.STATE) - 1)
         for message in claimed:
             ops.note(self, queued, message, now, rules)
         return claimed

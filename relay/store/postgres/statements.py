@@ -3,8 +3,9 @@ statement its operations run, and the listing statements built from filters."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional
 
+from relay.store.columns import STATE, STORED, names
 from relay.wire.protocol import STORED_STATUSES
 
 CHANNEL = "relay_changes"
@@ -18,45 +19,10 @@ EVENT_TRIM_BATCH = 20_000
 
 # -- rows -------------------------------------------------------------------------------
 
-# (column, Message attribute, SQL type) of what a message is stored with, the
-# delivery state last, in the order of Message.state(). A new field is one
-# entry here and one migration.
-ENVELOPE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
-    ("id", "id", "text"),
-    ("sender", "sender", "text"),
-    ("recipient", "to", "text"),
-    ("ts", "ts", "text"),
-    ("type", "type", "text"),
-    ("body", "body_json", "text"),
-    ("reply_to", "reply_to", "text"),
-    ("ack", "ack", "boolean"),
-    ("kind", "kind", "text"),
-    ("root_id", "root_id", "text"),
-    ("parent_id", "parent_id", "text"),
-    ("created", "created", "double precision"),
-    ("delay_until", "delay_until", "double precision"),
-    ("via", "via", "text"),
-    ("sent_id", "sent_id", "text"),
-    ("v2", "v2", "text"),
-    ("priority", "priority", "integer"),
-)
-STATE_COLUMNS: Tuple[Tuple[str, str, str], ...] = (
-    ("status", "status", "text"),
-    ("attempts", "attempts", "integer"),
-    ("lease_until", "lease_until", "bigint"),
-    ("lease_id", "lease_id", "text"),
-    ("error", "error", "text"),
-    ("recovery", "recovery", "boolean"),
-    ("deliveries", "deliveries", "integer"),
-    ("not_before", "not_before", "double precision"),
-    ("dead_reason", "dead_reason", "text"),
-    ("holder", "holder", "text"),
-    ("completed_at", "completed_at", "double precision"),
-    ("expires_at", "expires_at", "double precision"),
-)
-STORED = ENVELOPE_COLUMNS + STATE_COLUMNS
-COLUMNS = ", ".join(["seq", "version"] + [c for c, _, _ in STORED])
-_M_COLUMNS = ", ".join(f"m.{c}" for c in ["seq", "version"] + [c for c, _, _ in STORED])
+# The columns of a message (relay.store.columns, the table the SQL stores share),
+# after its identity number and row version.
+COLUMNS = names(STORED, lead=("seq", "version"))
+_M_COLUMNS = names(STORED, lead=("seq", "version"), prefix="m.")
 
 _SELECT = f"SELECT {COLUMNS} FROM relay_messages"
 _PENDING = "('queued', 'leased')"
@@ -77,8 +43,8 @@ INSERT = (
     # The recipient's lock is taken before the row (and its identity number) is
     # made, and held until the transaction ends.
     "WITH recipient_lock AS (SELECT pg_advisory_xact_lock(%s, hashtext(%s))), "
-    f"added AS (INSERT INTO relay_messages ({', '.join(c for c, _, _ in STORED)}) "
-    f"SELECT {', '.join(f'%s::{t}' for _, _, t in STORED)} FROM recipient_lock "
+    f"added AS (INSERT INTO relay_messages ({names(STORED)}) "
+    f"SELECT {', '.join(f'%s::{c.sql_type}' for c in STORED)} FROM recipient_lock "
     "ON CONFLICT (id) DO NOTHING "
     f"RETURNING seq, recipient, status, {_STORED_BYTES} AS size), "
     f"counted AS ({_COUNT.format(rows='added')}) "
@@ -94,10 +60,10 @@ _USAGE_DELTA = (
 )
 SAVE = (
     "UPDATE relay_messages AS m SET "
-    + ", ".join(f"{c} = v.{c}" for c, _, _ in STATE_COLUMNS)
+    + ", ".join(f"{c.name} = v.{c.name}" for c in STATE)
     + ", version = m.version + 1 FROM unnest(%s::bigint[], %s::integer[], "
-    + ", ".join(f"%s::{t}[]" for _, _, t in STATE_COLUMNS)
-    + f") AS v(seq, version, {', '.join(c for c, _, _ in STATE_COLUMNS)}) "
+    + ", ".join(f"%s::{c.sql_type}[]" for c in STATE)
+    + f") AS v(seq, version, {names(STATE)}) "
     "WHERE m.seq = v.seq AND m.version = v.version"
 )
 # The lease of delivery.lease, given to up to ``limit`` queued messages at once.
