@@ -5,15 +5,15 @@ between one of its rows and a :class:`relay.rules.delivery.Message`. A new
 stored field is one entry here, and a schema change in each store.
 
 The mappings are compiled from the table once, at import, into plain functions
-(as :mod:`dataclasses` does): a row is read or written with one attribute
-access per column, as a function written out by hand would.
+(:func:`relay.rules.message.compiled`): a row is read or written with one
+attribute access per column, as a function written out by hand would.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Sequence, Tuple
 
-from relay.rules.delivery import Message
+from relay.rules.message import Message, compiled
 
 
 class Column(NamedTuple):
@@ -69,14 +69,6 @@ def names(columns: Sequence[Column], lead: Sequence[str] = (), prefix: str = "")
     return ", ".join(prefix + name for name in [*lead, *(c.name for c in columns)])
 
 
-def _compiled(name: str, parameter: str, expression: str) -> Callable[..., Any]:
-    """A function of one ``parameter`` returning ``expression`` (text built from the
-    table above, never from input)."""
-    namespace = {"Message": Message}
-    exec(f"def {name}({parameter}):\n    return {expression}\n", namespace)
-    return namespace[name]
-
-
 def row_reader(skip: int = 0, int_booleans: bool = False) -> Callable[[Sequence[Any]], Message]:
     """The Message of a row of ``seq``, ``skip`` more columns, then :data:`STORED`;
     with ``int_booleans``, its booleans are read from 0 and 1."""
@@ -85,7 +77,8 @@ def row_reader(skip: int = 0, int_booleans: bool = False) -> Callable[[Sequence[
         value = f"row[{i}]"
         fields.append(f"{attribute}=bool({value})" if int_booleans and kind == "boolean"
                       else f"{attribute}={value}")
-    return _compiled("message_of_row", "row", f"Message({', '.join(fields)})")
+    return compiled("message_of_row", "row", [f"return Message({', '.join(fields)})"],
+                    {"Message": Message})
 
 
 def row_writer(columns: Sequence[Column], lead: Sequence[str] = (), trail: Sequence[str] = (),
@@ -101,7 +94,7 @@ def row_writer(columns: Sequence[Column], lead: Sequence[str] = (), trail: Seque
         else:
             values.append(f"message.{attribute}")
     values.extend(trail)
-    return _compiled("row_of_message", "message", f"({', '.join(values)},)")
+    return compiled("row_of_message", "message", [f"return ({', '.join(values)},)"], {})
 
 
 __all__ = ["Column", "STATE", "STORED", "names", "row_reader", "row_writer"]
