@@ -9,12 +9,11 @@ shown escaped (``\\x1b``, ``\\u202e``). Times are shown as ages ("12 s ago");
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
 
-from relay.wire.protocol import notice_id
+from relay.wire.protocol import iso_seconds, notice_id
 
 # Characters that a terminal may act on, or that reorder or break the text
 # around them: C0, DEL and C1 controls, the bidirectional embeddings,
@@ -43,13 +42,7 @@ def _parse_time(value: Any) -> Optional[float]:
         # (leaseUntil); milliseconds are past 1e11 for any date after 1973.
         return value / 1000.0 if value > 1e11 else float(value)
     if isinstance(value, str) and value:
-        try:
-            parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-        if parsed.tzinfo is None:
-            parsed = parsed.replace(tzinfo=datetime.timezone.utc)
-        return parsed.timestamp()
+        return iso_seconds(value)
     return None
 
 

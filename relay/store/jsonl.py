@@ -69,7 +69,6 @@ the old file stays complete, so a crash during compaction loses nothing.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 from dataclasses import dataclass
@@ -95,6 +94,7 @@ from relay.wire.protocol import (
     MESSAGE_TYPES,
     STORED_STATUSES,
     compact_json,
+    iso_seconds,
     iso_timestamp,
     parse_card,
 )
@@ -239,13 +239,8 @@ def _created(envelope: Dict[str, Any], now: float) -> float:
         return float(created)
     ts = envelope.get("ts")
     if isinstance(ts, str):
-        try:
-            parsed = datetime.datetime.fromisoformat(ts.replace("Z", "+00:00"))
-        except ValueError:
-            return now
-        if parsed.tzinfo is None:
-            parsed = parsed.replace(tzinfo=datetime.timezone.utc)
-        return parsed.timestamp()
+        seconds = iso_seconds(ts)
+        return now if seconds is None else seconds
     return now
 
 

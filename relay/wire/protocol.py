@@ -166,6 +166,18 @@ def address_group(host: str) -> str:
 _second_prefix: Tuple[int, str] = (-1, "")
 
 
+def iso_seconds(text: str) -> Optional[float]:
+    """Epoch seconds of an ISO-8601 timestamp (``Z`` or an offset; UTC without
+    either), or None when ``text`` is not one."""
+    try:
+        parsed = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+    return parsed.timestamp()
+
+
 def iso_timestamp(seconds: float) -> str:
     """An ISO-8601 UTC timestamp with milliseconds, as JavaScript's ``toISOString``."""
     global _second_prefix
