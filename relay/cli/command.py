@@ -83,26 +83,25 @@ class Context:
 # -- argument types ----------------------------------------------------------------
 
 
-def positive_int(value: str) -> int:
-    """An argparse type: a whole number of at least 1."""
+def _whole_number(value: str, least: int) -> int:
+    """``value`` as a whole number of at least ``least``, or the argparse error."""
     try:
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1: {value}")
+    if number < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}: {value}")
     return number
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    return _whole_number(value, 1)
 
 
 def non_negative_int(value: str) -> int:
     """An argparse type: a whole number of at least 0."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0: {value}")
-    return number
+    return _whole_number(value, 0)
 
 
 def port_number(value: str) -> int:
