@@ -114,6 +114,16 @@ def check_new_id(value: str, field: str) -> str:
     return value
 
 
+def _chosen_or_new_id(value: Any, absent: Any, field: str) -> str:
+    """The id a sender chose for a new message (:func:`check_new_id`), or a new UUID
+    when ``value`` is ``absent``; 400 for anything but a non-empty string."""
+    if value is absent:
+        return str(uuid.uuid4())
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{field} must be a non-empty string")
+    return check_new_id(value, field)
+
+
 def is_valid_agent_name(name: str) -> bool:
     """True when ``name`` is a legal agent name (``[A-Za-z0-9_.-]{1,64}``)."""
     return bool(AGENT_NAME.match(name))
@@ -396,13 +406,7 @@ def normalize_envelope(body: Any, agent: str) -> Dict[str, Any]:
     """
     if not isinstance(body, dict):
         raise bad_request("body must be a JSON object")
-    msg_id = body.get("id", _MISSING)
-    if msg_id is _MISSING:
-        msg_id = str(uuid.uuid4())
-    elif not isinstance(msg_id, str) or not msg_id:
-        raise bad_request("id must be a non-empty string")
-    else:
-        check_new_id(msg_id, "id")
+    msg_id = _chosen_or_new_id(body.get("id", _MISSING), _MISSING, "id")
     sender = body.get("from")
     if sender is not None and sender != agent:
         raise bad_request("envelope.from must match X-Relay-Agent header")
@@ -510,13 +514,7 @@ def parse_reply(value: Any) -> Dict[str, Any]:
     for field in BROKER_SET_REPLY_FIELDS:
         if field in value:
             raise bad_request(f"reply.{field} is set by the broker")
-    reply_id = value.get("id")
-    if reply_id is None:
-        reply_id = str(uuid.uuid4())
-    elif not isinstance(reply_id, str) or not reply_id:
-        raise bad_request("reply.id must be a non-empty string")
-    else:
-        check_new_id(reply_id, "reply.id")
+    reply_id = _chosen_or_new_id(value.get("id"), None, "reply.id")
     body = value.get("body")
     if body is None:
         body = {}
