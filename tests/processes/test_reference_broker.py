@@ -40,10 +40,13 @@ SECRET = "reference-secret-0123456789abcdef"
 START_SECONDS = 20.0
 POLL = 0.2
 
-pytestmark = pytest.mark.skipif(
-    NODE is None or not ENTRY.exists(),
-    reason="needs node and the reference broker checkout ($RELAY_REFERENCE_DIR)",
-)
+pytestmark = [
+    pytest.mark.process,  # it starts node and `relay` processes
+    pytest.mark.skipif(
+        NODE is None or not ENTRY.exists(),
+        reason="needs node and the reference broker checkout ($RELAY_REFERENCE_DIR)",
+    ),
+]
 
 
 class Reference:
