@@ -10,7 +10,20 @@ import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import replace
-from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from itertools import islice
+from typing import (
+    Any,
+    Deque,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 from relay.rules import delivery
 from relay.rules.delivery import PENDING, Message
@@ -26,9 +39,103 @@ _COUNTED = (QUEUED, LEASED, FAILED, DONE, EXPIRED)
 _UNSETTLED = (QUEUED, LEASED, FAILED)
 
 
-def _has(seqs: List[int], seq: int) -> bool:
-    i = bisect_left(seqs, seq)
-    return i < len(seqs) and seqs[i] == seq
+# The most keys a chunk of a SortedKeys holds before it is cut in two halves.
+CHUNK_KEYS = 1024
+
+
+class SortedKeys:
+    """Keys kept in order (a queue's seqs, or its ``(-priority, seq)`` ranks), as a
+    sorted list would keep them, in chunks of at most :data:`CHUNK_KEYS`.
+
+    Taking a key out of a queue's middle (a pull by priority takes from anywhere in
+    seq order) moves only the rest of its chunk, not the rest of the queue: the cost
+    of an insert or a removal does not grow with the queue's length.
+    """
+
+    __slots__ = ("chunks", "lasts", "size")
+
+    def __init__(self) -> None:
+        self.chunks: List[List[Any]] = []
+        self.lasts: List[Any] = []  # the last key of each chunk
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for chunk in self.chunks:
+            yield from chunk
+
+    def __contains__(self, key: Any) -> bool:
+        i = bisect_left(self.lasts, key)
+        if i == len(self.lasts):
+            return False
+        chunk = self.chunks[i]
+        return chunk[bisect_left(chunk, key)] == key
+
+    def first(self) -> Any:
+        """The smallest key (the set is not empty)."""
+        return self.chunks[0][0]
+
+    def after(self, key: Any) -> Iterator[Any]:
+        """The keys above ``key``, in order."""
+        chunks = self.chunks
+        i = bisect_right(self.lasts, key)
+        if i < len(chunks):
+            chunk = chunks[i]
+            yield from islice(chunk, bisect_right(chunk, key), None)
+            for k in range(i + 1, len(chunks)):
+                yield from chunks[k]
+
+    def add(self, key: Any) -> None:
+        """Insert ``key`` in its place."""
+        chunks, lasts = self.chunks, self.lasts
+        self.size += 1
+        if not chunks:
+            chunks.append([key])
+            lasts.append(key)
+            return
+        i = bisect_left(lasts, key)
+        if i == len(lasts):  # the newest message: the usual case
+            i -= 1
+            chunk = chunks[i]
+            chunk.append(key)
+            lasts[i] = key
+        else:
+            chunk = chunks[i]
+            insort(chunk, key)
+        if len(chunk) > CHUNK_KEYS:
+            half = len(chunk) // 2
+            chunks[i:i + 1] = [chunk[:half], chunk[half:]]
+            lasts[i:i + 1] = [chunk[half - 1], chunk[-1]]
+
+    def discard(self, key: Any) -> bool:
+        """Take ``key`` out; False when it is not there."""
+        chunks, lasts = self.chunks, self.lasts
+        i = bisect_left(lasts, key)
+        if i == len(lasts):
+            return False
+        chunk = chunks[i]
+        j = bisect_left(chunk, key)
+        if chunk[j] != key:
+            return False
+        del chunk[j]
+        self.size -= 1
+        if not chunk:
+            del chunks[i], lasts[i]
+            return True
+        lasts[i] = chunk[-1]
+        # a chunk emptied by scattered removals joins its neighbour, so the chunks
+        # stay few however the queue was taken from
+        if (len(chunk) < CHUNK_KEYS // 4 and i + 1 < len(chunks)
+                and len(chunk) + len(chunks[i + 1]) <= CHUNK_KEYS // 2):
+            chunk.extend(chunks[i + 1])
+            lasts[i] = lasts[i + 1]
+            del chunks[i + 1], lasts[i + 1]
+        return True
 
 
 class MemoryRecords(Records):
@@ -50,10 +157,10 @@ class MemoryRecords(Records):
         self.by_seq: Dict[int, Message] = {}
         self.inbox_seqs: Dict[str, Deque[int]] = {}
         self.outbox_seqs: Dict[str, Deque[int]] = {}
-        self.queued_seqs: Dict[str, List[int]] = {}
+        self.queued_seqs: Dict[str, SortedKeys] = {}
         # REACH §14: per recipient, (-priority, seq) of its queued messages above
         # priority 0 that no delay holds back, in the order a pull leases them
-        self.urgent: Dict[str, List[Tuple[int, int]]] = {}
+        self.urgent: Dict[str, SortedKeys] = {}
         self.recovery_seqs: Dict[str, Set[int]] = {}
         self.parents: Dict[str, Set[int]] = {}  # parent_id and reply_to values
         self.roots: Dict[str, Set[int]] = {}
@@ -97,10 +204,7 @@ class MemoryRecords(Records):
                 heapq.heappush(self.holds, (message.not_before, message.seq))
                 self._tally(self.held, message.to, 1)
             else:
-                insort(self.queued_seqs.setdefault(message.to, []), message.seq)
-                if message.priority:
-                    insort(self.urgent.setdefault(message.to, []),
-                           (-message.priority, message.seq))
+                self._queue(message.to, message.seq, message.priority)
             if message.recovery:
                 self.recovery_seqs.setdefault(message.to, set()).add(message.seq)
         elif message.status == LEASED and lease_moved:
@@ -113,15 +217,12 @@ class MemoryRecords(Records):
         queue = self.queued_seqs.get(message.to)
         promoted = False
         if queue:
-            i = bisect_left(queue, message.seq)
-            if i < len(queue) and queue[i] == message.seq:
-                del queue[i]
-                promoted = True
+            promoted = queue.discard(message.seq)
             if not queue:
                 del self.queued_seqs[message.to]
         if promoted and message.priority:
             ranks = self.urgent[message.to]
-            del ranks[bisect_left(ranks, (-message.priority, message.seq))]
+            ranks.discard((-message.priority, message.seq))
             if not ranks:
                 del self.urgent[message.to]
         if message.not_before is not None and not promoted:
@@ -131,6 +232,18 @@ class MemoryRecords(Records):
             marks.discard(message.seq)
             if not marks:
                 del self.recovery_seqs[message.to]
+
+    def _queue(self, agent: str, seq: int, priority: int) -> None:
+        """Enter a deliverable queued message in its recipient's queue indexes."""
+        queue = self.queued_seqs.get(agent)
+        if queue is None:
+            queue = self.queued_seqs[agent] = SortedKeys()
+        queue.add(seq)
+        if priority:
+            ranks = self.urgent.get(agent)
+            if ranks is None:
+                ranks = self.urgent[agent] = SortedKeys()
+            ranks.add((-priority, seq))
 
     @staticmethod
     def _tally(counts: Dict[str, int], key: str, delta: int) -> None:
@@ -177,12 +290,10 @@ class MemoryRecords(Records):
             message = self.by_seq.get(seq)
             if message is None or message.status != QUEUED or message.not_before != when:
                 continue
-            queue = self.queued_seqs.setdefault(message.to, [])
-            if not _has(queue, seq):
-                insort(queue, seq)
+            queue = self.queued_seqs.get(message.to)
+            if queue is None or seq not in queue:
+                self._queue(message.to, seq, message.priority)
                 self._tally(self.held, message.to, -1)
-                if message.priority:
-                    insort(self.urgent.setdefault(message.to, []), (-message.priority, seq))
 
     def _live(self, seqs: Iterable[int], now: float) -> Iterable[Message]:
         """The stored messages of ``seqs`` that still exist and have not expired."""
@@ -356,8 +467,7 @@ class MemoryRecords(Records):
             queue = self.queued_seqs.get(agent)
             if not queue:
                 return []
-            start = bisect_right(queue, after_seq) if after_seq else 0
-            candidates = (queue[i] for i in range(start, len(queue)))
+            candidates = queue.after(after_seq) if after_seq else iter(queue)
         out = []
         for message in self._live(candidates, now):
             if message.to == agent and delivery.deliverable(message, now):
@@ -570,7 +680,7 @@ class MemoryRecords(Records):
                 leased=counts.get(LEASED, 0),
                 failed=counts.get(FAILED, 0),
                 delayed=held,
-                oldest_queued=self.by_seq[queue[0]].created if queue else None,
+                oldest_queued=self.by_seq[queue.first()].created if queue else None,
             )
             if settled is not None:
                 depth = replace(depth, done=counts.get(DONE, 0), expired=counts.get(EXPIRED, 0))
