@@ -16,13 +16,21 @@ Against ``--broker-url`` the levels are cumulative on that one broker.
 
 ``--priorities`` measures instead what a pull costs in the puller's own queues as
 they fill (REACH §14: a pull at any depth stays flat-cost): in process, on the
-store itself, each level fills one agent's inbox and a role it holds with messages
-of priorities 0..9 mixed, then times pull(limit 1)+ack of ``--pulls`` messages
-(microseconds per pull+ack). With ``--instructions`` the pulls are counted by
-callgrind instead (a run with the pulls minus one without, per pull+ack): a count
-that does not depend on the machine's load.
+store itself. Each level queues ``depth`` messages in one agent's inbox and a role
+it holds (half each, every priority 0..8 in both), and among them, spread evenly
+through the fill, the ``--pulls`` measured messages at priority 9, to the inbox and
+the role in turn: each pull(limit 1)+ack takes one of these at every level, the
+others queued behind it, so the levels differ by the depth alone (microseconds per
+pull+ack). On SQLite each level's pulls start from an empty WAL (the filling's is
+checkpointed first, or an automatic checkpoint copies it back during the pulls of
+one level and not of another, as the WAL happens to stand), and the checkpoint of
+what the pulls wrote is timed apart (a broker's checkpointer runs it in a thread,
+off the request path). With
+``--instructions`` the pulls are counted by callgrind instead (a run with the pulls
+minus one without, per pull+ack): a count that does not depend on the machine's
+load.
 
-    .venv/bin/python bench/depth.py --priorities                      # 0 and 100k
+    .venv/bin/python bench/depth.py --priorities                      # 0 to 100k
     .venv/bin/python bench/depth.py --priorities --instructions --backends memory,sqlite
     .venv/bin/python bench/depth.py --priorities --backends postgres --postgres-dsn DSN
 """
@@ -38,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import loadgen
 import servers
@@ -81,7 +89,9 @@ def table_rows(results: Dict[str, JsonDict]) -> List[List[str]]:
 
 # -- pulls by priority at depth (REACH §14) -------------------------------------------
 
-PRIORITY_LEVELS = "0,100000"
+PRIORITY_LEVELS = "0,10000,50000,100000"
+# The priority of the measured messages; the others are queued at 0..TOP - 1.
+TOP = 9
 FILL_BATCH = 2000
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
@@ -111,12 +121,12 @@ def priority_store(backend: str, data_dir: str, dsn: Optional[str]) -> Any:
 
 
 def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = None,
-                   baseline: bool = False) -> float:
+                   baseline: bool = False) -> Tuple[float, float]:
     """Microseconds per pull(limit 1)+ack with ``depth`` messages queued besides the
-    ``pulls`` leased; half to the worker, half to its role, priorities 0..9 mixed.
-    With ``baseline`` nothing is pulled (for the instruction count's subtraction).
-    A store on a Clock commits on ``clock.advance`` and answers at once; PostgreSQL
-    answers from its threads, so it runs under the reactor."""
+    ``pulls`` measured (see the module's docstring), and of the checkpoint after them
+    per pull. With ``baseline`` nothing is pulled (for the instruction count's
+    subtraction). A store on a Clock commits on ``clock.advance`` and answers at once;
+    PostgreSQL answers from its threads, so it runs under the reactor."""
     from twisted.internet.defer import ensureDeferred
 
     if backend != "postgres":
@@ -130,7 +140,7 @@ def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = No
         return results[0]
     from twisted.internet import task
 
-    found: List[float] = []
+    found: List[Tuple[float, float]] = []
 
     async def run(reactor: Any) -> None:
         found.append(await _priority_pulls(backend, depth, pulls, dsn, baseline))
@@ -143,8 +153,25 @@ def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = No
     return found[0]
 
 
+def priority_fill(depth: int, pulls: int) -> Iterator[Tuple[str, int]]:
+    """(queue, priority) of each message of a level, in the order sent: ``depth`` at
+    priorities 0..TOP - 1, to the inbox and the role in turn and each getting every
+    priority, and the ``pulls`` measured ones at TOP spread evenly among them."""
+    total = depth + pulls
+    measured = {i * total // pulls for i in range(pulls)} if pulls else set()
+    queues = ("worker", "role:triage")
+    k = m = 0
+    for n in range(total):
+        if n in measured:
+            yield queues[m % 2], TOP
+            m += 1
+        else:
+            yield queues[k % 2], (k // 2) % TOP
+            k += 1
+
+
 async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str],
-                          baseline: bool) -> float:
+                          baseline: bool) -> Tuple[float, float]:
     from relay.broker.operations import Policy
     from relay.rules import delivery
     from relay.testing import new_message
@@ -160,13 +187,20 @@ async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[st
                 clock.advance(0)
             return await d
 
+        def checkpoint() -> float:
+            """Seconds a checkpoint of the WAL back to the start takes (SQLite; its
+            checkpointer does this work in a thread, and its close)."""
+            started = time.perf_counter()
+            if backend == "sqlite":
+                store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            return time.perf_counter() - started
+
         rules = Policy.from_config(config).rules
         now = clock.seconds()
         pending = []
-        for n in range(depth + pulls):
-            message = new_message("alpha", "worker" if n % 2 else "role:triage", now,
-                                  id=f"m{n:08d}")
-            message.priority = (n * 7) % 10
+        for n, (queue, priority) in enumerate(priority_fill(depth, pulls)):
+            message = new_message("alpha", queue, now, id=f"m{n:08d}")
+            message.priority = priority
             pending.append(store.add(message, rules))
             if len(pending) >= FILL_BATCH:
                 for d in pending:
@@ -174,16 +208,22 @@ async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[st
                 pending = []
         for d in pending:
             await settled(d)
+        checkpoint()
         elapsed = 0.0
         if not baseline:
             for _ in range(pulls):
                 started = time.perf_counter()
                 (message,) = await settled(store.pull("worker", 1, 60, now, rules))
+                if message.priority != TOP:
+                    raise SystemExit(f"pulled a message of priority {message.priority}")
                 transition = delivery.ack("worker", message.lease_id, "completed", None, rules)
                 await settled(store.settle(message.id, transition, now, rules))
                 elapsed += time.perf_counter() - started
+        after = checkpoint()
         await settled(store.close())
-    return elapsed / pulls * 1e6 if pulls and not baseline else 0.0
+    if not pulls or baseline:
+        return 0.0, 0.0
+    return elapsed / pulls * 1e6, after / pulls * 1e6
 
 
 def _reset_postgres(dsn: Optional[str]) -> None:
@@ -208,11 +248,13 @@ def _child(python: str, backend: str, depth: int, pulls: int, dsn: Optional[str]
 
 
 def priority_wall(python: str, backend: str, depth: int, pulls: int,
-                  dsn: Optional[str]) -> float:
-    """Microseconds per pull+ack at ``depth``, measured in a child process."""
+                  dsn: Optional[str]) -> Tuple[float, float]:
+    """Microseconds per pull+ack at ``depth``, and of the checkpoint after the pulls
+    per pull, measured in a child process."""
     run = subprocess.run(_child(python, backend, depth, pulls, dsn), capture_output=True,
                          text=True, check=True)
-    return float(run.stdout.split()[-1])
+    pull, checkpoint = run.stdout.split()[-2:]
+    return float(pull), float(checkpoint)
 
 
 def priority_instructions(python: str, backend: str, depth: int, pulls: int,
@@ -220,10 +262,13 @@ def priority_instructions(python: str, backend: str, depth: int, pulls: int,
     """Instructions per pull+ack at ``depth``, counted by callgrind (a run with the
     pulls minus one without)."""
     counts = []
+    # One hash seed for both runs: with a random one the filling's dicts and sets
+    # differ by millions of instructions at 100k, more than the pulls themselves.
+    env = dict(os.environ, PYTHONHASHSEED="0")
     for baseline in (False, True):
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
                 *_child(python, backend, depth, pulls, dsn, baseline)]
-        run = subprocess.run(argv, capture_output=True, text=True, check=True)
+        run = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
         found = _COLLECTED.search(run.stderr)
         if found is None:
             raise SystemExit(f"callgrind reported no count:\n{run.stderr[-2000:]}")
@@ -242,21 +287,28 @@ def priority_main(args: argparse.Namespace) -> int:
     if busy and not args.instructions:
         say(busy)
     rows = [["backend", "depth", unit, "vs 0"]]
+    if not args.instructions:
+        rows[0].append("checkpoint us/pull")
     results: Dict[str, List[JsonDict]] = {}
     for backend in backends:
         base = None
         for depth in levels:
             say(f"[{backend}] {depth:,} queued, {args.pulls} pulls")
+            entry: JsonDict = {"depth": depth}
             if args.instructions:
                 cost = priority_instructions(args.python, backend, depth, args.pulls,
                                              args.postgres_dsn)
             else:
-                cost = min(priority_wall(args.python, backend, depth, args.pulls,
-                                         args.postgres_dsn) for _ in range(args.repeat))
+                cost, entry["checkpoint"] = min(
+                    priority_wall(args.python, backend, depth, args.pulls, args.postgres_dsn)
+                    for _ in range(args.repeat))
+            entry["cost"] = cost
             base = cost if base is None else base
-            results.setdefault(backend, []).append({"depth": depth, "cost": cost})
+            results.setdefault(backend, []).append(entry)
             rows.append([backend, f"{depth:,}", f"{cost:,.1f}",
                          f"{cost / base:.0%}" if base else "-"])
+            if not args.instructions:
+                rows[-1].append(f"{entry['checkpoint']:,.1f}")
     print(render(rows))
     if args.out:
         with open(args.out, "w") as fh:
@@ -302,8 +354,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.priority_child:
         backend, depth, pulls = args.priority_child
-        print(priority_pulls(backend, int(depth), int(pulls), args.postgres_dsn,
-                             args.baseline))
+        print(*priority_pulls(backend, int(depth), int(pulls), args.postgres_dsn,
+                              args.baseline))
         return 0
     if args.priorities:
         if args.levels == "0,10000,100000,1000000":
