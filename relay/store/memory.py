@@ -10,7 +10,7 @@ import heapq
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import replace
-from itertools import islice
+from itertools import chain, islice
 from typing import (
     Any,
     Deque,
@@ -66,8 +66,7 @@ class SortedKeys:
         return self.size > 0
 
     def __iter__(self) -> Iterator[Any]:
-        for chunk in self.chunks:
-            yield from chunk
+        return chain.from_iterable(self.chunks)
 
     def __contains__(self, key: Any) -> bool:
         i = bisect_left(self.lasts, key)
@@ -84,11 +83,11 @@ class SortedKeys:
         """The keys above ``key``, in order."""
         chunks = self.chunks
         i = bisect_right(self.lasts, key)
-        if i < len(chunks):
-            chunk = chunks[i]
-            yield from islice(chunk, bisect_right(chunk, key), None)
-            for k in range(i + 1, len(chunks)):
-                yield from chunks[k]
+        if i == len(chunks):
+            return iter(())
+        chunk = chunks[i]
+        return chain(islice(chunk, bisect_right(chunk, key), None),
+                     chain.from_iterable(islice(chunks, i + 1, None)))
 
     def add(self, key: Any) -> None:
         """Insert ``key`` in its place."""
@@ -214,16 +213,16 @@ class MemoryRecords(Records):
         """Leave the queue indexes (heap entries go stale on their own)."""
         if message.status != QUEUED:
             return
+        # (an empty SortedKeys is never kept, and its size is read as an attribute:
+        # its truth would be a Python-level call on every lease)
         queue = self.queued_seqs.get(message.to)
-        promoted = False
-        if queue:
-            promoted = queue.discard(message.seq)
-            if not queue:
-                del self.queued_seqs[message.to]
+        promoted = queue is not None and queue.discard(message.seq)
+        if promoted and not queue.size:
+            del self.queued_seqs[message.to]
         if promoted and message.priority:
             ranks = self.urgent[message.to]
             ranks.discard((-message.priority, message.seq))
-            if not ranks:
+            if not ranks.size:
                 del self.urgent[message.to]
         if message.not_before is not None and not promoted:
             self._tally(self.held, message.to, -1)
@@ -465,7 +464,7 @@ class MemoryRecords(Records):
                 s for s in self.parents.get(parent_id, ()) if s > after_seq)
         else:
             queue = self.queued_seqs.get(agent)
-            if not queue:
+            if queue is None:
                 return []
             candidates = queue.after(after_seq) if after_seq else iter(queue)
         out = []
