@@ -17,18 +17,22 @@ Against ``--broker-url`` the levels are cumulative on that one broker.
 ``--priorities`` measures instead what a pull costs in the puller's own queues as
 they fill (REACH §14: a pull at any depth stays flat-cost): in process, on the
 store itself. Each level queues ``depth`` messages in one agent's inbox and a role
-it holds (half each, every priority 0..8 in both), and among them, spread evenly
-through the fill, the ``--pulls`` measured messages at priority 9, to the inbox and
-the role in turn: each pull(limit 1)+ack takes one of these at every level, the
+it holds (half each, every priority 0..8 in both), then the ``--pulls`` measured
+messages at priority 9, to the inbox and the role in turn: urgent work arriving
+behind a backlog. Each pull(limit 1)+ack takes one of these at every level, the
 others queued behind it, so the levels differ by the depth alone (microseconds per
-pull+ack). On SQLite each level's pulls start from an empty WAL (the filling's is
-checkpointed first, or an automatic checkpoint copies it back during the pulls of
-one level and not of another, as the WAL happens to stand), and the checkpoint of
-what the pulls wrote is timed apart (a broker's checkpointer runs it in a thread,
-off the request path). With
-``--instructions`` the pulls are counted by callgrind instead (a run with the pulls
-minus one without, per pull+ack): a count that does not depend on the machine's
-load.
+pull+ack). With ``--scattered`` the measured messages are spread evenly through the
+filling instead, so at depth each pull reads and writes pages no other pull touches:
+what a cold message costs besides the depth.
+
+On SQLite the WAL is checkpointed after the filling and every 200 pulls, outside the
+timed pulls (a broker's checkpointer does this in a thread, once a second); without
+it the automatic checkpoint at 8192 pages copies the WAL back inside a measured
+commit at one level and not at another, as the WAL happens to stand. The
+checkpoints of what the pulls wrote are timed apart (``checkpoint us/pull``).
+With ``--instructions`` the pulls are counted by callgrind instead (a run with the
+pulls minus one without, per pull+ack): a count that does not depend on the
+machine's load.
 
     .venv/bin/python bench/depth.py --priorities                      # 0 to 100k
     .venv/bin/python bench/depth.py --priorities --instructions --backends memory,sqlite
@@ -93,6 +97,8 @@ PRIORITY_LEVELS = "0,10000,50000,100000"
 # The priority of the measured messages; the others are queued at 0..TOP - 1.
 TOP = 9
 FILL_BATCH = 2000
+# SQLite: pulls between two checkpoints of the WAL (a pull+ack writes 12 to 17 pages)
+CHECKPOINT_PULLS = 200
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
@@ -121,7 +127,7 @@ def priority_store(backend: str, data_dir: str, dsn: Optional[str]) -> Any:
 
 
 def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = None,
-                   baseline: bool = False) -> Tuple[float, float]:
+                   baseline: bool = False, scattered: bool = False) -> Tuple[float, float]:
     """Microseconds per pull(limit 1)+ack with ``depth`` messages queued besides the
     ``pulls`` measured (see the module's docstring), and of the checkpoint after them
     per pull. With ``baseline`` nothing is pulled (for the instruction count's
@@ -131,8 +137,8 @@ def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = No
 
     if backend != "postgres":
         results: List[Any] = []
-        ensureDeferred(_priority_pulls(backend, depth, pulls, dsn, baseline)).addBoth(
-            results.append)
+        ensureDeferred(_priority_pulls(backend, depth, pulls, dsn, baseline,
+                                       scattered)).addBoth(results.append)
         if not results:
             raise SystemExit("the store did not answer on the Clock")
         if hasattr(results[0], "raiseException"):
@@ -143,7 +149,7 @@ def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = No
     found: List[Tuple[float, float]] = []
 
     async def run(reactor: Any) -> None:
-        found.append(await _priority_pulls(backend, depth, pulls, dsn, baseline))
+        found.append(await _priority_pulls(backend, depth, pulls, dsn, baseline, scattered))
 
     try:
         task.react(run)
@@ -153,12 +159,17 @@ def priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str] = No
     return found[0]
 
 
-def priority_fill(depth: int, pulls: int) -> Iterator[Tuple[str, int]]:
+def priority_fill(depth: int, pulls: int,
+                  scattered: bool = False) -> Iterator[Tuple[str, int]]:
     """(queue, priority) of each message of a level, in the order sent: ``depth`` at
     priorities 0..TOP - 1, to the inbox and the role in turn and each getting every
-    priority, and the ``pulls`` measured ones at TOP spread evenly among them."""
+    priority, then the ``pulls`` measured ones at TOP (``scattered``: spread evenly
+    among the others)."""
     total = depth + pulls
-    measured = {i * total // pulls for i in range(pulls)} if pulls else set()
+    if scattered:
+        measured = {i * total // pulls for i in range(pulls)} if pulls else set()
+    else:
+        measured = set(range(depth, total))
     queues = ("worker", "role:triage")
     k = m = 0
     for n in range(total):
@@ -171,7 +182,7 @@ def priority_fill(depth: int, pulls: int) -> Iterator[Tuple[str, int]]:
 
 
 async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[str],
-                          baseline: bool) -> Tuple[float, float]:
+                          baseline: bool, scattered: bool) -> Tuple[float, float]:
     from relay.broker.operations import Policy
     from relay.rules import delivery
     from relay.testing import new_message
@@ -198,7 +209,7 @@ async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[st
         rules = Policy.from_config(config).rules
         now = clock.seconds()
         pending = []
-        for n, (queue, priority) in enumerate(priority_fill(depth, pulls)):
+        for n, (queue, priority) in enumerate(priority_fill(depth, pulls, scattered)):
             message = new_message("alpha", queue, now, id=f"m{n:08d}")
             message.priority = priority
             pending.append(store.add(message, rules))
@@ -209,9 +220,11 @@ async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[st
         for d in pending:
             await settled(d)
         checkpoint()
-        elapsed = 0.0
+        elapsed = checkpoints = 0.0
         if not baseline:
-            for _ in range(pulls):
+            for n in range(pulls):
+                if n and n % CHECKPOINT_PULLS == 0:
+                    checkpoints += checkpoint()
                 started = time.perf_counter()
                 (message,) = await settled(store.pull("worker", 1, 60, now, rules))
                 if message.priority != TOP:
@@ -219,11 +232,11 @@ async def _priority_pulls(backend: str, depth: int, pulls: int, dsn: Optional[st
                 transition = delivery.ack("worker", message.lease_id, "completed", None, rules)
                 await settled(store.settle(message.id, transition, now, rules))
                 elapsed += time.perf_counter() - started
-        after = checkpoint()
+        checkpoints += checkpoint()
         await settled(store.close())
     if not pulls or baseline:
         return 0.0, 0.0
-    return elapsed / pulls * 1e6, after / pulls * 1e6
+    return elapsed / pulls * 1e6, checkpoints / pulls * 1e6
 
 
 def _reset_postgres(dsn: Optional[str]) -> None:
@@ -235,30 +248,32 @@ def _reset_postgres(dsn: Optional[str]) -> None:
 
 
 def _child(python: str, backend: str, depth: int, pulls: int, dsn: Optional[str],
-           baseline: bool = False) -> List[str]:
+           baseline: bool = False, scattered: bool = False) -> List[str]:
     """The command line of one measurement in a process of its own (a fresh heap, and
     a reactor that runs once)."""
     argv = [python, os.path.abspath(__file__), "--priority-child", backend, str(depth),
             str(pulls)]
     if baseline:
         argv.append("--baseline")
+    if scattered:
+        argv.append("--scattered")
     if dsn:
         argv += ["--postgres-dsn", dsn]
     return argv
 
 
 def priority_wall(python: str, backend: str, depth: int, pulls: int,
-                  dsn: Optional[str]) -> Tuple[float, float]:
-    """Microseconds per pull+ack at ``depth``, and of the checkpoint after the pulls
-    per pull, measured in a child process."""
-    run = subprocess.run(_child(python, backend, depth, pulls, dsn), capture_output=True,
-                         text=True, check=True)
+                  dsn: Optional[str], scattered: bool = False) -> Tuple[float, float]:
+    """Microseconds per pull+ack at ``depth``, and of the checkpoints of what the pulls
+    wrote per pull, measured in a child process."""
+    run = subprocess.run(_child(python, backend, depth, pulls, dsn, scattered=scattered),
+                         capture_output=True, text=True, check=True)
     pull, checkpoint = run.stdout.split()[-2:]
     return float(pull), float(checkpoint)
 
 
 def priority_instructions(python: str, backend: str, depth: int, pulls: int,
-                          dsn: Optional[str]) -> float:
+                          dsn: Optional[str], scattered: bool = False) -> float:
     """Instructions per pull+ack at ``depth``, counted by callgrind (a run with the
     pulls minus one without)."""
     counts = []
@@ -267,7 +282,7 @@ def priority_instructions(python: str, backend: str, depth: int, pulls: int,
     env = dict(os.environ, PYTHONHASHSEED="0")
     for baseline in (False, True):
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-                *_child(python, backend, depth, pulls, dsn, baseline)]
+                *_child(python, backend, depth, pulls, dsn, baseline, scattered)]
         run = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
         found = _COLLECTED.search(run.stderr)
         if found is None:
@@ -297,10 +312,11 @@ def priority_main(args: argparse.Namespace) -> int:
             entry: JsonDict = {"depth": depth}
             if args.instructions:
                 cost = priority_instructions(args.python, backend, depth, args.pulls,
-                                             args.postgres_dsn)
+                                             args.postgres_dsn, args.scattered)
             else:
                 cost, entry["checkpoint"] = min(
-                    priority_wall(args.python, backend, depth, args.pulls, args.postgres_dsn)
+                    priority_wall(args.python, backend, depth, args.pulls, args.postgres_dsn,
+                                  args.scattered)
                     for _ in range(args.repeat))
             entry["cost"] = cost
             base = cost if base is None else base
@@ -313,6 +329,7 @@ def priority_main(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"scenario": "priority-depth", "unit": unit, "pulls": args.pulls,
+                       "scattered": args.scattered,
                        "results": results, "busyNote": busy}, fh, indent=1)
     return 0
 
@@ -350,12 +367,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "whose public schema it may drop")
     p.add_argument("--priority-child", nargs=3, metavar=("BACKEND", "DEPTH", "PULLS"),
                    help=argparse.SUPPRESS)
+    p.add_argument("--scattered", action="store_true",
+                   help="with --priorities: the measured messages spread through the filling")
     p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.priority_child:
         backend, depth, pulls = args.priority_child
         print(*priority_pulls(backend, int(depth), int(pulls), args.postgres_dsn,
-                              args.baseline))
+                              args.baseline, args.scattered))
         return 0
     if args.priorities:
         if args.levels == "0,10000,100000,1000000":
