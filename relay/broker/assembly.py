@@ -30,7 +30,7 @@ from relay.broker.operations import Broker, Policy
 from relay.broker.site import RelaySite
 from relay.broker.streams import EventStreams
 from relay.broker.v2.operations import ModeACL
-from relay.broker.webhooks import HookSettings, Poster, WebhookDelivery, treq_poster
+from relay.broker.webhooks import HookSettings, Poster, WebhookDelivery, http_poster
 from relay.rules.auth import EVERY_ADDRESS, Authenticator, RateLimiter
 from relay.rules.config import Config
 from relay.rules.endpoints import server_endpoints
@@ -164,12 +164,12 @@ def make_authenticator(config: Config, clock: IReactorTime, counters: Counters,
 def make_api(config: Config, store, clock: IReactorTime,
              counters: Optional[Counters] = None, post: Optional[Poster] = None) -> RelayAPI:
     """The broker over ``store`` under ``config``'s policy, and its HTTP API. Webhooks
-    are POSTed with ``post`` (treq on ``clock`` by default); they go out once the
+    are POSTed with ``post`` (Twisted's Agent on ``clock`` by default); they go out once the
     broker's :class:`~relay.broker.webhooks.WebhookDelivery` service runs."""
     counters = counters if counters is not None else Counters()
     streams = EventStreams(store, clock, config.max_streams_per_agent, config.max_streams,
                            counters)
-    post = post if post is not None else treq_poster(clock, config.webhook_concurrency)
+    post = post if post is not None else http_poster(clock, config.webhook_concurrency)
     webhooks = WebhookDelivery(store, clock, post,
                                HookSettings.from_config(config), config.secret, counters)
     broker = Broker(store, clock, Policy.from_config(config), counters=counters,

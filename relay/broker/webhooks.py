@@ -30,7 +30,8 @@ from twisted.web.client import (
     RequestTransmissionFailed,
     ResponseNeverReceived,
 )
-from twisted.web.iweb import IAgentEndpointFactory
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
 from zope.interface import implementer
 
 from relay.rules import hooks
@@ -97,6 +98,36 @@ class _Discard(Protocol):
             self.done.callback(None)
 
 
+@implementer(IBodyProducer)
+class _Bytes:
+    """A request body that is all there at once."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: Any) -> Deferred:
+        consumer.write(self.body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+def _passing(action: Callable[[], None]) -> Callable[[Any], Any]:
+    """A callback and errback that runs ``action`` and passes its result on."""
+    def run(result: Any) -> Any:
+        action()
+        return result
+    return run
+
+
 @implementer(IStreamClientEndpoint)
 class _Quiet:
     """An endpoint whose connections' factories do not log their start and stop (those
@@ -131,23 +162,28 @@ class _QuietEndpoints:
 IDLE_CONNECTION_SECONDS = 4.0
 
 
-def treq_poster(reactor: Any, concurrency: int = 64) -> Poster:
-    """POST with treq on ``reactor``: 10 s for the answer, redirects not followed, the
+def http_poster(reactor: Any, concurrency: int = 64) -> Poster:
+    """POST with Twisted's Agent on ``reactor``: 10 s for the answer, redirects not followed, the
     answer's body read and discarded, nothing of the URL logged. Connections are
     kept open between the requests of a busy receiver (at most ``concurrency`` per
     receiver, as many as requests may be in flight; each closed when idle for
     :data:`IDLE_CONNECTION_SECONDS`): a connection per event cost the broker more
     than the event itself."""
-    from treq.client import HTTPClient
-
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool.maxPersistentPerHost = concurrency
     pool.cachedConnectionTimeout = IDLE_CONNECTION_SECONDS
-    client = HTTPClient(Agent.usingEndpointFactory(reactor, _QuietEndpoints(reactor), pool))
+    agent = Agent.usingEndpointFactory(reactor, _QuietEndpoints(reactor), pool)
 
     def once(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
-        d = client.post(url, data=body, headers=headers, timeout=hooks.TIMEOUT_SECONDS,
-                        allow_redirects=False)
+        # The URL goes to the Agent as the bytes that were signed (hooks.wire_url):
+        # treq would parse it again with hyperlink, which cannot send to an IPv6
+        # literal such as http://[::1]:PORT/ (a default webhookAllow prefix).
+        # Agent follows no redirect.
+        d = agent.request(b"POST", hooks.wire_url(url).encode("ascii"),
+                          Headers({name: [value] for name, value in headers.items()}),
+                          _Bytes(body))
+        deadline = reactor.callLater(hooks.TIMEOUT_SECONDS, d.cancel)
+        d.addBoth(_passing(lambda: deadline.cancel() if deadline.active() else None))
 
         def answered(response: Any) -> Deferred:
             done: Deferred = Deferred()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Sequence, Tuple
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from relay.rules.events import Event, webhook_body
 from relay.wire import errors
@@ -86,11 +86,52 @@ def parse_webhook(body: Dict[str, object], keep: object) -> object:
         if key != "url":
             raise errors.bad_request(f"webhook.{key} is not a webhook field (url)")
     url = hook.get("url")
-    if (not isinstance(url, str) or len(url) > MAX_URL_CHARS
-            or urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc):
+    if not isinstance(url, str) or len(url) > MAX_URL_CHARS or not _sendable_url(url):
         raise errors.bad_request(
             f"webhook.url must be an http or https URL of at most {MAX_URL_CHARS} characters")
     return url
+
+
+def _sendable_url(url: str) -> bool:
+    """True for an http or https URL with a host and, when it names one, a port
+    number (1..65535): one a request can be sent to."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        return False
+    if port == 0:
+        return False
+    try:
+        wire_url(url)
+    except UnicodeError:  # a host name IDNA cannot encode
+        return False
+    return True
+
+
+# What a request target keeps as it is (RFC 3986 unreserved, sub-delims, ":" "@"
+# "/" and "%", so an escape already made is not escaped again); anything else,
+# spaces, control and non-ASCII characters included, goes percent-encoded (UTF-8).
+_PATH_SAFE = "/%:@!$&'()*+,;=-._~"
+_QUERY_SAFE = _PATH_SAFE + "?"
+
+
+def wire_url(url: str) -> str:
+    """``url`` as it goes on the wire: ASCII, its path and query percent-encoded
+    where the URL left characters a request line cannot carry, a non-ASCII host
+    name in IDNA, an empty path as ``/``, without the fragment. The webhook is
+    POSTed to this URL and signed over its path and query, so the signature covers
+    the request target the receiver sees. Already-encoded URLs are unchanged."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if not netloc.isascii():
+        host = (parts.hostname or "").encode("idna").decode("ascii")
+        netloc = host + (f":{parts.port}" if parts.port is not None else "")
+    path = quote(parts.path or "/", safe=_PATH_SAFE)
+    query = quote(parts.query, safe=_QUERY_SAFE)
+    return f"{parts.scheme}://{netloc}{path}" + (f"?{query}" if query else "")
 
 
 def backoff(tries: int) -> float:
@@ -140,11 +181,11 @@ def enabled(state: HookState, url: Optional[str]) -> None:
 def request(agent: str, secret: str, url: str, event: Event,
             timestamp: int) -> Tuple[bytes, Dict[bytes, bytes]]:
     """The body and headers of the POST of ``event`` to ``url``: signed as seed §3 with
-    the agent's own secret over ``POST``, the URL's path and query, the timestamp and
-    the body."""
+    the agent's own secret over ``POST``, the path and query of :func:`wire_url`
+    (what the request line carries), the timestamp and the body."""
     body = webhook_body(event)
-    parts = urlsplit(url)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    parts = urlsplit(wire_url(url))
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
     headers = {
         b"Content-Type": b"application/json",
         b"X-Relay-Agent": agent.encode("utf-8"),

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 from typing import Any, Dict, List, Tuple
+from urllib.parse import urlsplit
 
 import pytest
 import pytest_twisted
 from twisted.internet.defer import Deferred, succeed
 
-from relay.broker.webhooks import HookSettings, WebhookDelivery
+from relay.broker.webhooks import HookSettings, WebhookDelivery, http_poster
 from relay.rules import hooks
 from relay.rules.events import Event
 from relay.rules.hooks import HookState
@@ -53,6 +54,9 @@ def test_a_failed_try_retries_then_skips_then_disables():
     {"webhook": {"url": "ftp://127.0.0.1/"}}, {"webhook": {"url": "http://"}},
     {"webhook": {"url": "http://127.0.0.1:1/" + "x" * 2048}},
     {"webhook": {"url": "http://127.0.0.1:1/", "secret": "x"}},
+    # a port that is not a number 1..65535, no host: nothing could ever be sent there
+    {"webhook": {"url": "http://127.0.0.1:abc/"}}, {"webhook": {"url": "http://127.0.0.1:0/"}},
+    {"webhook": {"url": "http://127.0.0.1:65536/"}}, {"webhook": {"url": "http://:80/"}},
 ])
 def test_a_bad_webhook_is_400(body):
     with pytest.raises(errors.RelayError) as caught:
@@ -81,6 +85,63 @@ def test_the_request_is_signed_with_the_agents_own_secret():
     assert verify(AGENT_SECRET, "POST", "/in/x?q=1", int(START), body, signature)
     assert not verify("another-secret-0123456789", "POST", "/in/x?q=1", int(START), body,
                       signature)
+
+
+@pytest.mark.parametrize("url, target", [
+    ("http://127.0.0.1:9/in x?q=a b", "/in%20x?q=a%20b"),
+    ("http://127.0.0.1:9/\u00e9t\u00e9?q=\u00fc", "/%C3%A9t%C3%A9?q=%C3%BC"),
+    ("http://127.0.0.1:9/in?q=a%20b", "/in?q=a%20b"),
+    ("http://127.0.0.1:9?q=1#frag", "/?q=1"),
+    ("http://[::1]:9/in", "/in"),
+])
+def test_the_signature_covers_the_request_target_as_sent(url, target):
+    """The receiver verifies over the path and query of its request line: a URL
+    that goes out percent-encoded is signed as it goes out (REACH §12)."""
+    event = Event(7, "beta", "message", '{"id":"m1"}', START)
+    body, headers = hooks.request("beta", AGENT_SECRET, url, event, int(START))
+    wire = urlsplit(hooks.wire_url(url))
+    assert wire.path + (f"?{wire.query}" if wire.query else "") == target
+    assert hooks.wire_url(hooks.wire_url(url)) == hooks.wire_url(url)
+    assert verify(AGENT_SECRET, "POST", target, int(START), body,
+                  headers[b"X-Relay-Signature"].decode())
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("host, interface", [("127.0.0.1", "127.0.0.1"), ("[::1]", "\\:\\:1")])
+async def test_the_poster_reaches_every_default_prefix_with_the_signed_target(host, interface):
+    """http_poster sends to an IPv6 literal (``http://[::1]:`` is a default
+    ``webhookAllow`` prefix) and puts on the request line the target the signature
+    covers."""
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import serverFromString
+    from twisted.web.resource import Resource
+    from twisted.web.server import Site
+
+    got: List[Tuple[bytes, bytes, bytes]] = []
+
+    class Record(Resource):
+        isLeaf = True
+
+        def render_POST(self, request: Any) -> bytes:
+            got.append((request.uri, request.content.read(),
+                        request.getHeader(b"X-Relay-Signature")))
+            request.setResponseCode(204)
+            return b""
+
+    port = await serverFromString(reactor, f"tcp6:0:interface={interface}"
+                                  if host.startswith("[") else
+                                  f"tcp:0:interface={interface}").listen(Site(Record()))
+    try:
+        url = f"http://{host}:{port.getHost().port}/in x/\u00e9?q=a b"
+        event = Event(7, "beta", "message", '{"id":"m1"}', START)
+        body, headers = hooks.request("beta", AGENT_SECRET, url, event, int(START))
+        assert await http_poster(reactor)(url, headers, body) == 204
+        [(target, received, signature)] = got
+        assert target == b"/in%20x/%C3%A9?q=a%20b" and received == body
+        assert verify(AGENT_SECRET, "POST", target.decode(), int(START), received,
+                      signature.decode())
+    finally:
+        await port.stopListening()
 
 
 # -- the loop ---------------------------------------------------------------------------
