@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredSemaphore, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredSemaphore, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.protocol import Protocol
@@ -128,6 +128,12 @@ def _passing(action: Callable[[], None]) -> Callable[[Any], Any]:
     return run
 
 
+def _cancelled(failure: Any) -> bool:
+    """True when a request failed because its deadline cancelled it."""
+    return bool(failure.check(CancelledError)) or any(
+        reason.check(CancelledError) for reason in getattr(failure.value, "reasons", ()))
+
+
 @implementer(IStreamClientEndpoint)
 class _Quiet:
     """An endpoint whose connections' factories do not log their start and stop (those
@@ -162,13 +168,14 @@ class _QuietEndpoints:
 IDLE_CONNECTION_SECONDS = 4.0
 
 
-def http_poster(reactor: Any, concurrency: int = 64) -> Poster:
-    """POST with Twisted's Agent on ``reactor``: 10 s for the answer, redirects not followed, the
-    answer's body read and discarded, nothing of the URL logged. Connections are
-    kept open between the requests of a busy receiver (at most ``concurrency`` per
-    receiver, as many as requests may be in flight; each closed when idle for
-    :data:`IDLE_CONNECTION_SECONDS`): a connection per event cost the broker more
-    than the event itself."""
+def http_poster(reactor: Any, concurrency: int = 64,
+                timeout: float = hooks.TIMEOUT_SECONDS) -> Poster:
+    """POST with Twisted's Agent on ``reactor``: ``timeout`` (10 s) for the whole answer,
+    its body read and discarded, redirects not followed, nothing of the URL logged.
+    Connections are kept open between the requests of a busy receiver (at most
+    ``concurrency`` per receiver, as many as requests may be in flight; each closed
+    when idle for :data:`IDLE_CONNECTION_SECONDS`): a connection per event cost the
+    broker more than the event itself."""
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool.maxPersistentPerHost = concurrency
     pool.cachedConnectionTimeout = IDLE_CONNECTION_SECONDS
@@ -182,26 +189,29 @@ def http_poster(reactor: Any, concurrency: int = 64) -> Poster:
         d = agent.request(b"POST", hooks.wire_url(url).encode("ascii"),
                           Headers({name: [value] for name, value in headers.items()}),
                           _Bytes(body))
-        deadline = reactor.callLater(hooks.TIMEOUT_SECONDS, d.cancel)
-        d.addBoth(_passing(lambda: deadline.cancel() if deadline.active() else None))
 
         def answered(response: Any) -> Deferred:
             done: Deferred = Deferred()
             response.deliverBody(_Discard(done))
-            timer = reactor.callLater(hooks.TIMEOUT_SECONDS, done.cancel)
-            done.addBoth(lambda _: timer.cancel() if timer.active() else None)
-            done.addCallback(lambda _: response.code)
-            return done
+            return done.addCallback(lambda _: response.code)
 
-        return d.addCallback(answered)
+        d.addCallback(answered)
+        # One deadline for the status and the body (REACH §12: a 2xx within 10 s);
+        # cancelling d cancels whichever of the two it waits for.
+        deadline = reactor.callLater(timeout, d.cancel)
+        return d.addBoth(_passing(lambda: deadline.cancel() if deadline.active() else None))
 
     def post(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
         # A kept connection the receiver closed as the request went (an HTTP/1.0
         # server closes after each answer without saying so, another when idle) gets
         # no answer: the request goes once more, on a new connection, before it
         # counts as a failed try. (The receiver may see it twice: at least once.)
+        # A receiver that did not answer in time is a failed try at once: the next
+        # goes after the backoff, not straight away.
         def again(failure: Any) -> Deferred:
             failure.trap(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
+            if _cancelled(failure):
+                return failure
             return once(url, headers, body)
 
         return once(url, headers, body).addErrback(again)

@@ -9,7 +9,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import pytest_twisted
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.web.client import ResponseNeverReceived
 
 from relay.broker.webhooks import HookSettings, WebhookDelivery, http_poster
 from relay.rules import hooks
@@ -141,6 +142,47 @@ async def test_the_poster_reaches_every_default_prefix_with_the_signed_target(ho
         assert verify(AGENT_SECRET, "POST", target.decode(), int(START), received,
                       signature.decode())
     finally:
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+@pytest.mark.parametrize("stall", ["status", "body"])
+async def test_a_receiver_that_does_not_answer_in_time_is_one_failed_try(stall):
+    """No 2xx within the deadline (for the status or the rest of the body) fails the
+    try once: the request is not sent again at once, as for a dropped connection;
+    the backoff decides when the next try goes."""
+    import time
+
+    from twisted.internet import reactor
+    from twisted.internet.endpoints import serverFromString
+    from twisted.web.resource import Resource
+    from twisted.web.server import NOT_DONE_YET, Site
+
+    got: List[Any] = []
+
+    class Stall(Resource):
+        isLeaf = True
+
+        def render_POST(self, request: Any) -> Any:
+            got.append(request)
+            if stall == "body":
+                request.setHeader(b"Content-Length", b"10")
+                request.write(b"12345")  # the status and half the body, then nothing
+            return NOT_DONE_YET
+
+    port = await serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(Site(Stall()))
+    try:
+        url = f"http://127.0.0.1:{port.getHost().port}/in"
+        event = Event(7, "beta", "message", '{"id":"m1"}', START)
+        body, headers = hooks.request("beta", AGENT_SECRET, url, event, int(START))
+        started = time.monotonic()
+        with pytest.raises((CancelledError, ResponseNeverReceived)):
+            await http_poster(reactor, timeout=0.5)(url, headers, body)
+        assert time.monotonic() - started < 2
+        assert len(got) == 1
+    finally:
+        for request in got:
+            request.channel.transport.abortConnection()
         await port.stopListening()
 
 
