@@ -123,6 +123,12 @@ class RelayAPI:
         if acl is not None:
             self.v2.wire.configure(acl)
 
+    def refresh_info(self) -> None:
+        """Encode the ``GET /`` document again: after a reload its capabilities show
+        the settings in force (``maxDeliveries``, ``messageTtl``, ``requireNonce``,
+        ``eventRetentionSeconds``, ``webhookMaxAttempts``)."""
+        self.info = encode_json(self.broker.info())
+
     # -- plumbing ------------------------------------------------------------
 
     def authenticate(self, request) -> Tuple[Union[str, Deferred], bytes]:

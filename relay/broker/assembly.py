@@ -213,6 +213,7 @@ class Assembly:
         self.broker.configure(Policy.from_config(config))
         self.broker.streams.configure(config.max_streams_per_agent, config.max_streams)
         self.broker.webhooks.configure(HookSettings.from_config(config), config.secret)
+        self.api.refresh_info()  # after the broker's settings: GET / advertises them
         self.site.configure(config.access_log, config.max_connections_per_address)
         if self.ops is not None:
             self.ops.configure(config.ops.tokens)

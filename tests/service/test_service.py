@@ -421,6 +421,27 @@ def test_reload_applies_secrets_acls_limits_and_lockout(tmp_path):
     assert any("config reloaded" in e.get("log_format", "") for e in events)
 
 
+def test_a_reload_changes_the_capabilities_get_slash_advertises(tmp_path):
+    """Capabilities that carry settings (EXTENSIONS.md, REACH) follow a reload: a
+    client reads the limits in force, not those of the start."""
+    import json
+
+    service, conf = reloading_service(
+        tmp_path, "broker: {secret: s0123456789abcdef, storage: memory}\n")
+    with open(conf, "w") as f:
+        f.write("broker: {secret: s0123456789abcdef, storage: memory, maxDeliveries: 4, "
+                "notifyFailures: false, messageTtlDays: 2, eventRetentionSeconds: 60, "
+                "webhookMaxAttempts: 5}\n"
+                "security: {requireNonce: true}\n")
+    assert service.reload() is True
+    capabilities = json.loads(service.api.info)["capabilities"]
+    assert capabilities["deadLetters"] == {"maxDeliveries": 4, "failureNotices": False}
+    assert capabilities["messageTtl"] == {"maxSeconds": 2 * 86400}
+    assert capabilities["signedNonce"] == {"required": True}
+    assert capabilities["events"] == {"retentionSeconds": 60, "keepaliveSeconds": 15}
+    assert capabilities["webhooks"] == {"maxAttempts": 5}
+
+
 def test_a_reload_with_errors_is_refused_with_one_line(tmp_path):
     service, conf = reloading_service(tmp_path,
                                       "broker: {secret: s0123456789abcdef, storage: memory}\n")
