@@ -661,6 +661,10 @@ async def test_send_refusals(v2_broker):
         (dict(base, kind="reply"), 400, "bad_request"),
         (dict(base, kind="reply", parent_id="nope"), 404, "no_such_message"),
         (dict(base, target="no such agent!"), 400, "bad_request"),
+        (dict(base, target="名字"), 400, "bad_request"),
+        (dict(base, target="a" * 65), 400, "bad_request"),
+        (dict(base, target=None), 400, "bad_request"),
+        ({k: v for k, v in base.items() if k != "target"}, 400, "bad_request"),
         (dict(base, body={"text": "an object"}), 400, "bad_request"),
     ]
     for payload, status, code in cases:
@@ -668,6 +672,17 @@ async def test_send_refusals(v2_broker):
     for raw in (b"", b"not json", b"[1]", b"{"):
         assert_v2_error(await alpha.request("POST", "/v1/messages", raw=raw), 400, "bad_request")
     assert await v2_broker.client("beta").pull() == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_target_is_trimmed_and_lowercased_as_the_reference_reads_it(v2_broker):
+    """The reference's clients lowercase the target themselves; a raw client need not."""
+    alpha = v2_broker.client("alpha")
+    for target in (" Beta ", "BETA"):
+        assert (await alpha.send_request(target, f"to {target!r}")).code == 200
+    pulled = await v2_broker.client("beta").pull()
+    assert sorted(m["body"] for m in pulled) == ["to ' Beta '", "to 'BETA'"]
+    assert {m["target"] for m in pulled} == {"beta"}
 
 
 @pytest_twisted.ensureDeferred
