@@ -10,6 +10,7 @@ import pytest_twisted
 
 from relay import __version__
 from relay.rules import delivery
+from relay.testing import START, make_config
 from tests.support.api import Broker, assert_json_headers
 from tests.support.teams import human_broker
 from tests.support.v2 import assert_v2_error, swept
@@ -130,8 +131,38 @@ async def test_healthz_signed_adds_the_roster(v2_broker):
                  "oldest_queued_at": None}}
     assert set(reply.json["last_pull_at"]) == {"beta"}
     assert reply.json["counters"] == {"messages_created": 1, "pulls": 1}
-    assert_v2_error(await v2_broker.client("alpha", secret="nope").health(signed=True), 401,
-                    "unauthenticated")
+
+
+@pytest_twisted.ensureDeferred
+async def test_healthz_whose_signature_fails_is_the_public_answer(v2_brokers):
+    """PROTOCOL-V2 §5: /healthz is liveness without auth. The reference's clients sign
+    it and read a failure as "broker down" (the dsh plugin then starts a broker of its
+    own, relay-agent.mjs exits): a bad signature, a stale timestamp, an unknown agent
+    or key, an expired key or a locked agent get what an unsigned request gets."""
+    alpha_secret, old_key = "alpha-secret-0123456789", "old-key-0123456789"
+    broker = v2_brokers(config=make_config(agents={
+        "alpha": {"secret": alpha_secret,
+                  "keys": {"old": {"secret": old_key, "notAfter": START - 1}}},
+        "beta": {"secret": "beta-secret-0123456789"}}))
+    public = (await broker.client("alpha").health()).json
+    assert "agents" not in public
+    signed = await broker.client("alpha", alpha_secret).health(signed=True)
+    assert signed.json["agents"] == ["alpha", "beta"]
+    stale = int(broker.clock.seconds()) - 3600
+    for client, timestamp in ((broker.client("alpha", "a-wrong-secret-0123"), None),
+                              (broker.client("alpha", alpha_secret), stale),
+                              (broker.client("nobody", alpha_secret), None),
+                              (broker.client("alpha", alpha_secret, key_id="nope"), None),
+                              (broker.client("alpha", old_key, key_id="old"), None)):
+        reply = await client.request("GET", "/healthz", timestamp=timestamp)
+        assert (reply.code, reply.json) == (200, public), (client.agent, client.key_id)
+    wrong = broker.client("beta", "a-wrong-secret-0123")
+    while (await wrong.request("POST", "/v1/recent", {})).code != 403:  # on any route
+        pass
+    beta = broker.client("beta", "beta-secret-0123456789")
+    reply = await beta.health(signed=True)
+    assert (reply.code, reply.json) == (200, public)
+    assert_v2_error(await beta.request("POST", "/v1/recent", {}), 403, "locked")
 
 
 @pytest_twisted.ensureDeferred

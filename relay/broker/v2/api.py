@@ -121,15 +121,29 @@ class V2API:
             self.rate_limiter.hit(_peer_host(request))
             read_body(request)
             return self._answer(self.wire.health(False), request)
-        agent, _ = self.authenticate(request)
+
+        def public(failure) -> Deferred:
+            # PROTOCOL-V2 §5: /healthz needs no auth, and the reference's clients read
+            # any failure of it as "broker down". A signature that does not verify
+            # (counted toward the lockout like any other) gets the unsigned answer.
+            failure.trap(errors.RelayError)
+            if failure.value.code not in _HEALTHZ_PUBLIC_ON:
+                return failure
+            return self._answer(self.wire.health(False), request)
 
         def roster(name: str) -> Deferred:
             return self._run(lambda api, request, agent, body: api._answer(
                 api.wire.health(True, api.configured), request), request, name, b"")
 
+        try:
+            agent, _ = self.authenticate(request)
+        except errors.RelayError as refusal:
+            if refusal.code not in _HEALTHZ_PUBLIC_ON:
+                raise
+            return self._answer(self.wire.health(False), request)
         if agent.__class__ is str:
             return roster(agent)
-        return agent.addCallback(roster)
+        return agent.addCallbacks(roster, public)
 
     @app.route("/v1/messages", methods=["POST"])
     @signed
@@ -416,6 +430,11 @@ def parse_send(body: Dict[str, Any], agent: str) -> Send:
         context=_truncate(body.get("context"), "context", views.MAX_BODY_CHARS),
         topic=_truncate(body.get("topic"), "topic", views.MAX_TOPIC_CHARS),
     )
+
+
+# The refusals of a signature that GET /healthz answers as if it were unsigned; a
+# rate limit (429) or an oversized body (400) stays what it is.
+_HEALTHZ_PUBLIC_ON = frozenset({"unauthenticated", "unknown_agent", "unknown_key", "locked"})
 
 
 def _routable(request, head: bool = False) -> bool:
