@@ -168,17 +168,17 @@ STATEMENTS = {
     ],
     # REACH §14, a pull: one queue's messages above priority 0 by rank (their own
     # index), then its others in seq order (the inbox index, passing over at most the
-    # few above 0 the first read returned); by parent, the first answers in seq
-    # order (a message has few), ranked then.
+    # few above 0 the first read returned); by parent, the queued answers to one
+    # message (few) by rank, sorted after the parent or reply-to index found them.
     "ranked": [
         f"{_SELECT} INDEXED BY messages_urgent WHERE recipient = ? AND status = 'queued' "
         f"AND priority > 0 AND {_DUE} ORDER BY priority DESC, seq LIMIT ?",
         f"{_SELECT} WHERE recipient = ? AND status = 'queued' AND seq > 0 AND {_DUE} "
         "AND priority = 0 ORDER BY seq LIMIT ?",
-        f"{_SELECT} WHERE parent_id = ? AND seq > 0 AND recipient = ? AND status = 'queued' "
-        f"AND {_DUE} ORDER BY seq LIMIT ?",
-        f"{_SELECT} WHERE reply_to = ? AND seq > 0 AND recipient = ? AND status = 'queued' "
-        f"AND {_DUE} ORDER BY seq LIMIT ?",
+        f"{_SELECT} INDEXED BY messages_parent WHERE parent_id = ? AND recipient = ? "
+        f"AND status = 'queued' AND {_DUE} ORDER BY priority DESC, seq LIMIT ?",
+        f"{_SELECT} INDEXED BY messages_reply_to WHERE reply_to = ? AND recipient = ? "
+        f"AND status = 'queued' AND {_DUE} ORDER BY priority DESC, seq LIMIT ?",
     ],
     "card": ["SELECT card FROM peers WHERE agent = ?"],
     "recovered": [
@@ -263,6 +263,11 @@ STATEMENTS = {
         "AND status IN ('queued', 'leased', 'failed', 'done', 'expired') GROUP BY status",
     ],
 }
+
+# The statements that sort what an index search found, not a queue: the queued
+# answers to one message (a handful), ranked by priority after the parent or
+# reply-to index found them. Every other statement reads in its index's order.
+SORTS_FOUND = frozenset(STATEMENTS["ranked"][2:])
 
 # Statements that read a whole table by design: the peers (at most broker.maxAgents
 # rows; the forgetting runs once a minute), and the pending usage, read once when the

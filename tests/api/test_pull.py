@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import pytest_twisted
 
-from relay.testing import START
+from relay.testing import START, make_config
 from tests.conftest import open_backend
 from tests.support.api import (
     Broker,
@@ -475,3 +475,25 @@ async def test_a_role_member_on_the_v2_wire_holds_renews_and_acks_a_role_message
     assert (await dan.ack(message_id, lease_token=token)).code == 200
     (entry,) = await broker.status("alpha", message_id)
     assert (entry["status"], entry["completedBy"]) == ("done", "dan")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pull_by_parent_leases_the_urgent_answer_first_on_every_backend(store):
+    """REACH §14 applies to a pull by parent too: by priority, then oldest first
+    (EXTENSIONS §4's order among answers of one priority), whatever the limit."""
+    b = Broker(store=store, config=make_config(agents={"alpha": {}, "beta": {}}))
+    for agent in ("alpha", "beta"):
+        assert (await answered(b, b.post(agent, "/register", {}))).code == 200
+    for message_id, priority in (("a0", 0), ("a5", 5), ("b0", 0), ("a9", 9), ("b5", 5)):
+        sent = await answered(b, b.post("beta", "/messages", {
+            "to": "alpha", "id": message_id, "replyTo": "q1", "priority": priority}))
+        assert sent.code == 201
+    await answered(b, b.post("beta", "/messages", {"to": "alpha", "id": "other",
+                                                   "priority": 9}))
+    order = []
+    for _ in range(5):
+        pulled = await answered(b, b.post("alpha", "/v1/pull", {"parentId": "q1",
+                                                                "limit": 1}))
+        (message,) = pulled.json["messages"]
+        order.append(message["id"])
+    assert order == ["a9", "a5", "b5", "a0", "b0"]

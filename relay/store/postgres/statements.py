@@ -83,7 +83,8 @@ _CLAIM = (
     " SELECT c.seq, c.priority FROM unnest(%(queues)s::text[]) AS q (recipient)"
     " CROSS JOIN LATERAL (SELECT seq, priority FROM relay_messages AS r"
     "  WHERE r.recipient = q.recipient AND status = 'queued'"
-    f"  AND {_DUE} {{parent}} ORDER BY {{order}} LIMIT %(limit)s FOR UPDATE SKIP LOCKED) AS c"
+    f"  AND {_DUE} {{parent}} ORDER BY priority DESC, seq LIMIT %(limit)s"
+    " FOR UPDATE SKIP LOCKED) AS c"
     " ORDER BY c.priority DESC, c.seq LIMIT %(limit)s"
     "), numbered AS ("
     " SELECT seq, row_number() OVER (ORDER BY priority DESC, seq) AS n FROM candidates"
@@ -98,7 +99,7 @@ _CLAIM = (
 _RANKED = (f"SELECT {_M_COLUMNS} FROM unnest(%(queues)s::text[]) AS q (recipient)"
            " CROSS JOIN LATERAL (SELECT * FROM relay_messages AS r"
            "  WHERE r.recipient = q.recipient AND status = 'queued'"
-           f"  AND {_DUE} {{parent}} ORDER BY {{order}} LIMIT %(limit)s) AS m"
+           f"  AND {_DUE} {{parent}} ORDER BY priority DESC, seq LIMIT %(limit)s) AS m"
            " ORDER BY m.priority DESC, m.seq LIMIT %(limit)s")
 
 STATEMENTS = {
@@ -107,12 +108,12 @@ STATEMENTS = {
     "seq_of": "SELECT seq FROM relay_messages WHERE id = %s",
     "copies": f"{_SELECT} WHERE sent_id = %s ORDER BY seq",
     "save": SAVE,
-    "claim": _CLAIM.format(parent="", order="priority DESC, seq"),
+    "claim": _CLAIM.format(parent=""),
     # by parent: the few answers of a message, found by their own indexes
-    "claim_parent": _CLAIM.format(parent=f"AND {_PARENT}", order="seq"),
+    "claim_parent": _CLAIM.format(parent=f"AND {_PARENT}"),
     # the same read without leasing (the generic pull of relay.store.records)
-    "ranked": _RANKED.format(parent="", order="priority DESC, seq"),
-    "ranked_parent": _RANKED.format(parent=f"AND {_PARENT}", order="seq"),
+    "ranked": _RANKED.format(parent=""),
+    "ranked_parent": _RANKED.format(parent=f"AND {_PARENT}"),
     "card": "SELECT card FROM relay_peers WHERE agent = %s",
     # REACH §13 selfJoin: the agents whose card lists a role (a card is small JSON text)
     "joiners": ("SELECT agent FROM relay_peers WHERE card IS NOT NULL "
