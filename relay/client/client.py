@@ -401,7 +401,7 @@ class RelayClient:
         parts = urlsplit(broker_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise RelayError(0, "bad_broker_url", f"not an http(s) URL: {broker_url!r}")
-        if ":" in (parts.hostname or ""):
+        if http is None and ":" in (parts.hostname or ""):
             # treq parses every URL with hyperlink, whose to_uri() IDNA-encodes an IPv6
             # literal and fails (python-hyper/hyperlink#188); no public treq API takes
             # the request target as bytes. Said here rather than at the first request.

@@ -569,7 +569,7 @@ def test_rejects_non_http_urls() -> None:
 
 def test_an_ipv6_literal_broker_url_is_refused_with_the_reason() -> None:
     with pytest.raises(RelayError) as info:
-        RelayClient("http://[::1]:8080", "alpha", SECRET, clock=Clock(), http=object())
+        RelayClient("http://[::1]:8080", "alpha", SECRET, clock=Clock())
     assert info.value.code == "bad_broker_url" and "host name" in info.value.message
 
 
