@@ -374,15 +374,14 @@ class Broker:
         return self._with_teams(document, peers)
 
     def _with_teams(self, document: Dict[str, Any], peers) -> Dict[str, Any]:
-        """``document`` with the configured ``groups`` and ``roles`` (REACH §13), each
-        list present when the config names any (so a broker without them answers
-        the v1.2 shape). A role open to joining lists the peers whose card joined it
-        after its configured members."""
-        if self.policy.groups:
+        """``document`` with the configured ``groups`` and ``roles`` (REACH §13), both
+        lists present (one maybe empty) when the config names a group or a role (so a
+        broker without teams answers the v1.2 shape). A role open to joining lists the
+        peers whose card joined it after its configured members."""
+        if self.policy.groups or self.policy.roles:
             document["groups"] = protocol.team_listing(self.policy.groups)
-        if self.policy.roles:
             roles = protocol.team_listing(self.policy.roles)
-            joined = self._card_members(peers)
+            joined = self._card_members(peers) if roles else {}
             for entry in roles:
                 extra = sorted(joined.get(entry["name"], set()) - set(entry["members"]))
                 entry["members"].extend(extra)

@@ -148,6 +148,18 @@ async def test_peers_lists_groups_and_roles_beside_peers():
 
 
 @pytest_twisted.ensureDeferred
+async def test_peers_lists_both_teams_when_the_config_names_only_one_kind():
+    groups_only = team_broker(roles={})
+    await groups_only.register("alice")
+    answer = (await groups_only.get("alice", "/peers")).json
+    assert answer["roles"] == [] and [g["name"] for g in answer["groups"]] == ["reviewers"]
+    roles_only = team_broker(groups={})
+    await roles_only.register("alice")
+    answer = (await roles_only.get("alice", "/peers")).json
+    assert answer["groups"] == [] and [r["name"] for r in answer["roles"]] == ["triage"]
+
+
+@pytest_twisted.ensureDeferred
 async def test_peers_without_groups_or_roles_keeps_the_v12_shape():
     b = Broker()
     await b.register("alice")
