@@ -220,6 +220,17 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _double_int(text: str) -> int:
+    """An integer literal that a double holds (``10**400`` is Infinity to JavaScript,
+    and ``float()`` of it raises); else :class:`_TooLarge`."""
+    value = int(text)
+    try:
+        float(value)
+    except OverflowError:
+        raise _TooLarge() from None
+    return value
+
+
 def _shape(value: Any, raw: bytes) -> Optional[str]:
     """Why ``value`` is too big in shape — nested deeper than ``MAX_JSON_DEPTH`` or
     holding more than ``MAX_JSON_VALUES`` values — else None.
@@ -269,6 +280,11 @@ compact_json = _compact_encoder()
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # One shared decoder: json.loads with options builds a new one per call.
 _STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+# 309 digits in a row: where an integer may pass a double's range (about 1.8e308).
+_LONG_DIGITS = re.compile(rb"[0-9]{309}")
+# Checks each integer too (a Python call per integer): only for bodies that have one.
+_INT_CHECKING_DECODER = json.JSONDecoder(parse_constant=_reject_constant,
+                                         parse_float=_finite_float, parse_int=_double_int)
 
 
 def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
@@ -290,8 +306,9 @@ def parse_json_body(raw: bytes, *, empty_ok: bool = True) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
+    decoder = _INT_CHECKING_DECODER if _LONG_DIGITS.search(raw) else _STRICT_DECODER
     try:
-        value = _STRICT_DECODER.decode(text)
+        value = decoder.decode(text)
     except _TooLarge:
         raise bad_request("request body holds a number too large for a double "
                           "(beyond about 1.8e308)") from None

@@ -261,3 +261,32 @@ async def test_paths_werkzeug_would_bend_are_no_route(v2_brokers):
     assert_v2_error(await alpha.request("POST", "//v1/pull", {}), 404, "not_found")
     assert_v2_error(await alpha.request("POST", "/v1/pull", {}, signed=False, headers={
         "X-Agent-Relay-Agent": "alpha"}), 401, "unauthenticated")
+
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_integer_beyond_a_double_is_400_as_1e400_is(v2_broker):
+    """``10**400`` written out is refused like ``1e400`` (docs/PROTOCOL.md, JSON), on
+    both wires: stored it would be Infinity to a JavaScript reader, and the v2 wire's
+    ``Number()`` reading raised on it (a 503)."""
+    alpha = v2_broker.client("alpha")
+    huge = "1" + "0" * 400
+    for text in (huge, "-" + huge, "1e400"):
+        for path, raw in (
+                ("/v1/pull", '{"limit":%s}'), ("/v1/pull", '{"lease_seconds":%s}'),
+                ("/v1/messages/query", '{"since":%s}'), ("/v1/messages/query", '{"limit":%s}'),
+                ("/v1/recent", '{"limit":%s}'), ("/v1/admin/status", '{"limit":%s}'),
+                ("/v1/lease/renew", '{"message_id":"m","lease_token":"t","lease_seconds":%s}'),
+                ("/v1/messages", '{"origin":"alpha","target":"beta","kind":"request",'
+                                 '"body":"b","idempotency_key":"k","ttl_seconds":%s}')):
+            reply = await alpha.request("POST", path, raw=(raw % text).encode())
+            assert_v2_error(reply, 400, "bad_request")
+    b = await two_agents()
+    reply = await b.request("alpha", "POST", "/messages",
+                            raw=b'{"to":"beta","body":{"n":' + huge.encode() + b"}}")
+    assert_error(reply, 400, "bad_request")
+    assert "double" in reply.json["error"]["message"]
+    just_in = str(int(1.7e308))
+    assert (await b.request("alpha", "POST", "/messages",
+                            raw=b'{"to":"beta","body":{"n":' + just_in.encode() + b"}}")
+            ).code == 201
