@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from typing import Any, Iterable, Optional
+from urllib.parse import unquote_to_bytes
 
 from klein import Klein
 from twisted.internet.defer import Deferred
@@ -88,6 +89,23 @@ def query_arg(request, name: bytes) -> Optional[str]:
         return values[0].decode("utf-8")
     except UnicodeDecodeError:
         raise errors.bad_request(f"query parameter {name.decode()} is not valid UTF-8") from None
+
+
+def unreadable_url(request) -> Optional[RelayError]:
+    """The §6 ``400`` for a request whose path (percent-decoded) or ``Host`` is not
+    UTF-8, else None: Klein refuses such a request with a plain-text body and a
+    logged traceback."""
+    path = request.path
+    if b"%" in path or not path.isascii():
+        try:
+            unquote_to_bytes(path).decode("utf-8")
+        except UnicodeDecodeError:
+            return errors.bad_request("the request URL is not valid UTF-8")
+    try:
+        request.getRequestHostname().decode("utf-8")
+    except UnicodeDecodeError:
+        return errors.bad_request("the request URL is not valid UTF-8")
+    return None
 
 
 def no_route(request) -> RelayError:

@@ -764,3 +764,28 @@ def test_requests_are_counted_per_wire():
                         ("unmatched", 404)):
         counters.http_answered(route, code, 0.001)
     assert counters.requests_by_wire() == {"seed": 2, "v2": 3}
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /api/%ff HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /healthz%ed%a0%80 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /metrics HTTP/1.1\r\nHost: \xff\xfe\r\n\r\n",
+])
+def test_a_url_or_host_that_is_not_utf8_is_the_uniform_400(raw):
+    """As on the main listener: not Klein's plain-text 400 and logged traceback."""
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.testing import StringTransport
+
+    ops = Ops()
+    site = RelaySite(ops.ops.resource(), reactor=ops.clock)
+    peer = IPv4Address("TCP", "127.0.0.1", 40000)
+    channel = site.buildProtocol(peer)
+    transport = StringTransport(peerAddress=peer,
+                                hostAddress=IPv4Address("TCP", "127.0.0.1", 19122))
+    channel.makeConnection(transport)
+    channel.dataReceived(raw)
+    ops.clock.advance(0)
+    head, _, body = transport.value().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), transport.value()
+    assert json.loads(body) == {"error": {"code": "bad_request",
+                                          "message": "the request URL is not valid UTF-8"}}

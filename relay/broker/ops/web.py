@@ -28,10 +28,18 @@ from klein import Klein
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.web.resource import Resource
 
 from relay import __version__
 from relay.broker.counters import Counters
-from relay.broker.jsonapi import add_error_handling, no_route, read_body, write_error, write_json
+from relay.broker.jsonapi import (
+    add_error_handling,
+    no_route,
+    read_body,
+    unreadable_url,
+    write_error,
+    write_json,
+)
 from relay.broker.operations import Broker
 from relay.broker.ops import metrics
 from relay.broker.site import host_name
@@ -167,8 +175,9 @@ class OpsAPI:
     def counters(self) -> Counters:
         return self.broker.counters
 
-    def resource(self):
-        return self.app.resource()
+    def resource(self) -> Resource:
+        """The resource serving the ops listener: Klein's, behind :class:`OpsFront`."""
+        return OpsFront(self.app.resource())
 
     # -- access ----------------------------------------------------------------------
 
@@ -484,3 +493,21 @@ class OpsAPI:
             return write_json(request, 200, {"agent": agent, "unlocked": live})
 
         return (shared if shared is not None else succeed(None)).addCallback(done)
+
+
+class OpsFront(Resource):
+    """The root resource of the ops listener, in front of Klein's: a URL or ``Host``
+    that is not UTF-8 is the §6 ``400`` (Klein answers it in plain text and logs a
+    traceback)."""
+
+    isLeaf = True
+
+    def __init__(self, klein_resource: Resource) -> None:
+        super().__init__()
+        self.klein_resource = klein_resource
+
+    def render(self, request) -> Any:
+        problem = unreadable_url(request)
+        if problem is not None:
+            return write_error(request, problem)
+        return self.klein_resource.render(request)
