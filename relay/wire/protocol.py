@@ -98,6 +98,16 @@ def check_id(value: str, field: str) -> str:
     return value
 
 
+def loggable(text: str) -> str:
+    """``text`` (an id a client chose) for a log line: at most ``MAX_ID_CHARS``
+    characters, and escaped as Python writes a string (``\\n``, ``\\x00``) when
+    it holds a control or other unprintable character, so that it can neither forge
+    a line nor flood the log."""
+    if len(text) > MAX_ID_CHARS:
+        text = text[:MAX_ID_CHARS] + "..."
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def optional_query_id(value: Optional[str], field: str) -> Optional[str]:
     """An id of the query string (``since``): None when absent or empty, else
     :func:`check_id`."""

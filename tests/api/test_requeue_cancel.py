@@ -111,3 +111,27 @@ async def test_admin_agents_may_requeue_and_cancel_anything(v2_brokers):
     assert (await beta.ack(request_id)).code == 200
     assert (await ops.requeue(request_id)).code == 200  # a completed one too
     assert (await ops.cancel(request_id)).code == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_admin_ids_reach_the_log_escaped_and_only_when_the_action_was_done(v2_brokers):
+    """A message_id is any text a client sends: a refused one is not logged (a
+    non-admin could fill the log with a mebibyte a request), a done one is logged
+    escaped and cut, so it cannot forge a line."""
+    from twisted.logger import capturedLogs, formatEvent
+
+    broker = v2_brokers(security={"admin_agents": ["ops"]})
+    alpha, beta, request_id, message = await leased_request(broker)
+    forged = "x\n2026-01-01T00:00:00+0000 [relay#critical] forged\x00" + "y" * 5000
+    with capturedLogs() as events:
+        for client in (alpha, beta, broker.client("ops")):
+            assert (await client.requeue(forged)).code in (403, 404)
+            assert (await client.cancel(forged)).code in (403, 404)
+        assert (await broker.client("ops").requeue(request_id)).code == 200
+    lines = [formatEvent(event) for event in events]
+    assert [line for line in lines if "admin" in line] == [
+        f"admin requeue {request_id} by ops"]
+    assert not any("forged" in line or "yyyy" in line for line in lines)
+    from relay.wire.protocol import loggable
+    assert loggable("a\nb\x00") == "a\\nb\\x00" and loggable("m-1 é") == "m-1 é"
+    assert len(loggable(forged)) < 1200 and "\n" not in loggable(forged)

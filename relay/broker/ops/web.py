@@ -456,7 +456,8 @@ class OpsAPI:
         return d
 
     def _done(self, request, action: str, message_id: str, result: Dict[str, Any]) -> bytes:
-        log.info("operator {action} message {id}", action=action, id=message_id)
+        log.info("operator {action} message {id}", action=action,
+                 id=protocol.loggable(message_id))
         return write_json(request, 200, result)
 
     # -- authentication lockouts -------------------------------------------------------

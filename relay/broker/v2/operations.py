@@ -236,16 +236,18 @@ class Wire2:
                             transitions.lease_mismatch())
 
     def requeue(self, agent: str, message_id: str) -> Deferred:
-        log.info("admin requeue {message_id} by {agent}", message_id=message_id, agent=agent)
-        return self._settle(message_id,
-                            transitions.requeue(agent, agent in self.acl.admins),
-                            errors.no_such_message("message was not found"))
+        """An admin's requeue; logged once done (the id escaped, as a client chose it)."""
+        d = self._settle(message_id, transitions.requeue(agent, agent in self.acl.admins),
+                         errors.no_such_message("message was not found"))
+        d.addCallback(_logged, "requeue", message_id, agent)
+        return d
 
     def cancel(self, agent: str, message_id: str) -> Deferred:
-        log.info("admin cancel {message_id} by {agent}", message_id=message_id, agent=agent)
-        return self._settle(message_id,
-                            transitions.cancel(agent, agent in self.acl.admins),
-                            errors.no_such_message("message was not found"))
+        """An admin's cancel; logged once done (the id escaped, as a client chose it)."""
+        d = self._settle(message_id, transitions.cancel(agent, agent in self.acl.admins),
+                         errors.no_such_message("message was not found"))
+        d.addCallback(_logged, "cancel", message_id, agent)
+        return d
 
     # -- reads ------------------------------------------------------------------------
 
@@ -392,3 +394,10 @@ class Wire2:
 
 
 __all__ = ["Wire2", "ModeACL", "Send", "Query"]
+
+
+def _logged(result: Any, action: str, message_id: str, agent: str) -> Any:
+    """Log an admin action that was done; pass its result on."""
+    log.info("admin {action} {message_id} by {agent}", action=action,
+             message_id=protocol.loggable(message_id), agent=agent)
+    return result
