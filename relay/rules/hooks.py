@@ -89,6 +89,10 @@ def parse_webhook(body: Dict[str, object], keep: object) -> object:
     if not isinstance(url, str) or len(url) > MAX_URL_CHARS or not _sendable_url(url):
         raise errors.bad_request(
             f"webhook.url must be an http or https URL of at most {MAX_URL_CHARS} characters")
+    if "@" in urlsplit(url).netloc:
+        # Text before "@" is a user name and password: "http://127.0.0.1:@169.254.169.254/"
+        # starts with the webhookAllow prefix "http://127.0.0.1:" yet names another host.
+        raise errors.bad_request("webhook.url must not hold a user name or password (@)")
     return url
 
 

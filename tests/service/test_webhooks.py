@@ -58,6 +58,10 @@ def test_a_failed_try_retries_then_skips_then_disables():
     # a port that is not a number 1..65535, no host: nothing could ever be sent there
     {"webhook": {"url": "http://127.0.0.1:abc/"}}, {"webhook": {"url": "http://127.0.0.1:0/"}},
     {"webhook": {"url": "http://127.0.0.1:65536/"}}, {"webhook": {"url": "http://:80/"}},
+    # past a webhookAllow prefix by its text, to another host (userinfo)
+    {"webhook": {"url": "http://127.0.0.1:1@127.0.0.2:8080/hook"}},
+    {"webhook": {"url": "http://localhost:@169.254.169.254/latest/meta-data/"}},
+    {"webhook": {"url": "http://[::1]:1@[::ffff:169.254.169.254]/"}},
 ])
 def test_a_bad_webhook_is_400(body):
     with pytest.raises(errors.RelayError) as caught:
