@@ -132,6 +132,16 @@ class RelayRequest(server.Request):
         if not self.body_too_large:
             self.content.write(data)
 
+    def process(self) -> None:
+        """Serve the request; an asterisk-form target (``GET *``: only ``OPTIONS *``
+        may have one) is the §6 ``400`` and the connection closes, where twisted.web
+        would answer ``405`` with no body."""
+        if self.path == b"*" and self.method != b"OPTIONS":
+            self.channel.transport.write(BAD_REQUEST_RESPONSE)
+            self.channel.transport.loseConnection()
+            return
+        super().process()
+
 
 class RelayChannel(http.HTTPChannel):
     """An HTTP channel that notes when a request began to arrive and when it last

@@ -190,3 +190,25 @@ def test_the_per_address_cap_counts_ipv6_per_64_and_not_loopback():
         assert type(connect(IPv4Address("TCP", "127.0.0.1", 5000))).__name__ != "_Refused"
     site.forget(one[0])
     assert type(connect(IPv6Address("TCP", "2001:db8:1:2::9", 5000))).__name__ != "_Refused"
+
+
+def test_an_asterisk_target_but_options_is_the_uniform_400() -> None:
+    """twisted.web answers ``GET *`` itself: 405 with no body, not the §6 body."""
+    for method in (b"GET", b"POST", b"DELETE"):
+        site, clock = relay_site()
+        channel = site.buildProtocol(PEER)
+        transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+        channel.makeConnection(transport)
+        channel.dataReceived(method + b" * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        clock.advance(0)
+        head, _, body = transport.value().partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), transport.value()
+        assert json.loads(body)["error"]["code"] == "bad_request"
+        assert transport.disconnecting
+    site, clock = relay_site()
+    channel = site.buildProtocol(PEER)
+    transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+    channel.makeConnection(transport)
+    channel.dataReceived(b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    clock.advance(0)
+    assert transport.value().startswith(b"HTTP/1.1 200 OK\r\n")
