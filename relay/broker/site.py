@@ -135,8 +135,10 @@ class RelayRequest(server.Request):
     def process(self) -> None:
         """Serve the request; an asterisk-form target (``GET *``: only ``OPTIONS *``
         may have one) is the §6 ``400`` and the connection closes, where twisted.web
-        would answer ``405`` with no body."""
-        if self.path == b"*" and self.method != b"OPTIONS":
+        would answer ``405`` with no body. So is a request with two ``Host`` headers
+        (RFC 9112 §3.2): the Host rule reads the last, a proxy may route by the first."""
+        hosts = self.requestHeaders.getRawHeaders(b"host")
+        if (self.path == b"*" and self.method != b"OPTIONS") or (hosts and len(hosts) > 1):
             self.channel.transport.write(BAD_REQUEST_RESPONSE)
             self.channel.transport.loseConnection()
             return

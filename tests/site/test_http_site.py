@@ -212,3 +212,17 @@ def test_an_asterisk_target_but_options_is_the_uniform_400() -> None:
     channel.dataReceived(b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     clock.advance(0)
     assert transport.value().startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+def test_two_host_headers_are_the_uniform_400() -> None:
+    """Whichever comes first: the Host rule must not read one name and a proxy the other."""
+    for hosts in ((b"evil.example", b"127.0.0.1"), (b"127.0.0.1", b"127.0.0.1")):
+        site, clock = relay_site()
+        channel = site.buildProtocol(PEER)
+        transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
+        channel.makeConnection(transport)
+        channel.dataReceived(b"GET / HTTP/1.1\r\nHost: %s\r\nHost: %s\r\n\r\n" % hosts)
+        clock.advance(0)
+        head, _, body = transport.value().partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), transport.value()
+        assert json.loads(body)["error"]["code"] == "bad_request"
