@@ -24,11 +24,13 @@ from __future__ import annotations
 from io import BytesIO
 from typing import Collection, Dict, Optional, Set
 
+from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper
 from twisted.web import http, server
+from zope.interface import implementer
 
 from relay.wire.protocol import MAX_BODY_BYTES, address_group, is_loopback_host
 
@@ -154,6 +156,7 @@ class RelayChannel(http.HTTPChannel):
     reading_since: Optional[float] = None
     idle_since = 0.0
     answering = False
+    read_closed = False
     _host = None
     _peer = None
     _secure: Optional[bool] = None
@@ -172,6 +175,23 @@ class RelayChannel(http.HTTPChannel):
         self.answering = False
         self.idle_since = self.site.reactor.seconds()
         super().requestDone(request)
+        if self.read_closed and not self.answering:  # no pipelined request began
+            self.loseConnection()
+
+    def readConnectionLost(self) -> None:
+        """The client shut its sending side after its request (``shutdown(SHUT_WR)``,
+        ``nc -N``): the request it sent whole is answered, then the connection closes;
+        one not sent whole never will be, so it closes at once. (twisted.web's channel
+        is not half-closeable: the transport would call :meth:`connectionLost` and the
+        answer of a request answered later would be lost.)"""
+        self.read_closed = True
+        self.reading_since = None
+        if not self.answering:
+            self.loseConnection()
+
+    def writeConnectionLost(self) -> None:
+        """The connection can no longer carry an answer."""
+        self.loseConnection()
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -211,8 +231,11 @@ class RelayChannel(http.HTTPChannel):
         self.transport.loseConnection()
 
 
+@implementer(IHalfCloseableProtocol)
 class Connection(ProtocolWrapper):
-    """One accepted connection of a :class:`RelaySite`, around its channel."""
+    """One accepted connection of a :class:`RelaySite`, around its channel; a client
+    may shut its sending side and still read its answer (plain TCP: a TLS connection
+    ends as a whole)."""
 
     first_bytes = True
 
@@ -232,6 +255,12 @@ class Connection(ProtocolWrapper):
                 self.transport.loseConnection()
                 return
         self.wrappedProtocol.dataReceived(data)
+
+    def readConnectionLost(self) -> None:
+        self.channel.readConnectionLost()
+
+    def writeConnectionLost(self) -> None:
+        self.channel.writeConnectionLost()
 
     def write(self, data: bytes) -> None:
         if data == _TWISTED_BAD_REQUEST:

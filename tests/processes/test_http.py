@@ -156,3 +156,30 @@ def test_an_answer_larger_than_the_socket_takes_arrives_whole(default_broker) ->
     messages = json.loads(body)["messages"]
     assert [m["id"] for m in messages] == [f"big-{i}" for i in range(40)]
     assert all(m["body"]["text"] == f"{i:04d}" * 5000 for i, m in enumerate(messages))
+
+
+# -- a client that shuts its sending side ----------------------------------------------------
+
+
+@pytest.mark.process
+def test_a_send_after_which_the_client_shut_its_side_is_answered(default_broker) -> None:
+    """``shutdown(SHUT_WR)`` after the request (what ``nc -N`` and some scripts do):
+    the send, answered after SQLite's commit, still gets its 201, then the close."""
+    assert default_broker.request("beta", "POST", "/register", {"agent": "beta"})[0] == 200
+    raw = json.dumps({"id": "half-closed", "to": "beta", "body": {"n": 1}}).encode()
+    ts = int(time.time())
+    request = (b"POST /messages HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Relay-Agent: alpha\r\n"
+               b"X-Relay-Timestamp: %d\r\nX-Relay-Signature: %s\r\nContent-Length: %d\r\n\r\n%s"
+               % (ts, sign(default_broker.secret, "POST", "/messages", ts, raw).encode(),
+                  len(raw), raw))
+    with socket.create_connection(("127.0.0.1", default_broker.port), timeout=10) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status, body = status_and_body(data)
+    assert status == 201 and body["id"] == "half-closed"

@@ -226,3 +226,35 @@ def test_two_host_headers_are_the_uniform_400() -> None:
         head, _, body = transport.value().partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400 "), transport.value()
         assert json.loads(body)["error"]["code"] == "bad_request"
+
+
+# -- a client that shuts its sending side --------------------------------------------------
+
+
+def test_a_client_that_shut_its_sending_side_gets_its_answer_then_the_close() -> None:
+    """``shutdown(SHUT_WR)`` after the request (``nc -N``): an answer that comes later
+    (a long poll here; any store write on SQLite) still goes out."""
+    from twisted.internet.interfaces import IHalfCloseableProtocol
+
+    site, clock = idle_site(60.0)
+    connection, transport = connect(site)
+    assert IHalfCloseableProtocol.providedBy(connection)
+    connection.dataReceived(signed("POST", "/v1/pull", {"agent": "beta", "waitSeconds": 2},
+                                   agent="beta"))
+    connection.readConnectionLost()
+    assert transport.value() == b"" and not transport.disconnecting
+    clock.pump([0.5] * 5)
+    answer = transport.value()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"messages":[],"count":0}')
+    assert transport.disconnecting
+    site.stopFactory()
+
+
+def test_a_half_close_with_no_whole_request_closes_at_once() -> None:
+    site, clock = idle_site(60.0)
+    for sent in (b"", b"POST /v1/pull HTTP/1.1\r\nHost: 127.0.0.1\r\n"):
+        connection, transport = connect(site)
+        connection.dataReceived(sent)
+        connection.readConnectionLost()
+        assert transport.disconnecting and transport.value() == b""
+    site.stopFactory()
