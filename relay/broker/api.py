@@ -30,6 +30,7 @@ from relay.broker.jsonapi import (
     no_route,
     query_arg,
     read_body,
+    utf8_path,
     write_body,
     write_error,
     write_json,
@@ -426,9 +427,7 @@ class ListenerFront(Resource):
             return write_error(request, verdict)
         path = request.path
         if b"%" in path or not path.isascii():
-            try:
-                unquote_to_bytes(path).decode("utf-8")
-            except UnicodeDecodeError:
+            if not utf8_path(path):
                 return write_error(request, errors.bad_request(
                     "the request URL is not valid UTF-8"))
             # twisted.web decoded each segment; the routes match them as sent.

@@ -91,16 +91,22 @@ def query_arg(request, name: bytes) -> Optional[str]:
         raise errors.bad_request(f"query parameter {name.decode()} is not valid UTF-8") from None
 
 
-def unreadable_url(request) -> Optional[RelayError]:
-    """The §6 ``400`` for a request whose path (percent-decoded) or ``Host`` is not
-    UTF-8, else None: Klein refuses such a request with a plain-text body and a
-    logged traceback."""
-    path = request.path
+def utf8_path(path: bytes) -> bool:
+    """Whether ``path`` is UTF-8 once percent-decoded (Klein refuses a request whose
+    path is not with a plain-text body and a logged traceback)."""
     if b"%" in path or not path.isascii():
         try:
             unquote_to_bytes(path).decode("utf-8")
         except UnicodeDecodeError:
-            return errors.bad_request("the request URL is not valid UTF-8")
+            return False
+    return True
+
+
+def unreadable_url(request) -> Optional[RelayError]:
+    """The §6 ``400`` for a request whose path (percent-decoded) or ``Host`` is not
+    UTF-8, else None."""
+    if not utf8_path(request.path):
+        return errors.bad_request("the request URL is not valid UTF-8")
     try:
         request.getRequestHostname().decode("utf-8")
     except UnicodeDecodeError:

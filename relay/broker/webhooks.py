@@ -181,12 +181,8 @@ def http_poster(reactor: Any, concurrency: int = 64,
     pool.cachedConnectionTimeout = IDLE_CONNECTION_SECONDS
     agent = Agent.usingEndpointFactory(reactor, _QuietEndpoints(reactor), pool)
 
-    def once(url: str, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
-        # The URL goes to the Agent as the bytes that were signed (hooks.wire_url):
-        # treq would parse it again with hyperlink, which cannot send to an IPv6
-        # literal such as http://[::1]:PORT/ (a default webhookAllow prefix).
-        # Agent follows no redirect.
-        d = agent.request(b"POST", hooks.wire_url(url).encode("ascii"),
+    def once(target: bytes, headers: Dict[bytes, bytes], body: bytes) -> Deferred:
+        d = agent.request(b"POST", target,
                           Headers({name: [value] for name, value in headers.items()}),
                           _Bytes(body))
 
@@ -208,13 +204,19 @@ def http_poster(reactor: Any, concurrency: int = 64,
         # counts as a failed try. (The receiver may see it twice: at least once.)
         # A receiver that did not answer in time is a failed try at once: the next
         # goes after the backoff, not straight away.
+        # The URL goes to the Agent as the bytes that were signed (hooks.wire_url):
+        # treq would parse it again with hyperlink, which cannot send to an IPv6
+        # literal such as http://[::1]:PORT/ (a default webhookAllow prefix).
+        # Agent follows no redirect.
+        target = hooks.wire_url(url).encode("ascii")
+
         def again(failure: Any) -> Deferred:
             failure.trap(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
             if _cancelled(failure):
                 return failure
-            return once(url, headers, body)
+            return once(target, headers, body)
 
-        return once(url, headers, body).addErrback(again)
+        return once(target, headers, body).addErrback(again)
 
     return post
 

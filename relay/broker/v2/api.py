@@ -18,6 +18,7 @@ from typing import Any, Callable, Collection, Dict, Optional, Union
 
 from klein import Klein
 from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from relay.broker.jsonapi import add_error_handling, read_body, write_body, write_error, write_json
@@ -128,7 +129,7 @@ class V2API:
             # (counted toward the lockout like any other) gets the unsigned answer.
             failure.trap(errors.RelayError)
             if failure.value.code not in _HEALTHZ_PUBLIC_ON:
-                return failure
+                failure.raiseException()
             return self._answer(self.wire.health(False), request)
 
         def roster(name: str) -> Deferred:
@@ -137,10 +138,8 @@ class V2API:
 
         try:
             agent, _ = self.authenticate(request)
-        except errors.RelayError as refusal:
-            if refusal.code not in _HEALTHZ_PUBLIC_ON:
-                raise
-            return self._answer(self.wire.health(False), request)
+        except errors.RelayError:
+            return public(Failure())
         if agent.__class__ is str:
             return roster(agent)
         return agent.addCallbacks(roster, public)
